@@ -1,0 +1,203 @@
+//! What the op computes, defined once.
+//!
+//! Every path (the tiled CPU kernel, the CUDA launch code and the materialising
+//! [`naive_attention`](crate::naive_attention)) takes its masking, causal alignment, ALiBi,
+//! softcap and GQA mapping from here, so the paths cannot drift apart.
+//!
+//! For a query row `i` of a sequence pair with `seq_q` queries and `seq_k` keys, the
+//! *diagonal* is `diag(i) = i + seq_k - seq_q` (bottom-right alignment: the last query sees the
+//! last key). Then:
+//!
+//! * key `j` is visible iff `diag(i) - left <= j <= diag(i) + right` (`None` = unbounded);
+//!   causal is `(None, Some(0))`;
+//! * `s = scale * q·k`; with a softcap `c > 0`: `s = c * tanh(s / c)`; with ALiBi:
+//!   `s -= slope[h] * |diag(i) - j|`;
+//! * a row that sees no key outputs exactly 0 and its log-sum-exp is `-inf`.
+
+/// `log2(e)`: kernels work in base 2 (`exp2`), with scores pre-multiplied by this.
+pub const LOG2_E: f32 = std::f32::consts::LOG2_E;
+
+/// The band of keys each query row may see, relative to the bottom-right diagonal.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Window {
+    /// How many keys left of the diagonal are visible (`None`: all of them).
+    pub left: Option<usize>,
+    /// How many keys right of the diagonal are visible (`None`: all of them).
+    pub right: Option<usize>,
+}
+
+impl Window {
+    /// Every key visible.
+    pub const FULL: Window = Window {
+        left: None,
+        right: None,
+    };
+    /// Bottom-right aligned causal mask.
+    pub const CAUSAL: Window = Window {
+        left: None,
+        right: Some(0),
+    };
+
+    pub fn new(left: Option<usize>, right: Option<usize>) -> Self {
+        Self { left, right }
+    }
+
+    /// `true` when the window is exactly the causal mask.
+    pub fn is_causal(&self) -> bool {
+        *self == Self::CAUSAL
+    }
+
+    /// `true` when no key is ever masked.
+    pub fn is_full(&self) -> bool {
+        *self == Self::FULL
+    }
+
+    /// Half-open range `[lo, hi)` of the keys query row `i` sees; empty ranges come back as
+    /// `lo == hi`. Ranges are monotone in `i` (both ends never decrease), which is what lets the
+    /// kernels skip whole key tiles by loop bounds.
+    pub fn key_range(&self, i: usize, seq_q: usize, seq_k: usize) -> (usize, usize) {
+        let diag = diagonal(i, seq_q, seq_k);
+        let sk = seq_k as i64;
+        let lo = match self.left {
+            Some(l) => (diag.saturating_sub(l as i64)).clamp(0, sk),
+            None => 0,
+        };
+        let hi = match self.right {
+            Some(r) => diag.saturating_add(r as i64).saturating_add(1).clamp(0, sk),
+            None => sk,
+        };
+        (lo as usize, (hi.max(lo)) as usize)
+    }
+
+    /// Key range seen by any row of `rows` (the union of the per-row ranges).
+    pub fn key_range_rows(
+        &self,
+        rows: std::ops::Range<usize>,
+        seq_q: usize,
+        seq_k: usize,
+    ) -> (usize, usize) {
+        if rows.is_empty() {
+            return (0, 0);
+        }
+        let (lo, _) = self.key_range(rows.start, seq_q, seq_k);
+        let (_, hi) = self.key_range(rows.end - 1, seq_q, seq_k);
+        (lo, hi.max(lo))
+    }
+
+    /// `true` when every key in `keys` is visible to every row in `rows`: such a tile needs no
+    /// per-element mask.
+    pub fn covers(
+        &self,
+        rows: std::ops::Range<usize>,
+        keys: std::ops::Range<usize>,
+        seq_q: usize,
+        seq_k: usize,
+    ) -> bool {
+        if rows.is_empty() || keys.is_empty() {
+            return true;
+        }
+        // The lower bound grows with i (worst at the last row), the upper bound too (worst at the
+        // first row).
+        let (lo_last, _) = self.key_range(rows.end - 1, seq_q, seq_k);
+        let (_, hi_first) = self.key_range(rows.start, seq_q, seq_k);
+        lo_last <= keys.start && keys.end <= hi_first
+    }
+
+    /// Window bounds as signed offsets from the diagonal for kernels: `-1` means unbounded.
+    pub fn as_i64(&self) -> (i64, i64) {
+        let f = |w: Option<usize>| w.map_or(-1, |w| w.min(i64::MAX as usize) as i64);
+        (f(self.left), f(self.right))
+    }
+}
+
+/// The diagonal of query row `i`: the key it is aligned with (bottom-right alignment).
+#[inline(always)]
+pub fn diagonal(i: usize, seq_q: usize, seq_k: usize) -> i64 {
+    i as i64 + seq_k as i64 - seq_q as i64
+}
+
+/// The query heads sharing one K/V head (GQA/MQA); `heads % kv_heads == 0` is validated first.
+#[inline(always)]
+pub fn group_size(heads: usize, kv_heads: usize) -> usize {
+    heads / kv_heads
+}
+
+/// The K/V head read by query head `h`: consecutive query heads share a K/V head.
+#[inline(always)]
+pub fn kv_head(h: usize, heads: usize, kv_heads: usize) -> usize {
+    h / group_size(heads, kv_heads)
+}
+
+/// Score modifiers applied between `q·k` and the mask.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScoreMod {
+    /// Multiplies `q·k`.
+    pub scale: f32,
+    /// `c > 0` caps scores smoothly to `(-c, c)`; `0` disables it.
+    pub softcap: f32,
+}
+
+impl ScoreMod {
+    /// The score of a visible (query `i`, key `j`) pair from its raw dot product `q·k`.
+    /// `slope` is the ALiBi slope of the head (0 without ALiBi).
+    #[inline(always)]
+    pub fn score(&self, dot: f32, slope: f32, i: usize, j: usize, seq_q: usize, seq_k: usize) -> f32 {
+        let s = self.cap(dot * self.scale);
+        if slope == 0.0 {
+            s
+        } else {
+            s - alibi_bias(slope, i, j, seq_q, seq_k)
+        }
+    }
+
+    /// The softcap alone, on an already scaled score.
+    #[inline(always)]
+    pub fn cap(&self, s: f32) -> f32 {
+        if self.softcap > 0.0 {
+            self.softcap * (s / self.softcap).tanh()
+        } else {
+            s
+        }
+    }
+}
+
+/// The ALiBi penalty `slope * |diag(i) - j|` (subtracted from the score).
+#[inline(always)]
+pub fn alibi_bias(slope: f32, i: usize, j: usize, seq_q: usize, seq_k: usize) -> f32 {
+    slope * (diagonal(i, seq_q, seq_k) - j as i64).unsigned_abs() as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn causal_is_bottom_right() {
+        // seq_q = 2, seq_k = 5: row 0 sees keys 0..=3, row 1 sees 0..=4.
+        assert_eq!(Window::CAUSAL.key_range(0, 2, 5), (0, 4));
+        assert_eq!(Window::CAUSAL.key_range(1, 2, 5), (0, 5));
+        // seq_q > seq_k: leading rows see nothing.
+        assert_eq!(Window::CAUSAL.key_range(0, 5, 2), (0, 0));
+        assert_eq!(Window::CAUSAL.key_range(2, 5, 2), (0, 0));
+        assert_eq!(Window::CAUSAL.key_range(3, 5, 2), (0, 1));
+    }
+
+    #[test]
+    fn windows_clamp() {
+        let w = Window::new(Some(1), Some(1));
+        assert_eq!(w.key_range(0, 4, 4), (0, 2));
+        assert_eq!(w.key_range(3, 4, 4), (2, 4));
+        let huge = Window::new(Some(usize::MAX), Some(usize::MAX));
+        assert_eq!(huge.key_range(0, 3, 7), (0, 7));
+        assert_eq!(huge.as_i64(), (i64::MAX, i64::MAX));
+        assert!(huge.covers(0..3, 0..7, 3, 7));
+        assert!(!Window::CAUSAL.covers(0..2, 0..4, 4, 4));
+        assert!(Window::CAUSAL.covers(2..4, 0..3, 4, 4));
+    }
+
+    #[test]
+    fn gqa_mapping_is_consecutive() {
+        let map: Vec<_> = (0..6).map(|h| kv_head(h, 6, 2)).collect();
+        assert_eq!(map, [0, 0, 0, 1, 1, 1]);
+    }
+}
