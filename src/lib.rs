@@ -28,7 +28,13 @@ fn causal_window(causal: bool) -> Option<usize> {
 /// Flash attention. q: `(batch, seq_q, heads, head_dim)`, k/v: `(batch, seq_k, kv_heads,
 /// head_dim)`; `causal` masks bottom-right aligned (query `i` sees key `j` iff
 /// `j <= i + seq_k - seq_q`).
-pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32, causal: bool) -> Result<Tensor> {
+pub fn flash_attn(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
     FlashAttn::new(softmax_scale)
         .window(None, causal_window(causal))
         .forward(q, k, v)

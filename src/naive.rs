@@ -9,7 +9,12 @@ use crate::FlashAttn;
 /// `(batch, heads, seq_q, seq_k)` score matrix is built (matmuls in the input dtype, mask and
 /// softmax in f32), so memory grows with `seq_q × seq_k`. It runs on any device and serves as
 /// the baseline of the examples, benchmarks and tests. Rows that see no key output 0.
-pub fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttn) -> candle::Result<Tensor> {
+pub fn naive_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &FlashAttn,
+) -> candle::Result<Tensor> {
     // Validation is shared with the flash path, so both accept and refuse the same inputs.
     let p = opts.problem(q, k, v, None)?;
     let (b, sq, h, d) = (p.batch, p.max_seq_q, p.heads, p.head_dim);
@@ -51,7 +56,9 @@ pub fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttn) -> 
     // NaN, and clamping the sum turns 0/0 into 0.
     let m = s.max_keepdim(D::Minus1)?.maximum(f32::MIN as f64)?;
     let e = s.broadcast_sub(&m)?.exp()?;
-    let l = e.sum_keepdim(D::Minus1)?.maximum(f32::MIN_POSITIVE as f64)?;
+    let l = e
+        .sum_keepdim(D::Minus1)?
+        .maximum(f32::MIN_POSITIVE as f64)?;
     let pr = e.broadcast_div(&l)?.to_dtype(dtype)?;
     pr.matmul(&vt)?.transpose(1, 2)?.contiguous()
 }

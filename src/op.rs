@@ -131,7 +131,13 @@ impl FlashAttn {
         self.run(problem, q, k, v)
     }
 
-    fn run(&self, problem: Problem, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    fn run(
+        &self,
+        problem: Problem,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
         let out_shape = problem.out_shape();
         let lse_shape = problem.lse_shape();
         if out_shape.iter().product::<usize>() == 0 {
@@ -146,7 +152,11 @@ impl FlashAttn {
             lse: Mutex::new(None),
         };
         let out = q.apply_op3_no_bwd(k, v, &op)?;
-        let lse = op.lse.lock().map_err(|_| candle::Error::Msg("lse slot poisoned".into()))?.take();
+        let lse = op
+            .lse
+            .lock()
+            .map_err(|_| candle::Error::Msg("lse slot poisoned".into()))?
+            .take();
         let lse = match lse {
             Some(storage) => Tensor::from_storage(storage, lse_shape, BackpropOp::none(), false),
             None => bail!("flash-attn: backend returned no log-sum-exp"),
@@ -155,7 +165,13 @@ impl FlashAttn {
     }
 
     /// Validates the inputs against each other and the options, and describes the call.
-    pub(crate) fn problem(&self, q: &Tensor, k: &Tensor, v: &Tensor, varlen: Option<VarLen>) -> Result<Problem> {
+    pub(crate) fn problem(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        varlen: Option<VarLen>,
+    ) -> Result<Problem> {
         let rank = if varlen.is_some() { 3 } else { 4 };
         let expect = if varlen.is_some() {
             "(total_tokens, heads, head_dim)"
@@ -164,7 +180,10 @@ impl FlashAttn {
         };
         for (name, t) in [("q", q), ("k", k), ("v", v)] {
             if t.rank() != rank {
-                bail!("flash-attn: {name} must have rank {rank} {expect}, got shape {:?}", t.dims())
+                bail!(
+                    "flash-attn: {name} must have rank {rank} {expect}, got shape {:?}",
+                    t.dims()
+                )
             }
         }
         let dtype = q.dtype();
@@ -173,7 +192,10 @@ impl FlashAttn {
         }
         for (name, t) in [("k", k), ("v", v)] {
             if t.dtype() != dtype {
-                bail!("flash-attn: {name} has dtype {:?} but q has {dtype:?}", t.dtype())
+                bail!(
+                    "flash-attn: {name} has dtype {:?} but q has {dtype:?}",
+                    t.dtype()
+                )
             }
             if !t.device().same_device(q.device()) {
                 bail!(
@@ -193,7 +215,10 @@ impl FlashAttn {
             bail!("flash-attn: k has shape {kd:?} but v has shape {vd:?}")
         }
         if varlen.is_none() && kd[0] != batch {
-            bail!("flash-attn: q has batch {batch} but k and v have batch {}", kd[0])
+            bail!(
+                "flash-attn: q has batch {batch} but k and v have batch {}",
+                kd[0]
+            )
         }
         if kd[rank - 1] != head_dim {
             bail!(
@@ -211,13 +236,18 @@ impl FlashAttn {
             bail!("flash-attn: q has {heads} heads, not a multiple of the {kv_heads} kv heads of k and v")
         }
         if !self.softmax_scale.is_finite() {
-            bail!("flash-attn: softmax_scale must be finite, got {}", self.softmax_scale)
+            bail!(
+                "flash-attn: softmax_scale must be finite, got {}",
+                self.softmax_scale
+            )
         }
         let softcap = match self.softcap {
             None => 0.0,
             Some(c) if c == 0.0 => 0.0,
             Some(c) if c > 0.0 && c.is_finite() => c,
-            Some(c) => bail!("flash-attn: softcap must be a finite positive number (or 0 = off), got {c}"),
+            Some(c) => {
+                bail!("flash-attn: softcap must be a finite positive number (or 0 = off), got {c}")
+            }
         };
         let alibi_batch_stride = match &self.alibi_slopes {
             None => 0,
@@ -267,12 +297,18 @@ fn check_alibi(s: &Tensor, q: &Tensor, batch: usize, heads: usize) -> Result<usi
         bail!("flash-attn: alibi_slopes must be f32, got {:?}", s.dtype())
     }
     if !s.device().same_device(q.device()) {
-        bail!("flash-attn: alibi_slopes are on {:?} but q is on {:?}", s.device().location(), q.device().location())
+        bail!(
+            "flash-attn: alibi_slopes are on {:?} but q is on {:?}",
+            s.device().location(),
+            q.device().location()
+        )
     }
     match s.dims() {
         [h] if *h == heads => Ok(0),
         [b, h] if *b == batch && *h == heads => Ok(heads),
-        d => bail!("flash-attn: alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {d:?}"),
+        d => bail!(
+            "flash-attn: alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {d:?}"
+        ),
     }
 }
 
@@ -290,10 +326,17 @@ fn read_seqlens(
             bail!("flash-attn: {name} must be u32, got {:?}", t.dtype())
         }
         if t.rank() != 1 || t.dims1()? == 0 {
-            bail!("flash-attn: {name} must have shape (batch + 1,), got {:?}", t.dims())
+            bail!(
+                "flash-attn: {name} must have shape (batch + 1,), got {:?}",
+                t.dims()
+            )
         }
         if !t.device().same_device(q.device()) {
-            bail!("flash-attn: {name} is on {:?} but q is on {:?}", t.device().location(), q.device().location())
+            bail!(
+                "flash-attn: {name} is on {:?} but q is on {:?}",
+                t.device().location(),
+                q.device().location()
+            )
         }
         let cu = t.to_vec1::<u32>()?;
         if cu[0] != 0 {
@@ -301,10 +344,17 @@ fn read_seqlens(
         }
         for (b, w) in cu.windows(2).enumerate() {
             if w[1] < w[0] {
-                bail!("flash-attn: {name} must be non-decreasing, got {} then {} at {b}", w[0], w[1])
+                bail!(
+                    "flash-attn: {name} must be non-decreasing, got {} then {} at {b}",
+                    w[0],
+                    w[1]
+                )
             }
             if (w[1] - w[0]) as usize > max {
-                bail!("flash-attn: sequence {b} of {name} has length {} > max_seqlen {max}", w[1] - w[0])
+                bail!(
+                    "flash-attn: sequence {b} of {name} has length {} > max_seqlen {max}",
+                    w[1] - w[0]
+                )
             }
         }
         if let Some(total) = total {

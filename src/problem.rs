@@ -165,7 +165,11 @@ impl Problem {
     /// layouts guarantee it, this double-checks before any unchecked kernel touches memory.
     pub fn check_bounds(&self, q_len: usize, k_len: usize, v_len: usize) -> Result<()> {
         let last = |s: &Strides, rows: usize, heads: usize| -> usize {
-            let b = if self.varlen.is_some() { 0 } else { self.batch.saturating_sub(1) };
+            let b = if self.varlen.is_some() {
+                0
+            } else {
+                self.batch.saturating_sub(1)
+            };
             s.offset
                 + b * s.batch
                 + rows.saturating_sub(1) * s.seq

@@ -141,7 +141,15 @@ impl ScoreMod {
     /// The score of a visible (query `i`, key `j`) pair from its raw dot product `q·k`.
     /// `slope` is the ALiBi slope of the head (0 without ALiBi).
     #[inline(always)]
-    pub fn score(&self, dot: f32, slope: f32, i: usize, j: usize, seq_q: usize, seq_k: usize) -> f32 {
+    pub fn score(
+        &self,
+        dot: f32,
+        slope: f32,
+        i: usize,
+        j: usize,
+        seq_q: usize,
+        seq_k: usize,
+    ) -> f32 {
         let s = self.cap(dot * self.scale);
         if slope == 0.0 {
             s
