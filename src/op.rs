@@ -243,7 +243,7 @@ impl FlashAttn {
         }
         let softcap = match self.softcap {
             None => 0.0,
-            Some(c) if c == 0.0 => 0.0,
+            Some(0.0) => 0.0,
             Some(c) if c > 0.0 && c.is_finite() => c,
             Some(c) => {
                 bail!("flash-attn: softcap must be a finite positive number (or 0 = off), got {c}")
