@@ -1,25 +1,55 @@
-//! Tiled CPU forward pass (FlashAttention-2 loop order).
+//! Tiled CPU forward pass (FlashAttention-2 loop order), queries in SIMD lanes.
 //!
 //! Work items are `(batch, head, query tile of BR rows)`, run in parallel with rayon. Each item
-//! converts its Q tile to f32 once, then walks the key tiles (BC keys) its rows can see: scores
-//! `S = Q Kᵀ` for the tile, online softmax (running max `m` and sum `l` per row, in base 2),
-//! `O += P V`, and one normalisation `O / l` at the end. Extra memory is a few tiles per thread.
+//! keeps its tile *transposed*: `Qᵀ` (`d × BR`), the scores `Sᵀ = K Qᵀ` (`BC × BR`) and the
+//! output accumulator `Oᵀ` (`d × BR`) all have one query per lane. That layout makes
+//!
+//! * both products register-blocked broadcast-FMAs with no transposed copy of K or V: `Sᵀ` row
+//!   `c` is `Σ_x K[c][x] · Qᵀ[x]`, and `Oᵀ` row `x` gains `Σ_c V[c][x] · Pᵀ[c]`;
+//! * the online softmax purely element-wise: the running max `m`, sum `l` and correction of every
+//!   query are vectors over lanes, updated with no horizontal reduction.
+//!
+//! The Q tile is transposed once per item, the K and V tiles are only copied (or converted from
+//! f16/bf16) into dense f32 scratch, and `Oᵀ` is normalised once and transposed on the way out.
+//! Extra memory is a few tiles per thread, independent of the sequence lengths.
+//!
+//! The micro-kernel is dispatched at run time: AVX-512 intrinsics, else the portable loops
+//! compiled with AVX2+FMA enabled, else plain portable loops (any architecture).
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::problem::Problem;
-use crate::semantics::{kv_head, LOG2_E};
+use crate::problem::{Problem, Strides};
+use crate::semantics::{alibi_bias, kv_head, LOG2_E};
 
-/// Query rows per work item.
+/// Query rows per work item: the lanes of every tile (four AVX-512 vectors).
 const BR: usize = 64;
 /// Keys per inner tile.
 const BC: usize = 64;
+
+/// One value per query of the tile; aligned so the AVX-512 loads never split a cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Lanes([f32; BR]);
+
+impl Lanes {
+    const fn splat(x: f32) -> Self {
+        Self([x; BR])
+    }
+}
 
 /// Element types the CPU path reads and writes; all arithmetic is f32.
 pub(crate) trait Elem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
+    /// Converts a contiguous run; overridden where a vectorised conversion exists.
+    #[inline(always)]
+    fn load_f32(dst: &mut [f32], src: &[Self]) {
+        for (o, x) in dst.iter_mut().zip(src) {
+            *o = x.to_f32();
+        }
+    }
 }
 
 impl Elem for f32 {
@@ -30,6 +60,10 @@ impl Elem for f32 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         x
+    }
+    #[inline(always)]
+    fn load_f32(dst: &mut [f32], src: &[Self]) {
+        dst.copy_from_slice(src);
     }
 }
 
@@ -42,6 +76,10 @@ impl Elem for f16 {
     fn from_f32(x: f32) -> Self {
         f16::from_f32(x)
     }
+    #[inline(always)]
+    fn load_f32(dst: &mut [f32], src: &[Self]) {
+        src.convert_to_f32_slice(dst);
+    }
 }
 
 impl Elem for bf16 {
@@ -53,6 +91,10 @@ impl Elem for bf16 {
     fn from_f32(x: f32) -> Self {
         bf16::from_f32(x)
     }
+    #[inline(always)]
+    fn load_f32(dst: &mut [f32], src: &[Self]) {
+        src.convert_to_f32_slice(dst);
+    }
 }
 
 /// Raw output pointer shared by the work items, which write disjoint rows.
@@ -62,6 +104,42 @@ struct SyncPtr<T>(*mut T);
 unsafe impl<T> Send for SyncPtr<T> {}
 // SAFETY: as above.
 unsafe impl<T> Sync for SyncPtr<T> {}
+
+/// The instruction set the micro-kernels run with, detected once per call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2Fma,
+    Portable,
+}
+
+impl Isa {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Isa::Avx2Fma;
+            }
+        }
+        Isa::Portable
+    }
+}
+
+/// Everything a work item reads, shared by all of them.
+struct Ctx<'a, T> {
+    p: &'a Problem,
+    slopes: Option<&'a [f32]>,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    out: SyncPtr<T>,
+    lse: SyncPtr<f32>,
+}
 
 /// Runs the whole problem; returns the contiguous output and the log-sum-exp.
 pub(crate) fn forward<T: Elem>(
@@ -74,208 +152,507 @@ pub(crate) fn forward<T: Elem>(
     let d = p.head_dim;
     let mut out = vec![T::from_f32(0.0); p.total_q * p.heads * d];
     let mut lse = vec![f32::NEG_INFINITY; p.total_q * p.heads];
+    // Last query tiles first: under a causal mask they see the most keys, and starting the
+    // longest items early leaves only short ones for rayon to balance at the end.
     let items: Vec<(usize, usize, usize)> = (0..p.batch)
         .flat_map(|b| {
             let tiles = p.seq(b).seq_q.div_ceil(BR);
-            (0..p.heads).flat_map(move |h| (0..tiles).map(move |t| (b, h, t)))
+            (0..p.heads).flat_map(move |h| (0..tiles).rev().map(move |t| (b, h, t)))
         })
         .collect();
-    let out_ptr = SyncPtr(out.as_mut_ptr());
-    let lse_ptr = SyncPtr(lse.as_mut_ptr());
-    items.into_par_iter().for_each_init(
+    let ctx = Ctx {
+        p,
+        slopes,
+        q,
+        k,
+        v,
+        out: SyncPtr(out.as_mut_ptr()),
+        lse: SyncPtr(lse.as_mut_ptr()),
+    };
+    let isa = Isa::detect();
+    items.into_par_iter().with_max_len(1).for_each_init(
         || Scratch::new(d),
-        |scratch, (b, h, t)| {
-            let slope = slopes.map_or(0.0, |s| s[b * p.alibi_batch_stride + h]);
-            tile(p, scratch, q, k, v, slope, b, h, t, out_ptr, lse_ptr);
+        |scratch, item| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::detect` saw avx512f on this CPU.
+            Isa::Avx512 => unsafe { item_avx512(&ctx, scratch, item) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::detect` saw avx2 and fma on this CPU.
+            Isa::Avx2Fma => unsafe { item_avx2(&ctx, scratch, item) },
+            Isa::Portable => run_item::<T, Portable>(&ctx, scratch, item),
         },
     );
     (out, lse)
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn item_avx512<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: (usize, usize, usize)) {
+    run_item::<T, Avx512>(ctx, sc, item)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn item_avx2<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: (usize, usize, usize)) {
+    run_item::<T, Fused>(ctx, sc, item)
+}
+
 /// Per-thread buffers, reused across work items.
 struct Scratch {
-    q: Vec<f32>,
+    /// `Qᵀ`, pre-scaled: `d` rows of lanes.
+    qt: Vec<Lanes>,
+    /// `Oᵀ`, unnormalised: `d` rows of lanes.
+    ot: Vec<Lanes>,
+    /// `Sᵀ`, then `Pᵀ` in place: `BC` rows of lanes.
+    s: Vec<Lanes>,
+    /// K and V tiles, dense `BC × d` f32.
     k: Vec<f32>,
     v: Vec<f32>,
-    s: Vec<f32>,
-    o: Vec<f32>,
-    m: Vec<f32>,
-    l: Vec<f32>,
+    /// One strided or converted row on its way into `Qᵀ`.
+    row: Vec<f32>,
 }
 
 impl Scratch {
     fn new(d: usize) -> Self {
         Self {
-            q: vec![0.0; BR * d],
+            qt: vec![Lanes::splat(0.0); d],
+            ot: vec![Lanes::splat(0.0); d],
+            s: vec![Lanes::splat(0.0); BC],
             k: vec![0.0; BC * d],
             v: vec![0.0; BC * d],
-            s: vec![0.0; BR * BC],
-            o: vec![0.0; BR * d],
-            m: vec![0.0; BR],
-            l: vec![0.0; BR],
+            row: vec![0.0; d],
         }
     }
 }
 
-/// Copies `rows` rows of one head into a dense f32 tile (`rows x d`), scaled by `scale`.
-#[inline]
+/// The arithmetic a work item is compiled with.
+trait Kernel {
+    /// Rows of `out` one call of `block` can take.
+    const ROWS: usize;
+    /// `a * b + c`, fused where the hardware has it.
+    fn fma(a: f32, b: f32, c: f32) -> f32;
+    /// For each `i < out.len() <= ROWS`:
+    /// `out[i] = out[i] * init + Σ_{t<n} a[i * a_is + t * a_ts] · b[t]` with `init = None`
+    /// meaning "start from zero". Callers guarantee `b.len() >= n` and that every index of `a`
+    /// named above is in bounds.
+    fn block(
+        out: &mut [Lanes],
+        init: Option<&Lanes>,
+        a: &[f32],
+        a_is: usize,
+        a_ts: usize,
+        b: &[Lanes],
+        n: usize,
+    );
+}
+
+/// Checks the contract of [`Kernel::block`] once, before the unchecked inner loops.
+#[inline(always)]
+fn block_in_bounds(rows: usize, a_len: usize, a_is: usize, a_ts: usize, b_len: usize, n: usize) {
+    assert!(
+        rows == 0 || n == 0 || ((rows - 1) * a_is + (n - 1) * a_ts < a_len && n <= b_len),
+        "cpu flash kernel: tile indexing out of bounds"
+    );
+}
+
+/// Plain loops, one row at a time; correct everywhere, vectorised by the compiler.
+struct Portable;
+
+impl Kernel for Portable {
+    const ROWS: usize = 1;
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        // `mul_add` without hardware FMA is a libm call; aarch64 always has the instruction.
+        if cfg!(target_arch = "aarch64") {
+            a.mul_add(b, c)
+        } else {
+            a * b + c
+        }
+    }
+    #[inline(always)]
+    fn block(
+        out: &mut [Lanes],
+        init: Option<&Lanes>,
+        a: &[f32],
+        a_is: usize,
+        a_ts: usize,
+        b: &[Lanes],
+        n: usize,
+    ) {
+        portable_block::<Self>(out, init, a, a_is, a_ts, b, n)
+    }
+}
+
+/// The portable loops compiled with FMA available (AVX2 machines).
+#[cfg(target_arch = "x86_64")]
+struct Fused;
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel for Fused {
+    const ROWS: usize = 1;
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn block(
+        out: &mut [Lanes],
+        init: Option<&Lanes>,
+        a: &[f32],
+        a_is: usize,
+        a_ts: usize,
+        b: &[Lanes],
+        n: usize,
+    ) {
+        portable_block::<Self>(out, init, a, a_is, a_ts, b, n)
+    }
+}
+
+#[inline(always)]
+fn portable_block<K: Kernel>(
+    out: &mut [Lanes],
+    init: Option<&Lanes>,
+    a: &[f32],
+    a_is: usize,
+    a_ts: usize,
+    b: &[Lanes],
+    n: usize,
+) {
+    for (i, o) in out.iter_mut().enumerate() {
+        let mut acc = match init {
+            Some(c) => {
+                let mut acc = *o;
+                acc.0.iter_mut().zip(&c.0).for_each(|(x, c)| *x *= c);
+                acc
+            }
+            None => Lanes::splat(0.0),
+        };
+        for (t, bt) in b[..n].iter().enumerate() {
+            let s = a[i * a_is + t * a_ts];
+            for (x, &y) in acc.0.iter_mut().zip(&bt.0) {
+                *x = K::fma(s, y, *x);
+            }
+        }
+        *o = acc;
+    }
+}
+
+/// AVX-512: `ROWS` rows × 4 vectors of 16 lanes = 24 accumulators held in zmm registers.
+#[cfg(target_arch = "x86_64")]
+struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl Kernel for Avx512 {
+    const ROWS: usize = 6;
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn block(
+        out: &mut [Lanes],
+        init: Option<&Lanes>,
+        a: &[f32],
+        a_is: usize,
+        a_ts: usize,
+        b: &[Lanes],
+        n: usize,
+    ) {
+        block_in_bounds(out.len(), a.len(), a_is, a_ts, b.len(), n);
+        // SAFETY: only reached through `item_avx512`, i.e. with avx512f detected; indices were
+        // checked just above.
+        unsafe {
+            match out.len() {
+                1 => avx512::block::<1>(out, init, a, a_is, a_ts, b, n),
+                2 => avx512::block::<2>(out, init, a, a_is, a_ts, b, n),
+                3 => avx512::block::<3>(out, init, a, a_is, a_ts, b, n),
+                4 => avx512::block::<4>(out, init, a, a_is, a_ts, b, n),
+                5 => avx512::block::<5>(out, init, a, a_is, a_ts, b, n),
+                6 => avx512::block::<6>(out, init, a, a_is, a_ts, b, n),
+                _ => unreachable!("callers pass at most ROWS rows"),
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Lanes, BR};
+    use std::arch::x86_64::*;
+
+    const V: usize = BR / 16;
+
+    /// The register-blocked micro-kernel behind [`super::Kernel::block`]: per step `t` it loads
+    /// the `V` vectors of `b[t]` once and broadcasts one value of `a` per row.
+    ///
+    /// # Safety
+    /// avx512f must be available, `out.len() == R`, `b.len() >= n`, and
+    /// `(R - 1) * a_is + (n - 1) * a_ts < a.len()` when `n > 0`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn block<const R: usize>(
+        out: &mut [Lanes],
+        init: Option<&Lanes>,
+        a: &[f32],
+        a_is: usize,
+        a_ts: usize,
+        b: &[Lanes],
+        n: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); V]; R];
+        if let Some(c) = init {
+            for (i, acc) in acc.iter_mut().enumerate() {
+                for (v, acc) in acc.iter_mut().enumerate() {
+                    // SAFETY: `Lanes` holds BR = 16 V floats, aligned to 64 bytes.
+                    unsafe {
+                        let o = _mm512_load_ps(out[i].0.as_ptr().add(16 * v));
+                        let c = _mm512_load_ps(c.0.as_ptr().add(16 * v));
+                        *acc = _mm512_mul_ps(o, c);
+                    }
+                }
+            }
+        }
+        let a = a.as_ptr();
+        for (t, bt) in b[..n].iter().enumerate() {
+            let bt = bt.0.as_ptr();
+            // SAFETY: as above, `b[t]` holds V aligned vectors.
+            let bv: [__m512; V] =
+                std::array::from_fn(|v| unsafe { _mm512_load_ps(bt.add(16 * v)) });
+            for (i, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: `i * a_is + t * a_ts <= (R - 1) * a_is + (n - 1) * a_ts < a.len()`.
+                let s = _mm512_set1_ps(unsafe { *a.add(i * a_is + t * a_ts) });
+                for (acc, &bv) in acc.iter_mut().zip(&bv) {
+                    *acc = _mm512_fmadd_ps(s, bv, *acc);
+                }
+            }
+        }
+        for (o, acc) in out.iter_mut().zip(&acc) {
+            for (v, &acc) in acc.iter().enumerate() {
+                // SAFETY: as above, for the output row.
+                unsafe { _mm512_store_ps(o.0.as_mut_ptr().add(16 * v), acc) };
+            }
+        }
+    }
+}
+
+/// `2^x` for whole tiles: branch-free, so the compiler vectorises it. `x <= -127` gives exactly 0
+/// (so `-inf` maps to 0), NaN stays NaN; relative error about 2e-7 on `[-127, 127]`.
+#[inline(always)]
+fn exp2<K: Kernel>(x: f32) -> f32 {
+    // Adding 1.5·2²³ rounds to an integer n and leaves n in the low mantissa bits.
+    const SHIFT: f32 = 12_582_912.0;
+    const SHIFT_BITS: i32 = 0x4B40_0000;
+    // The Taylor series of 2^f = e^(f ln 2); on |f| <= 1/2 its degree-6 truncation is within
+    // 1.2e-7 (relative).
+    const C: [f32; 7] = [
+        1.0,
+        0.693_147_2,
+        0.240_226_5,
+        0.055_504_11,
+        0.009_618_129,
+        0.001_333_355_8,
+        0.000_154_035_3,
+    ];
+    // The comparisons are written so that NaN falls through unchanged.
+    let x = if x < -127.0 { -127.0 } else { x };
+    let x = if x > 127.0 { 127.0 } else { x };
+    let t = x + SHIFT;
+    let n = (t.to_bits() as i32).wrapping_sub(SHIFT_BITS);
+    let f = x - (t - SHIFT);
+    let mut p = C[6];
+    for &c in C[..6].iter().rev() {
+        p = K::fma(p, f, c);
+    }
+    // 2^n built from its exponent bits; n = -127 gives the bit pattern of +0.0.
+    let scale = f32::from_bits((n.wrapping_add(127) << 23) as u32);
+    p * scale
+}
+
+/// `a > b`, except that a NaN in either operand wins: a NaN score must poison its row.
+#[inline(always)]
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a > b || a.is_nan() {
+        a
+    } else {
+        b
+    }
+}
+
+/// Copies `rows` rows of one head, starting at `row0`, into a dense f32 `rows × d` block.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn gather<T: Elem>(
+fn load_rows<T: Elem>(
     dst: &mut [f32],
     src: &[T],
-    strides: &crate::problem::Strides,
+    s: &Strides,
     b: usize,
     row0: usize,
     rows: usize,
     head: usize,
     d: usize,
-    scale: f32,
 ) {
-    for r in 0..rows {
-        let base = strides.at(b, row0 + r, head);
-        let dst = &mut dst[r * d..(r + 1) * d];
-        if strides.dim == 1 {
-            for (o, x) in dst.iter_mut().zip(&src[base..base + d]) {
-                *o = x.to_f32() * scale;
-            }
+    for (r, dst) in dst[..rows * d].chunks_exact_mut(d).enumerate() {
+        let base = s.at(b, row0 + r, head);
+        if s.dim == 1 {
+            T::load_f32(dst, &src[base..base + d]);
         } else {
             for (x, o) in dst.iter_mut().enumerate() {
-                *o = src[base + x * strides.dim].to_f32() * scale;
+                *o = src[base + x * s.dim].to_f32();
             }
         }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn tile<T: Elem>(
-    p: &Problem,
-    sc: &mut Scratch,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    slope: f32,
-    b: usize,
-    h: usize,
-    t: usize,
-    out: SyncPtr<T>,
-    lse: SyncPtr<f32>,
-) {
+/// One work item: query tile `t` of head `h` in sequence `b`.
+#[inline(always)]
+fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usize, usize, usize)) {
+    let p = ctx.p;
     let d = p.head_dim;
     let seq = p.seq(b);
     let (sq, sk) = (seq.seq_q, seq.seq_k);
     let i0 = t * BR;
     let rows = BR.min(sq - i0);
     let kvh = kv_head(h, p.heads, p.kv_heads);
+    let slope = ctx.slopes.map_or(0.0, |s| s[b * p.alibi_batch_stride + h]);
     let softcap = p.score.softcap > 0.0;
     // Without softcap the scale and log2(e) fold into Q once; with it, tanh needs the true score.
-    let q_scale = if softcap { p.score.scale } else { p.score.scale * LOG2_E };
-    gather(&mut sc.q, q, &p.q, b, seq.q_row + i0, rows, h, d, q_scale);
-    sc.o[..rows * d].fill(0.0);
-    sc.m[..rows].fill(f32::NEG_INFINITY);
-    sc.l[..rows].fill(0.0);
+    let q_scale = if softcap {
+        p.score.scale
+    } else {
+        p.score.scale * LOG2_E
+    };
 
+    // Qᵀ; lanes past the last row stay 0, which keeps their (unused) scores finite.
+    if rows < BR {
+        sc.qt.iter_mut().for_each(|x| *x = Lanes::splat(0.0));
+    }
+    for r in 0..rows {
+        load_rows(&mut sc.row, ctx.q, &p.q, b, seq.q_row + i0 + r, 1, h, d);
+        for (qt, &x) in sc.qt.iter_mut().zip(&sc.row) {
+            qt.0[r] = x * q_scale;
+        }
+    }
+    sc.ot.iter_mut().for_each(|x| *x = Lanes::splat(0.0));
+    // Running max (base-2 scores) and sum of every query.
+    let mut m = Lanes::splat(f32::NEG_INFINITY);
+    let mut l = Lanes::splat(0.0);
+
+    // Key tiles outside the union of the rows' ranges are skipped by these bounds.
     let (lo, hi) = p.window.key_range_rows(i0..i0 + rows, sq, sk);
     let mut j0 = lo;
     while j0 < hi {
         let cols = BC.min(hi - j0);
-        gather(&mut sc.k, k, &p.k, b, seq.k_row + j0, cols, kvh, d, 1.0);
-        gather(&mut sc.v, v, &p.v, b, seq.k_row + j0, cols, kvh, d, 1.0);
-        let full = p.window.covers(i0..i0 + rows, j0..j0 + cols, sq, sk);
-        for r in 0..rows {
-            let i = i0 + r;
-            let qr = &sc.q[r * d..(r + 1) * d];
-            let s = &mut sc.s[r * BC..r * BC + cols];
+        load_rows(&mut sc.k, ctx.k, &p.k, b, seq.k_row + j0, cols, kvh, d);
+        load_rows(&mut sc.v, ctx.v, &p.v, b, seq.k_row + j0, cols, kvh, d);
+
+        // Sᵀ = K Qᵀ, ROWS keys per micro-kernel call.
+        let mut c = 0;
+        while c < cols {
+            let n = K::ROWS.min(cols - c);
+            K::block(&mut sc.s[c..c + n], None, &sc.k[c * d..], d, 1, &sc.qt, d);
+            c += n;
+        }
+        let s = &mut sc.s[..cols];
+
+        if softcap || slope != 0.0 {
             for (c, s) in s.iter_mut().enumerate() {
-                *s = dot(qr, &sc.k[c * d..(c + 1) * d]);
-            }
-            if softcap || slope != 0.0 {
-                for (c, s) in s.iter_mut().enumerate() {
-                    let raw = if softcap { p.score.cap(*s) } else { *s / LOG2_E };
+                for (r, s) in s.0[..rows].iter_mut().enumerate() {
+                    let raw = if softcap {
+                        p.score.cap(*s) * LOG2_E
+                    } else {
+                        *s
+                    };
                     let bias = if slope != 0.0 {
-                        crate::semantics::alibi_bias(slope, i, j0 + c, sq, sk)
+                        alibi_bias(slope, i0 + r, j0 + c, sq, sk) * LOG2_E
                     } else {
                         0.0
                     };
-                    *s = (raw - bias) * LOG2_E;
+                    *s = raw - bias;
                 }
             }
-            if !full {
-                let (rlo, rhi) = p.window.key_range(i, sq, sk);
+        }
+        // Only tiles the band cuts through need a per-element mask.
+        if !p.window.covers(i0..i0 + rows, j0..j0 + cols, sq, sk) {
+            for r in 0..rows {
+                let (rlo, rhi) = p.window.key_range(i0 + r, sq, sk);
                 for (c, s) in s.iter_mut().enumerate() {
                     let j = j0 + c;
                     if j < rlo || j >= rhi {
-                        *s = f32::NEG_INFINITY;
+                        s.0[r] = f32::NEG_INFINITY;
                     }
                 }
             }
-            // Online softmax update for row r.
-            // NaN must propagate (a NaN query poisons its row), so no f32::max here.
-            let m_tile = s
-                .iter()
-                .copied()
-                .fold(f32::NEG_INFINITY, |a, x| if x > a || x.is_nan() { x } else { a });
-            let m_new = sc.m[r].max(m_tile);
-            if m_new == f32::NEG_INFINITY {
-                continue; // nothing visible yet: keep O = 0, l = 0
+        }
+
+        // Online softmax, per lane: m_new = max(m, rowmax(S)), P = 2^(S - m_new),
+        // l = l · 2^(m - m_new) + rowsum(P); O gets the same correction inside the P·V kernel.
+        let mut m_tile = Lanes::splat(f32::NEG_INFINITY);
+        for s in s.iter() {
+            for (m, &x) in m_tile.0.iter_mut().zip(&s.0) {
+                *m = nan_max(x, *m);
             }
-            let corr = (sc.m[r] - m_new).exp2();
-            let mut sum = 0.0;
-            for s in s.iter_mut() {
-                *s = (*s - m_new).exp2();
-                sum += *s;
+        }
+        let mut corr = Lanes::splat(0.0);
+        // The max to subtract: a lane that has seen only masked keys keeps m = -inf and
+        // subtracts 0 instead, so its P and correction are 0 rather than NaN.
+        let mut m_sub = Lanes::splat(0.0);
+        for r in 0..BR {
+            let m_new = nan_max(m_tile.0[r], m.0[r]);
+            m_sub.0[r] = if m_new == f32::NEG_INFINITY {
+                0.0
+            } else {
+                m_new
+            };
+            corr.0[r] = exp2::<K>(m.0[r] - m_sub.0[r]);
+            m.0[r] = m_new;
+        }
+        let mut row_sum = Lanes::splat(0.0);
+        for s in s.iter_mut() {
+            for ((x, &ms), sum) in s.0.iter_mut().zip(&m_sub.0).zip(row_sum.0.iter_mut()) {
+                *x = exp2::<K>(*x - ms);
+                *sum += *x;
             }
-            sc.l[r] = sc.l[r] * corr + sum;
-            sc.m[r] = m_new;
-            let o = &mut sc.o[r * d..(r + 1) * d];
-            if corr != 1.0 {
-                o.iter_mut().for_each(|x| *x *= corr);
-            }
-            for (c, &pr) in s.iter().enumerate() {
-                let vr = &sc.v[c * d..(c + 1) * d];
-                for (o, &x) in o.iter_mut().zip(vr) {
-                    *o += pr * x;
-                }
-            }
+        }
+        for ((l, &c), &s) in l.0.iter_mut().zip(&corr.0).zip(&row_sum.0) {
+            *l = K::fma(*l, c, s);
+        }
+
+        // Oᵀ = Oᵀ · corr + Vᵀ Pᵀ, ROWS head dims per micro-kernel call.
+        let mut x = 0;
+        while x < d {
+            let n = K::ROWS.min(d - x);
+            K::block(
+                &mut sc.ot[x..x + n],
+                Some(&corr),
+                &sc.v[x..],
+                1,
+                d,
+                &sc.s,
+                cols,
+            );
+            x += n;
         }
         j0 += cols;
     }
 
+    // Epilogue: one division per row, Oᵀ transposed back into the output rows.
     let row_stride = p.heads * d;
     let lse_h = p.lse_head_stride();
     for r in 0..rows {
-        let l = sc.l[r];
-        let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+        let l = l.0[r];
         let base = (seq.out_row + i0 + r) * row_stride + h * d;
-        for x in 0..d {
-            // SAFETY: element (row, h, x) belongs to this work item alone and is in bounds of the
-            // output allocated by `forward` (total_q * heads * d elements).
-            unsafe { *out.0.add(base + x) = T::from_f32(sc.o[r * d + x] * inv) };
-        }
-        let row_lse = if l > 0.0 {
-            (sc.m[r] + l.log2()) / LOG2_E
+        // A row that saw no key has l = 0 and outputs exactly 0; NaN stays NaN.
+        let (inv, row_lse) = if l == 0.0 {
+            (0.0, f32::NEG_INFINITY)
         } else {
-            f32::NEG_INFINITY
+            (1.0 / l, (m.0[r] + l.log2()) / LOG2_E)
         };
-        // SAFETY: as above, for the row's log-sum-exp.
-        unsafe { *lse.0.add(seq.lse_base + h * lse_h + i0 + r) = row_lse };
-    }
-}
-
-/// Dot product with independent partial sums so the compiler can vectorise it.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const L: usize = 16;
-    let mut acc = [0.0f32; L];
-    let (ca, ra) = a.split_at(a.len() - a.len() % L);
-    let (cb, rb) = b.split_at(ca.len());
-    for (x, y) in ca.chunks_exact(L).zip(cb.chunks_exact(L)) {
-        for l in 0..L {
-            acc[l] += x[l] * y[l];
+        for (x, ot) in sc.ot.iter().enumerate() {
+            let o = if l == 0.0 { 0.0 } else { ot.0[r] * inv };
+            // SAFETY: element (row, h, x) belongs to this work item alone and is in bounds of
+            // the output allocated by `forward` (total_q * heads * d elements).
+            unsafe { *ctx.out.0.add(base + x) = T::from_f32(o) };
         }
+        // SAFETY: as above, for the row's log-sum-exp.
+        unsafe { *ctx.lse.0.add(seq.lse_base + h * lse_h + i0 + r) = row_lse };
     }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
 }

@@ -1,0 +1,232 @@
+//! CPU forward benchmark: this crate's flash attention against candle's naive attention
+//! (matmul, scale, mask, softmax, matmul) and candle-nn's own CPU flash attention, f32, batch 1,
+//! 8 heads, head_dim 64; plus the extra memory of one long (n = 16384) call.
+//!
+//! ```text
+//! cargo run --release --example cpu_bench
+//! cargo run --release --example cpu_bench -- --quick
+//! ```
+//!
+//! Each timing is the median of `--reps` runs after one warm-up run; inputs are created (and, for
+//! the naive path, the causal mask built) outside the clock. GF/s counts `4·b·h·sq·sk·d` flops,
+//! halved under the causal mask.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use anyhow::Result;
+use candle::{DType, Device, Tensor};
+use candle_nn::attention::AttnMask;
+use clap::Parser;
+
+/// Counts live heap bytes and their high-water mark, to measure the extra memory of one call.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every method forwards to the system allocator unchanged; the counters only observe.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: same contract as the caller's.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(live, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: same contract as the caller's.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(live, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: same contract as the caller's.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+            let live = LIVE.fetch_add(new_size, Ordering::Relaxed) + new_size;
+            PEAK.fetch_max(live, Ordering::Relaxed);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+#[derive(Parser)]
+#[command(about = "CPU flash attention vs candle naive attention vs candle-nn CPU flash (f32)")]
+struct Args {
+    /// Small smoke run: n = 256 only, 2 repetitions, memory line at n = 2048.
+    #[arg(long)]
+    quick: bool,
+    /// Timed repetitions per measurement (median reported); default 5, 2 with --quick.
+    #[arg(long)]
+    reps: Option<usize>,
+    /// Query heads (= kv heads).
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Sequence lengths (sq = sk); default 1024,4096 (256 with --quick).
+    #[arg(long, value_delimiter = ',')]
+    n: Vec<usize>,
+    /// Sequence length of the memory measurement (1 head); default 16384 (2048 with --quick).
+    #[arg(long)]
+    mem_n: Option<usize>,
+}
+
+/// Median wall time of `reps` runs after one warm-up, in seconds.
+fn time<F: FnMut() -> Result<()>>(reps: usize, mut f: F) -> Result<f64> {
+    f()?;
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = Instant::now();
+        f()?;
+        t.push(start.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// The baseline a model without flash attention runs: q, k, v are `(b, h, s, d)`.
+fn naive(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, mask: Option<&Tensor>) -> Result<Tensor> {
+    let mut att = (q.matmul(&k.t()?)? * scale)?;
+    if let Some(mask) = mask {
+        att = att.broadcast_add(mask)?;
+    }
+    let att = candle_nn::ops::softmax_last_dim(&att)?;
+    Ok(att.matmul(v)?)
+}
+
+fn causal_mask(n: usize, dev: &Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..n * n)
+        .map(|x| {
+            if x % n > x / n {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(mask, (n, n), dev)?)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = Device::Cpu;
+    let reps = args.reps.unwrap_or(if args.quick { 2 } else { 5 }).max(1);
+    let ns = match (&args.n[..], args.quick) {
+        ([], true) => vec![256],
+        ([], false) => vec![1024, 4096],
+        (n, _) => n.to_vec(),
+    };
+    let mem_n = args.mem_n.unwrap_or(if args.quick { 2048 } else { 16384 });
+    let (h, d) = (args.heads, args.head_dim);
+    let scale = 1.0 / (d as f64).sqrt();
+    println!(
+        "f32, batch 1, {h} heads, head_dim {d}, {} threads, median of {reps} after 1 warm-up",
+        rayon::current_num_threads()
+    );
+    println!();
+    println!(
+        "| n | mask | ours ms | ours GF/s | naive ms | naive GF/s | candle-nn flash ms | candle-nn GF/s | naive / ours | candle-nn / ours |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for &n in &ns {
+        // (b, s, h, d) for ours and candle-nn; contiguous (b, h, s, d) copies for the naive path.
+        let q = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+        let k = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+        let (qt, kt, vt) = (
+            q.transpose(1, 2)?.contiguous()?,
+            k.transpose(1, 2)?.contiguous()?,
+            v.transpose(1, 2)?.contiguous()?,
+        );
+        for causal in [false, true] {
+            let flops = 4.0 * (h * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
+            let mask = if causal {
+                Some(causal_mask(n, &dev)?)
+            } else {
+                None
+            };
+            let ours = time(reps, || {
+                candle_flash::flash_attn(&q, &k, &v, scale as f32, causal)?;
+                Ok(())
+            })?;
+            let base = time(reps, || {
+                naive(&qt, &kt, &vt, scale, mask.as_ref())?;
+                Ok(())
+            })?;
+            let nn_mask = if causal {
+                AttnMask::causal()
+            } else {
+                AttnMask::None
+            };
+            let nn = time(reps, || {
+                candle_nn::attention::flash_attn::<f32>(
+                    &q,
+                    &k,
+                    &v,
+                    scale as f32,
+                    nn_mask.clone(),
+                    None,
+                    None,
+                )?;
+                Ok(())
+            })?;
+            let gfs = |t: f64| flops / t / 1e9;
+            println!(
+                "| {n} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.2}x |",
+                if causal { "causal" } else { "none" },
+                ours * 1e3,
+                gfs(ours),
+                base * 1e3,
+                gfs(base),
+                nn * 1e3,
+                gfs(nn),
+                base / ours,
+                nn / ours,
+            );
+        }
+    }
+
+    // Extra memory of one long call: heap high-water mark during the call minus what was live
+    // before it (the inputs). The n × n f32 score matrix a naive path builds is the yardstick.
+    let q = Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?;
+    let k = Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?;
+    let v = Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?;
+    let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let start = Instant::now();
+    let out = candle_flash::flash_attn(&q, &k, &v, scale as f32, false)?;
+    let secs = start.elapsed().as_secs_f64();
+    let extra = PEAK.load(Ordering::Relaxed) - before;
+    let out_bytes = out.elem_count() * DType::F32.size_in_bytes();
+    let scores = mem_n * mem_n * 4;
+    let mib = |x: usize| x as f64 / (1 << 20) as f64;
+    println!();
+    println!(
+        "memory, n = {mem_n}, 1 head, head_dim {d}, non-causal ({:.0} ms): extra heap {:.2} MiB \
+         (of which the output {:.2} MiB) = 1/{:.0} of one n×n f32 matrix ({:.0} MiB); limit 1/16 = {:.0} MiB",
+        secs * 1e3,
+        mib(extra),
+        mib(out_bytes),
+        scores as f64 / extra.max(1) as f64,
+        mib(scores),
+        mib(scores / 16),
+    );
+    Ok(())
+}
