@@ -1,0 +1,143 @@
+//! Sentence embeddings with all-MiniLM-L6-v2 through this project's own BERT encoder, whose
+//! attention is `candle_flash::flash_attn_varlen` over the packed sentences (no padding, no mask).
+//! `--compare` also runs candle-transformers' `BertModel` and checks that both agree.
+//!
+//! ```text
+//! scripts/fetch-models.sh
+//! cargo run --release --example bert -- --compare
+//! cargo run --release --example bert -- --compare --dtype bf16
+//! ```
+
+#[path = "common/bert.rs"]
+mod bert;
+#[path = "common/cli.rs"]
+mod cli;
+#[path = "common/paths.rs"]
+mod paths;
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::Result;
+use candle::DType;
+use clap::Parser;
+
+use bert::{row_cosines, tokenize, Baseline, Files, FlashBert};
+use cli::{DTypeArg, DeviceArg};
+
+/// Agreement required between our embeddings and the baseline's.
+const MIN_COSINE: f32 = 0.9999;
+
+#[derive(Parser)]
+#[command(about = "all-MiniLM-L6-v2 sentence embeddings with flash attention (varlen, no padding)")]
+struct Args {
+    /// Also run candle-transformers' BertModel and print the cosine per sentence; exits
+    /// non-zero if any is below 0.9999.
+    #[arg(long)]
+    compare: bool,
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+    /// Sentences to embed (repeat the flag); a built-in set of unequal lengths by default.
+    #[arg(long = "sentence")]
+    sentences: Vec<String>,
+}
+
+fn default_sentences() -> Vec<String> {
+    [
+        "The cat sits on the mat.",
+        "A cat is sitting on a rug.",
+        "Flash attention computes exact attention tile by tile, never storing the full score matrix.",
+        "Paris is the capital of France.",
+        "What is the capital city of France?",
+        "Stock markets fell sharply on Monday after the central bank raised interest rates \
+         by half a percentage point, surprising analysts who had expected a smaller move.",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Ok(false) when `--compare` found a disagreement.
+fn run() -> Result<bool> {
+    let args = Args::parse();
+    let device = args.device.device()?;
+    let dtype = args.dtype.dtype();
+    let sentences = if args.sentences.is_empty() {
+        default_sentences()
+    } else {
+        args.sentences
+    };
+    let files = Files::locate()?;
+    let ids = tokenize(&files, &sentences)?;
+
+    let ours = FlashBert::load(&files, dtype, &device)?;
+    let t = Instant::now();
+    let emb = ours.embed(&ids)?;
+    println!(
+        "ours (flash_attn_varlen, {dtype:?}): {} sentences, {} tokens, {:.1} ms",
+        ids.len(),
+        ids.iter().map(Vec::len).sum::<usize>(),
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    if !args.compare {
+        // Without a baseline, show that the embeddings mean something: pairwise similarities.
+        let sim = emb.matmul(&emb.t()?)?.to_vec2::<f32>()?;
+        for (i, s) in sentences.iter().enumerate() {
+            let row: Vec<String> = sim[i].iter().map(|c| format!("{c:5.2}")).collect();
+            println!("{}  {}", row.join(" "), short(s));
+        }
+        return Ok(true);
+    }
+
+    let mut base = Baseline::load(&files, dtype, &device)?.embed(&ids)?;
+    let mut base_dtype = dtype;
+    if dtype != DType::F32 && !all_finite(&base)? {
+        // BertModel builds its mask as (1 - mask) * f32::MIN in the model dtype; f32::MIN
+        // rounds to -inf in bf16 and 0 * -inf = NaN, so the shipped model cannot run in bf16.
+        println!(
+            "baseline BertModel in {dtype:?} gives NaN (its f32::MIN mask becomes -inf, 0*-inf = NaN); \
+             comparing against the baseline in F32 instead"
+        );
+        base = Baseline::load(&files, DType::F32, &device)?.embed(&ids)?;
+        base_dtype = DType::F32;
+    }
+    let cos = row_cosines(&emb, &base)?;
+    println!("cosine(ours {dtype:?}, candle-transformers BertModel {base_dtype:?}) per sentence:");
+    for ((c, s), id) in cos.iter().zip(&sentences).zip(&ids) {
+        println!("  {c:.7}  ({:3} tokens) {}", id.len(), short(s));
+    }
+    let worst = cos.iter().copied().fold(f32::INFINITY, f32::min);
+    // NaN compares false, so a NaN cosine fails as well.
+    let ok = cos.iter().all(|c| *c >= MIN_COSINE);
+    println!(
+        "min cosine {worst:.7}: {}",
+        if ok { "OK" } else { "FAILED (< 0.9999)" }
+    );
+    Ok(ok)
+}
+
+fn all_finite(t: &candle::Tensor) -> Result<bool> {
+    Ok(t.flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .all(|x| x.is_finite()))
+}
+
+fn short(s: &str) -> String {
+    match s.char_indices().nth(60) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}
