@@ -86,10 +86,13 @@ struct Args {
     /// Sequence length of the memory measurement (1 head); default 16384 (2048 with --quick).
     #[arg(long)]
     mem_n: Option<usize>,
+    /// Time only this crate's kernel (quick tuning runs); the ratio columns are left empty.
+    #[arg(long)]
+    ours_only: bool,
 }
 
 /// Median wall time of `reps` runs after one warm-up, in seconds.
-fn time<F: FnMut() -> Result<()>>(reps: usize, mut f: F) -> Result<f64> {
+fn time(reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     let mut t = Vec::with_capacity(reps);
     for _ in 0..reps {
@@ -99,6 +102,17 @@ fn time<F: FnMut() -> Result<()>>(reps: usize, mut f: F) -> Result<f64> {
     }
     t.sort_by(f64::total_cmp);
     Ok(t[t.len() / 2])
+}
+
+/// CPU seconds this process has used (all threads), from `/proc/self/stat`; `None` elsewhere.
+/// Tuning on a shared machine reads this, since wall time there depends on the neighbours.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
 }
 
 /// The baseline a model without flash attention runs: q, k, v are `(b, h, s, d)`.
@@ -162,11 +176,23 @@ fn main() -> Result<()> {
             } else {
                 None
             };
-            let ours = time(reps, || {
+            let cpu0 = cpu_seconds();
+            let ours = time(reps, &mut || {
                 candle_flash::flash_attn(&q, &k, &v, scale as f32, causal)?;
                 Ok(())
             })?;
-            let base = time(reps, || {
+            if let (true, Some(c0), Some(c1)) = (args.ours_only, cpu0, cpu_seconds()) {
+                let per_core = flops * (reps + 1) as f64 / (c1 - c0) / 1e9;
+                eprintln!("n {n} causal {causal}: ours {per_core:.1} GF/s per CPU-second");
+            }
+            let skip = |t: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+                if args.ours_only {
+                    Ok(f64::NAN)
+                } else {
+                    time(reps, t)
+                }
+            };
+            let base = skip(&mut || {
                 naive(&qt, &kt, &vt, scale, mask.as_ref())?;
                 Ok(())
             })?;
@@ -175,7 +201,7 @@ fn main() -> Result<()> {
             } else {
                 AttnMask::None
             };
-            let nn = time(reps, || {
+            let nn = skip(&mut || {
                 candle_nn::attention::flash_attn::<f32>(
                     &q,
                     &k,
