@@ -72,7 +72,8 @@ struct Args {
     /// Small smoke run: n = 256 only, 2 repetitions, memory line at n = 2048.
     #[arg(long)]
     quick: bool,
-    /// Timed repetitions per measurement (median reported); default 5, 2 with --quick.
+    /// Timed repetitions per measurement (median reported); default 5 up to n = 2048 and 3
+    /// beyond (candle-nn's flash takes seconds per call there), 2 with --quick.
     #[arg(long)]
     reps: Option<usize>,
     /// Query heads (= kv heads).
@@ -141,7 +142,14 @@ fn causal_mask(n: usize, dev: &Device) -> Result<Tensor> {
 fn main() -> Result<()> {
     let args = Args::parse();
     let dev = Device::Cpu;
-    let reps = args.reps.unwrap_or(if args.quick { 2 } else { 5 }).max(1);
+    let reps_for = |n: usize| {
+        let default = match (args.quick, n > 2048) {
+            (true, _) => 2,
+            (false, false) => 5,
+            (false, true) => 3,
+        };
+        args.reps.unwrap_or(default).max(1)
+    };
     let ns = match (&args.n[..], args.quick) {
         ([], true) => vec![256],
         ([], false) => vec![1024, 4096],
@@ -151,8 +159,12 @@ fn main() -> Result<()> {
     let (h, d) = (args.heads, args.head_dim);
     let scale = 1.0 / (d as f64).sqrt();
     println!(
-        "f32, batch 1, {h} heads, head_dim {d}, {} threads, median of {reps} after 1 warm-up",
-        rayon::current_num_threads()
+        "f32, batch 1, {h} heads, head_dim {d}, {} threads, median of {} after 1 warm-up",
+        rayon::current_num_threads(),
+        ns.iter()
+            .map(|&n| format!("{} (n = {n})", reps_for(n)))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     println!();
     println!(
@@ -160,6 +172,7 @@ fn main() -> Result<()> {
     );
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &n in &ns {
+        let reps = reps_for(n);
         // (b, s, h, d) for ours and candle-nn; contiguous (b, h, s, d) copies for the naive path.
         let q = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
         let k = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;

@@ -27,9 +27,12 @@ use crate::semantics::{alibi_bias, kv_head, LOG2_E};
 const BR: usize = 64;
 /// Keys per inner tile.
 const BC: usize = 64;
-/// BR-row sub-tiles per work item: each K/V tile copy serves all of them, which halves the
-/// traffic from L3 per flop (K and V of long sequences do not stay in L2).
-const QSUB: usize = 2;
+/// Most BR-row sub-tiles per work item. Each K/V tile copy serves all sub-tiles of an item: K and V
+/// rows of one head lie `heads · d` elements apart and do not stay in L2 for long sequences, so
+/// every copy waits on L3 (and the TLB), and sharing it is what keeps that wait small (with one
+/// sub-tile the copies took 22% of the time at n = 1024 and 4096, 8 heads, d = 64; with four,
+/// 10% at n = 4096). Software prefetching the next tile was tried and only moved the stall.
+const QSUB: usize = 4;
 
 /// One value per query of the tile; aligned so the AVX-512 loads never split a cache line.
 #[derive(Clone, Copy)]
@@ -142,6 +145,8 @@ struct Ctx<'a, T> {
     v: &'a [T],
     out: SyncPtr<T>,
     lse: SyncPtr<f32>,
+    /// Sub-tiles per work item (`1..=QSUB`).
+    qsub: usize,
 }
 
 /// Runs the whole problem; returns the contiguous output and the log-sum-exp.
@@ -167,11 +172,18 @@ fn forward_with<T: Elem>(
     let d = p.head_dim;
     let mut out = vec![T::from_f32(0.0); p.total_q * p.heads * d];
     let mut lse = vec![f32::NEG_INFINITY; p.total_q * p.heads];
+    // Fewer sub-tiles per item when there would be too few items to keep every thread busy.
+    let rows_total: usize = (0..p.batch).map(|b| p.seq(b).seq_q).sum::<usize>() * p.heads;
+    let want = 4 * rayon::current_num_threads();
+    let qsub = [QSUB, 2, 1]
+        .into_iter()
+        .find(|&n| rows_total.div_ceil(BR * n) >= want)
+        .unwrap_or(1);
     // Last query tiles first: under a causal mask they see the most keys, and starting the
     // longest items early leaves only short ones for rayon to balance at the end.
     let items: Vec<(usize, usize, usize)> = (0..p.batch)
         .flat_map(|b| {
-            let tiles = p.seq(b).seq_q.div_ceil(BR * QSUB);
+            let tiles = p.seq(b).seq_q.div_ceil(BR * qsub);
             (0..p.heads).flat_map(move |h| (0..tiles).rev().map(move |t| (b, h, t)))
         })
         .collect();
@@ -183,9 +195,10 @@ fn forward_with<T: Elem>(
         v,
         out: SyncPtr(out.as_mut_ptr()),
         lse: SyncPtr(lse.as_mut_ptr()),
+        qsub,
     };
     items.into_par_iter().with_max_len(1).for_each_init(
-        || Scratch::new(d),
+        || Scratch::new(d, qsub),
         |scratch, item| match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::detect` saw avx512f on this CPU.
@@ -235,9 +248,9 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(d: usize) -> Self {
+    fn new(d: usize, qsub: usize) -> Self {
         Self {
-            sub: (0..QSUB)
+            sub: (0..qsub)
                 .map(|_| SubTile {
                     qt: vec![Lanes::splat(0.0); d],
                     ot: vec![Lanes::splat(0.0); d],
@@ -496,11 +509,7 @@ fn exp2<K: Kernel>(x: f32) -> f32 {
     p * scale
 }
 
-/// Copies `rows` rows of one head, starting at `row0`, into a dense f32 `rows × d` block; while
-/// at it, asks for row `r + ahead` to be brought into L2 for each row `r` copied (where it is below
-/// `end`). K and V rows of one head are `heads · d` elements apart, too far for the hardware
-/// prefetcher, so without this every tile copy waits on L3; one request per copied row keeps
-/// them from queueing up all at once.
+/// Copies `rows` rows of one head, starting at `row0`, into a dense f32 `rows × d` block.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn load_rows<T: Elem>(
@@ -512,15 +521,10 @@ fn load_rows<T: Elem>(
     rows: usize,
     head: usize,
     d: usize,
-    ahead: usize,
-    end: usize,
 ) {
     for (r, dst) in dst[..rows * d].chunks_exact_mut(d).enumerate() {
         let base = s.at(b, row0 + r, head);
         if s.dim == 1 {
-            if row0 + r + ahead < end {
-                prefetch_row(src, s.at(b, row0 + r + ahead, head), d);
-            }
             T::load_f32(dst, &src[base..base + d]);
         } else {
             for (x, o) in dst.iter_mut().enumerate() {
@@ -528,22 +532,6 @@ fn load_rows<T: Elem>(
             }
         }
     }
-}
-
-/// Prefetches the `d` contiguous elements at `base` into L2.
-#[inline(always)]
-fn prefetch_row<T>(src: &[T], base: usize, d: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        let row = src[base..base + d].as_ptr() as *const i8;
-        for off in (0..d * std::mem::size_of::<T>()).step_by(64) {
-            // SAFETY: a prefetch never faults; the address lies inside the row anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(off)) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (src, base, d);
 }
 
 /// What every sub-tile update of one work item shares.
@@ -556,7 +544,7 @@ struct ItemCtx<'a> {
     softcap: bool,
 }
 
-/// One work item: query rows `t · BR · QSUB ..` of head `h` in sequence `b`, as up to QSUB
+/// One work item: query rows `t · BR · qsub ..` of head `h` in sequence `b`, as up to `qsub`
 /// sub-tiles of BR rows that share every K/V tile copy.
 #[inline(always)]
 fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usize, usize, usize)) {
@@ -564,8 +552,8 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
     let d = p.head_dim;
     let seq = p.seq(b);
     let (sq, sk) = (seq.seq_q, seq.seq_k);
-    let i0 = t * BR * QSUB;
-    let rows = (BR * QSUB).min(sq - i0);
+    let i0 = t * BR * ctx.qsub;
+    let rows = (BR * ctx.qsub).min(sq - i0);
     let nsub = rows.div_ceil(BR);
     let kvh = kv_head(h, p.heads, p.kv_heads);
     let softcap = p.score.softcap > 0.0;
@@ -598,18 +586,7 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
             st.qt.iter_mut().for_each(|x| *x = Lanes::splat(0.0));
         }
         for r in 0..n {
-            load_rows(
-                &mut sc.row,
-                ctx.q,
-                &p.q,
-                b,
-                seq.q_row + r0 + r,
-                1,
-                h,
-                d,
-                0,
-                0,
-            );
+            load_rows(&mut sc.row, ctx.q, &p.q, b, seq.q_row + r0 + r, 1, h, d);
             for (qt, &x) in st.qt.iter_mut().zip(&sc.row) {
                 qt.0[r] = x * q_scale;
             }
@@ -624,10 +601,8 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
     let mut j0 = lo;
     while j0 < hi {
         let cols = BC.min(hi - j0);
-        // The next tile streams in while this one is computed.
-        let (row0, end) = (seq.k_row + j0, seq.k_row + hi);
-        load_rows(&mut sc.k, ctx.k, &p.k, b, row0, cols, kvh, d, BC, end);
-        load_rows(&mut sc.v, ctx.v, &p.v, b, row0, cols, kvh, d, BC, end);
+        load_rows(&mut sc.k, ctx.k, &p.k, b, seq.k_row + j0, cols, kvh, d);
+        load_rows(&mut sc.v, ctx.v, &p.v, b, seq.k_row + j0, cols, kvh, d);
         for u in 0..nsub {
             // The part of this key tile the sub-tile sees (under a causal mask the first
             // sub-tile sees fewer keys than the last).
