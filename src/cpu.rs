@@ -285,6 +285,17 @@ trait Kernel {
         b: &[Lanes],
         n: usize,
     );
+    /// Lane-wise maximum of `rows` (and -inf); a NaN entry is skipped.
+    #[inline(always)]
+    fn max_rows(rows: &[Lanes]) -> Lanes {
+        let mut m = Lanes::splat(f32::NEG_INFINITY);
+        for s in rows {
+            for (m, &x) in m.0.iter_mut().zip(&s.0) {
+                *m = if x > *m { x } else { *m };
+            }
+        }
+        m
+    }
 }
 
 /// Checks the contract of [`Kernel::block`] once, before the unchecked inner loops.
@@ -414,6 +425,11 @@ impl Kernel for Avx512 {
             }
         }
     }
+    #[inline(always)]
+    fn max_rows(rows: &[Lanes]) -> Lanes {
+        // SAFETY: only reached through `item_avx512`, i.e. with avx512f detected.
+        unsafe { avx512::max_rows(rows) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -422,6 +438,30 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     const V: usize = BR / 16;
+
+    /// [`super::Kernel::max_rows`] with the running max in registers (the portable loop keeps it
+    /// in memory and pays a masked store per row).
+    ///
+    /// # Safety
+    /// avx512f must be available.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn max_rows(rows: &[Lanes]) -> Lanes {
+        let mut m = [_mm512_set1_ps(f32::NEG_INFINITY); V];
+        for s in rows {
+            for (v, m) in m.iter_mut().enumerate() {
+                // SAFETY: `Lanes` holds BR = 16 V floats, aligned to 64 bytes.
+                let x = unsafe { _mm512_load_ps(s.0.as_ptr().add(16 * v)) };
+                // `max(x, m)` returns m when x is NaN.
+                *m = _mm512_max_ps(x, *m);
+            }
+        }
+        let mut out = Lanes::splat(0.0);
+        for (v, m) in m.iter().enumerate() {
+            // SAFETY: as above.
+            unsafe { _mm512_store_ps(out.0.as_mut_ptr().add(16 * v), *m) };
+        }
+        out
+    }
 
     /// The register-blocked micro-kernel behind [`super::Kernel::block`]: per step `t` it loads
     /// the `V` vectors of `b[t]` once and broadcasts one value of `a` per row.
@@ -705,12 +745,7 @@ fn update<K: Kernel>(
     //
     // This max skips NaN scores (it compiles to `vmaxps`), yet NaN still propagates: a NaN score
     // turns its P, hence l and that row of O, into NaN, even when every other key is masked.
-    let mut m_tile = Lanes::splat(f32::NEG_INFINITY);
-    for s in s.iter() {
-        for (m, &x) in m_tile.0.iter_mut().zip(&s.0) {
-            *m = if x > *m { x } else { *m };
-        }
-    }
+    let m_tile = K::max_rows(s);
     let mut corr = Lanes::splat(0.0);
     // The max to subtract: a lane that has seen only masked keys keeps m = -inf and subtracts 0
     // instead, so its P and correction are 0 rather than NaN.
