@@ -370,6 +370,7 @@ fn portable_block<K: Kernel>(
     b: &[Lanes],
     n: usize,
 ) {
+    block_in_bounds(out.len(), a.len(), a_is, a_ts, b.len(), n);
     for (i, o) in out.iter_mut().enumerate() {
         let mut acc = match init {
             Some(c) => {
