@@ -1,8 +1,9 @@
 //! Tiled CPU forward pass (FlashAttention-2 loop order), queries in SIMD lanes.
 //!
-//! Work items are `(batch, head, query tile of BR rows)`, run in parallel with rayon. Each item
-//! keeps its tile *transposed*: `Qᵀ` (`d × BR`), the scores `Sᵀ = K Qᵀ` (`BC × BR`) and the
-//! output accumulator `Oᵀ` (`d × BR`) all have one query per lane. That layout makes
+//! Work items are `(batch, head, block of query rows)`, run in parallel with rayon; a block is up
+//! to `QSUB` sub-tiles of `BR` rows that share every K/V tile. Each sub-tile is kept
+//! *transposed*: `Qᵀ` (`d × BR`), the scores `Sᵀ = K Qᵀ` (`BC × BR`) and the output accumulator
+//! `Oᵀ` (`d × BR`) all have one query per lane. That layout makes
 //!
 //! * both products register-blocked broadcast-FMAs with no transposed copy of K or V: `Sᵀ` row
 //!   `c` is `Σ_x K[c][x] · Qᵀ[x]`, and `Oᵀ` row `x` gains `Σ_c V[c][x] · Pᵀ[c]`;
@@ -516,8 +517,9 @@ mod avx512 {
     }
 }
 
-/// `2^x` for whole tiles: branch-free, so the compiler vectorises it. `x <= -127` gives exactly 0
-/// (so `-inf` maps to 0), NaN stays NaN; relative error about 2e-7 on `[-127, 127]`.
+/// `2^x` for whole tiles: branch-free, so the compiler vectorises it. Relative error below 5e-7
+/// on `[-126, 127]`; below about -126.5 the result is exactly 0 (so `-inf` maps to 0, which the
+/// masking relies on); NaN stays NaN.
 #[inline(always)]
 fn exp2<K: Kernel>(x: f32) -> f32 {
     // Adding 1.5·2²³ rounds to an integer n and leaves n in the low mantissa bits.
