@@ -70,7 +70,14 @@ impl Elem for f32 {
     }
     #[inline(always)]
     fn load_f32(dst: &mut [f32], src: &[Self]) {
-        dst.copy_from_slice(src);
+        // Fixed 16-float chunks inline as vector moves; `copy_from_slice` of a run-time length
+        // was a libc call per row, 128 of them per K/V tile.
+        let mut o = dst.chunks_exact_mut(16);
+        let mut i = src.chunks_exact(16);
+        for (o, i) in (&mut o).zip(&mut i) {
+            o.copy_from_slice(i);
+        }
+        o.into_remainder().copy_from_slice(i.remainder());
     }
 }
 
@@ -732,12 +739,18 @@ fn update<K: Kernel>(
     }
     // Only tiles the band cuts through need a per-element mask.
     if !p.window.covers(r0..r0 + rows, j0..j0 + cols, sq, sk) {
-        for r in 0..rows {
-            let (rlo, rhi) = p.window.key_range(r0 + r, sq, sk);
-            for (c, s) in s.iter_mut().enumerate() {
-                let j = j0 + c;
-                if j < rlo || j >= rhi {
-                    s.0[r] = f32::NEG_INFINITY;
+        // Per-lane bounds, then one lane-wise compare per key: the loop over lanes vectorises,
+        // where a loop over keys per row was a scalar store per score.
+        let mut lo = [0usize; BR];
+        let mut hi = [usize::MAX; BR];
+        for (r, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).take(rows).enumerate() {
+            (*lo, *hi) = p.window.key_range(r0 + r, sq, sk);
+        }
+        for (c, s) in s.iter_mut().enumerate() {
+            let j = j0 + c;
+            for ((x, &lo), &hi) in s.0.iter_mut().zip(&lo).zip(&hi) {
+                if j < lo || j >= hi {
+                    *x = f32::NEG_INFINITY;
                 }
             }
         }
