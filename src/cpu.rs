@@ -32,7 +32,9 @@ const BC: usize = 64;
 /// rows of one head lie `heads · d` elements apart and do not stay in L2 for long sequences, so
 /// every copy waits on L3 (and the TLB), and sharing it is what keeps that wait small (with one
 /// sub-tile the copies took 22% of the time at n = 1024 and 4096, 8 heads, d = 64; with four,
-/// 10% at n = 4096). Software prefetching the next tile was tried and only moved the stall.
+/// 10% at n = 4096). Tried and dropped, as each only moved that time elsewhere: software
+/// prefetching the next tile into L2, copying it a few rows at a time between micro-kernel calls
+/// (double buffering), and reading f32 K/V in place without a copy.
 const QSUB: usize = 4;
 
 /// One value per query of the tile; aligned so the AVX-512 loads never split a cache line.
