@@ -116,6 +116,13 @@ fn cpu_seconds() -> Option<f64> {
     Some(ticks / 100.0)
 }
 
+/// The 1-minute load average (`/proc/loadavg`), printed so that runs on a shared machine can be
+/// judged; `None` elsewhere.
+fn load_average() -> Option<String> {
+    let s = std::fs::read_to_string("/proc/loadavg").ok()?;
+    s.split_whitespace().next().map(str::to_owned)
+}
+
 /// The baseline a model without flash attention runs: q, k, v are `(b, h, s, d)`.
 fn naive(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, mask: Option<&Tensor>) -> Result<Tensor> {
     let mut att = (q.matmul(&k.t()?)? * scale)?;
@@ -166,6 +173,9 @@ fn main() -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    if let Some(l) = load_average() {
+        println!("load average (1 min) at start: {l}");
+    }
     println!();
     println!(
         "| n | mask | ours ms | ours GF/s | naive ms | naive GF/s | candle-nn flash ms | candle-nn GF/s | naive / ours | candle-nn / ours |"
@@ -267,5 +277,8 @@ fn main() -> Result<()> {
         mib(scores),
         mib(scores / 16),
     );
+    if let Some(l) = load_average() {
+        println!("load average (1 min) at end: {l}");
+    }
     Ok(())
 }
