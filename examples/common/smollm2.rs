@@ -154,6 +154,19 @@ impl SmolLm2 {
             context: md_usize(&c, "llama.context_length")?,
         };
 
+        ensure!(
+            !c.tensor_infos.contains_key("output.weight"),
+            "this GGUF has a separate output.weight; only tied embeddings are implemented"
+        );
+        // Partial rotary embeddings (rope dim < head dim) are not implemented.
+        if let Ok(rope_dim) = md_usize(&c, "llama.rope.dimension_count") {
+            ensure!(
+                rope_dim == cfg.head_dim && rope_dim % 2 == 0,
+                "rope dimension {rope_dim} must equal the (even) head dim {}",
+                cfg.head_dim
+            );
+        }
+
         // Every weight is expanded to a plain float tensor on the CPU first: candle's Q4_1
         // matmul on the CPU was seen to give wrong answers, and the float weights are what the
         // attention comparison needs anyway.
@@ -183,10 +196,6 @@ impl SmolLm2 {
         }
         let embed = weight("token_embd.weight")?;
         let norm = weight("output_norm.weight")?;
-        ensure!(
-            !c.tensor_infos.contains_key("output.weight"),
-            "this GGUF has a separate output.weight; only tied embeddings are implemented"
-        );
         let (cos, sin) = rope_tables(&cfg, dtype, device)?;
         let tokenizer = tokenizer_from_gguf(&c)?;
         let chat_template = md(&c, "tokenizer.chat_template")
