@@ -186,6 +186,36 @@ fn main() -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    // Extra memory of one long call: heap high-water mark during the call minus what was live
+    // before it (the inputs). Measured first, so the per-thread scratch that the CPU path keeps
+    // between calls is allocated inside it and counted. The n × n f32 score matrix a naive path
+    // builds is the yardstick.
+    let (q, k, v) = (
+        Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?,
+        Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?,
+        Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?,
+    );
+    let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let start = Instant::now();
+    let out = candle_flash::flash_attn(&q, &k, &v, scale as f32, false)?;
+    let secs = start.elapsed().as_secs_f64();
+    let extra = PEAK.load(Ordering::Relaxed) - before;
+    let out_bytes = out.elem_count() * DType::F32.size_in_bytes();
+    let scores = mem_n * mem_n * 4;
+    let mib = |x: usize| x as f64 / (1 << 20) as f64;
+    let memory_line = format!(
+        "memory, n = {mem_n}, 1 head, head_dim {d}, non-causal ({:.0} ms): extra heap {:.2} MiB \
+         (of which the output {:.2} MiB) = 1/{:.0} of one n×n f32 matrix ({:.0} MiB); limit 1/16 = {:.0} MiB",
+        secs * 1e3,
+        mib(extra),
+        mib(out_bytes),
+        scores as f64 / extra.max(1) as f64,
+        mib(scores),
+        mib(scores / 16),
+    );
+    drop((q, k, v, out));
+
     if let Some(l) = load_average() {
         println!("load average (1 min) at start: {l}");
     }
@@ -265,31 +295,8 @@ fn main() -> Result<()> {
         }
     }
 
-    // Extra memory of one long call: heap high-water mark during the call minus what was live
-    // before it (the inputs). The n × n f32 score matrix a naive path builds is the yardstick.
-    let q = Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?;
-    let k = Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?;
-    let v = Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?;
-    let before = LIVE.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
-    let start = Instant::now();
-    let out = candle_flash::flash_attn(&q, &k, &v, scale as f32, false)?;
-    let secs = start.elapsed().as_secs_f64();
-    let extra = PEAK.load(Ordering::Relaxed) - before;
-    let out_bytes = out.elem_count() * DType::F32.size_in_bytes();
-    let scores = mem_n * mem_n * 4;
-    let mib = |x: usize| x as f64 / (1 << 20) as f64;
     println!();
-    println!(
-        "memory, n = {mem_n}, 1 head, head_dim {d}, non-causal ({:.0} ms): extra heap {:.2} MiB \
-         (of which the output {:.2} MiB) = 1/{:.0} of one n×n f32 matrix ({:.0} MiB); limit 1/16 = {:.0} MiB",
-        secs * 1e3,
-        mib(extra),
-        mib(out_bytes),
-        scores as f64 / extra.max(1) as f64,
-        mib(scores),
-        mib(scores / 16),
-    );
+    println!("{memory_line}");
     if let Some(l) = load_average() {
         println!("load average (1 min) at end: {l}");
     }

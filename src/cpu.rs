@@ -207,9 +207,9 @@ fn forward_with<T: Elem>(
         lse: SyncPtr(lse.as_mut_ptr()),
         qsub,
     };
-    items.into_par_iter().with_max_len(1).for_each_init(
-        || Scratch::new(d, qsub),
-        |scratch, item| match isa {
+    // One item per rayon job, so idle threads can steal any single item.
+    items.into_par_iter().with_max_len(1).for_each(|item| {
+        with_scratch(d, qsub, |scratch| match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::detect` saw avx512f on this CPU.
             Isa::Avx512 => unsafe { item_avx512(&ctx, scratch, item) },
@@ -217,9 +217,32 @@ fn forward_with<T: Elem>(
             // SAFETY: `Isa::detect` saw avx2 and fma on this CPU.
             Isa::Avx2Fma => unsafe { item_avx2(&ctx, scratch, item) },
             Isa::Portable => run_item::<T, Portable>(&ctx, scratch, item),
-        },
-    );
+        })
+    });
     (out, lse)
+}
+
+thread_local! {
+    /// Each thread's scratch, kept between work items and calls: with one item per rayon job,
+    /// `for_each_init` would allocate and zero it for every item.
+    static SCRATCH: std::cell::RefCell<Option<Scratch>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's scratch, (re)built when the shape changed.
+fn with_scratch(d: usize, qsub: usize, f: impl FnOnce(&mut Scratch)) {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut slot) => {
+            let fits = matches!(&*slot, Some(s) if s.d == d && s.sub.len() == qsub);
+            if !fits {
+                *slot = Some(Scratch::new(d, qsub));
+            }
+            if let Some(s) = slot.as_mut() {
+                f(s);
+            }
+        }
+        // Only if an item ever ran inside another on this thread; stay correct regardless.
+        Err(_) => f(&mut Scratch::new(d, qsub)),
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -247,6 +270,8 @@ struct SubTile {
 
 /// Per-thread buffers, reused across work items.
 struct Scratch {
+    /// The head dim the buffers are sized for.
+    d: usize,
     sub: Vec<SubTile>,
     /// `Sᵀ`, then `Pᵀ` in place: `BC` rows of lanes.
     s: Vec<Lanes>,
@@ -260,6 +285,7 @@ struct Scratch {
 impl Scratch {
     fn new(d: usize, qsub: usize) -> Self {
         Self {
+            d,
             sub: (0..qsub)
                 .map(|_| SubTile {
                     qt: vec![Lanes::splat(0.0); d],
