@@ -59,11 +59,14 @@ impl Window {
         let diag = diagonal(i, seq_q, seq_k);
         let sk = seq_k as i64;
         let lo = match self.left {
-            Some(l) => (diag.saturating_sub(l as i64)).clamp(0, sk),
+            Some(l) => diag.saturating_sub(to_i64(l)).clamp(0, sk),
             None => 0,
         };
         let hi = match self.right {
-            Some(r) => diag.saturating_add(r as i64).saturating_add(1).clamp(0, sk),
+            Some(r) => diag
+                .saturating_add(to_i64(r))
+                .saturating_add(1)
+                .clamp(0, sk),
             None => sk,
         };
         (lo as usize, (hi.max(lo)) as usize)
@@ -104,10 +107,21 @@ impl Window {
     }
 
     /// Window bounds as signed offsets from the diagonal for kernels: `-1` means unbounded.
+    /// Sizes are capped at [`WINDOW_CAP`] (no sequence is that long, so the cap changes no
+    /// mask), which keeps `diag ± size` far from overflow in kernel arithmetic.
     pub fn as_i64(&self) -> (i64, i64) {
-        let f = |w: Option<usize>| w.map_or(-1, |w| w.min(i64::MAX as usize) as i64);
+        let f = |w: Option<usize>| w.map_or(-1, |w| to_i64(w).min(WINDOW_CAP));
         (f(self.left), f(self.right))
     }
+}
+
+/// Largest window size handed to kernels; any window at least this wide sees every key.
+pub const WINDOW_CAP: i64 = 1 << 40;
+
+/// Window sizes beyond `i64::MAX` (e.g. `usize::MAX`) mean "everything", never a negative size.
+#[inline(always)]
+fn to_i64(w: usize) -> i64 {
+    i64::try_from(w).unwrap_or(i64::MAX)
 }
 
 /// The diagonal of query row `i`: the key it is aligned with (bottom-right alignment).
@@ -197,7 +211,7 @@ mod tests {
         assert_eq!(w.key_range(3, 4, 4), (2, 4));
         let huge = Window::new(Some(usize::MAX), Some(usize::MAX));
         assert_eq!(huge.key_range(0, 3, 7), (0, 7));
-        assert_eq!(huge.as_i64(), (i64::MAX, i64::MAX));
+        assert_eq!(huge.as_i64(), (WINDOW_CAP, WINDOW_CAP));
         assert!(huge.covers(0..3, 0..7, 3, 7));
         assert!(!Window::CAUSAL.covers(0..2, 0..4, 4, 4));
         assert!(Window::CAUSAL.covers(2..4, 0..3, 4, 4));

@@ -165,6 +165,8 @@ fn windows() {
         (Some(0), None),
         (Some(100), Some(100)),
         (Some(usize::MAX), Some(usize::MAX)),
+        (Some(usize::MAX), Some(0)),
+        (Some(1 << 62), Some(usize::MAX - 1)),
         (Some(1), Some(0)),
     ];
     for (n, &(l, r)) in windows.iter().enumerate() {

@@ -48,8 +48,10 @@ pub fn reference(
                 let mut any = false;
                 for (j, sj) in s.iter_mut().enumerate() {
                     let jj = j as i64;
-                    let visible = opts.window_size_left.is_none_or(|l| jj >= diag - l as i64)
-                        && opts.window_size_right.is_none_or(|r| jj <= diag + r as i64);
+                    // i128: window sizes up to usize::MAX must not wrap.
+                    let (jw, dw) = (jj as i128, diag as i128);
+                    let visible = opts.window_size_left.is_none_or(|l| jw >= dw - l as i128)
+                        && opts.window_size_right.is_none_or(|r| jw <= dw + r as i128);
                     if !visible {
                         *sj = f64::NEG_INFINITY;
                         continue;
