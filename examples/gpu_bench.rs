@@ -1,0 +1,206 @@
+//! GPU forward benchmark of the CUDA path.
+//!
+//! ```text
+//! cargo run --release --features cuda --example gpu_bench
+//! cargo run --release --features cuda --example gpu_bench -- --quick
+//! ```
+//!
+//! Part 1: bf16 and f16, head dims 64 and 128, seq 512 / 2048 / 8192 / 16384, causal and not, at
+//! hidden size 2048 (heads = 2048 / d) and 16k tokens per batch (batch = 16384 / seq).
+//! Part 2: the exact f32 path against candle's naive f32 attention (matmul, scale, mask, softmax,
+//! matmul; the mask is built outside the clock) from seq 2048 up, with their ratio and where
+//! the naive one runs out of memory.
+//!
+//! TFLOP/s counts `4·b·h·s²·d`, halved under the causal mask. Each time is the median of the
+//! repetitions after two warm-up runs, with the device synchronised before and after each run.
+//! Lines starting with `RESULT` are for scripts (scripts/gpu-run.sh builds its table from them).
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle::{DType, Device, Tensor};
+use candle_flash::FlashAttn;
+use clap::Parser;
+
+#[derive(Parser)]
+struct Args {
+    /// Fewer shapes and repetitions.
+    #[arg(long)]
+    quick: bool,
+    /// Skip the f32 section.
+    #[arg(long)]
+    no_f32: bool,
+    /// Time budget per shape, in seconds.
+    #[arg(long, default_value_t = 0.4)]
+    budget: f64,
+}
+
+const HIDDEN: usize = 2048;
+const TOKENS: usize = 16384;
+
+fn flops(b: usize, h: usize, s: usize, d: usize, causal: bool) -> f64 {
+    let f = 4.0 * (b * h) as f64 * (s as f64) * (s as f64) * d as f64;
+    if causal {
+        f / 2.0
+    } else {
+        f
+    }
+}
+
+/// Median seconds of `f` (two warm-up runs, then repetitions until `budget` seconds or 50 runs).
+fn time(
+    dev: &Device,
+    budget: f64,
+    mut f: impl FnMut() -> candle::Result<Tensor>,
+) -> candle::Result<f64> {
+    for _ in 0..2 {
+        drop(f()?);
+        dev.synchronize()?;
+    }
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while times.len() < 5 || (start.elapsed().as_secs_f64() < budget && times.len() < 50) {
+        dev.synchronize()?;
+        let t = Instant::now();
+        let out = f()?;
+        dev.synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+        drop(out);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+/// candle's naive attention on (b, h, s, d) tensors; `mask` is an additive (s, s) f32 mask.
+fn naive(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> candle::Result<Tensor> {
+    let s = (q.matmul(&k.t()?)? * scale)?;
+    let s = match mask {
+        Some(m) => s.broadcast_add(m)?,
+        None => s,
+    };
+    let p = candle_nn::ops::softmax_last_dim(&s)?;
+    p.matmul(v)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("no CUDA device ({e}); build with --features cuda and run on a GPU machine");
+            return Ok(());
+        }
+    };
+    let seqs: &[usize] = if args.quick {
+        &[2048, 8192]
+    } else {
+        &[512, 2048, 8192, 16384]
+    };
+    let budget = if args.quick { 0.15 } else { args.budget };
+
+    println!("candle-flash CUDA forward, hidden {HIDDEN}, {TOKENS} tokens per batch");
+    println!(
+        "{:<6} {:>4} {:>6} {:>6} {:>4} {:>7} {:>10} {:>9}",
+        "dtype", "d", "seq", "batch", "h", "causal", "ms", "TFLOP/s"
+    );
+    for dtype in [DType::BF16, DType::F16] {
+        for d in [64, 128] {
+            for &s in seqs {
+                for causal in [false, true] {
+                    let (b, h) = (TOKENS / s, HIDDEN / d);
+                    let q = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)?;
+                    let k = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)?;
+                    let v = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)?;
+                    let mut op = FlashAttn::new(1.0 / (d as f32).sqrt());
+                    if causal {
+                        op = op.causal();
+                    }
+                    let t = time(&dev, budget, || op.forward(&q, &k, &v))?;
+                    let tf = flops(b, h, s, d, causal) / t / 1e12;
+                    println!(
+                        "{:<6} {d:>4} {s:>6} {b:>6} {h:>4} {causal:>7} {:>10.3} {tf:>9.1}",
+                        format!("{dtype:?}").to_lowercase(),
+                        t * 1e3
+                    );
+                    println!(
+                        "RESULT candle {} {d} {s} {causal} {tf:.2}",
+                        format!("{dtype:?}").to_lowercase()
+                    );
+                }
+            }
+        }
+    }
+
+    if args.no_f32 {
+        return Ok(());
+    }
+    let seqs32: &[usize] = if args.quick {
+        &[2048, 8192]
+    } else {
+        &[2048, 4096, 8192, 16384, 32768]
+    };
+    println!();
+    println!("f32 (exact FFMA path) vs candle naive f32 attention, hidden {HIDDEN}, batch max(1, {TOKENS}/seq)");
+    println!(
+        "{:>4} {:>6} {:>6} {:>7} {:>12} {:>12} {:>8}",
+        "d", "seq", "batch", "causal", "flash TF/s", "naive TF/s", "ratio"
+    );
+    for d in [64, 128] {
+        for &s in seqs32 {
+            for causal in [false, true] {
+                let (b, h) = ((TOKENS / s).max(1), HIDDEN / d);
+                let q = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?;
+                let k = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?;
+                let v = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?;
+                let scale = 1.0 / (d as f64).sqrt();
+                let mut op = FlashAttn::new(scale as f32);
+                if causal {
+                    op = op.causal();
+                }
+                let f = flops(b, h, s, d, causal);
+                let tf_flash = f / time(&dev, budget, || op.forward(&q, &k, &v))? / 1e12;
+                // Naive: (b, h, s, d) layout prepared outside the clock, like a model would keep it.
+                let naive_tf = (|| -> candle::Result<f64> {
+                    let qt = q.transpose(1, 2)?.contiguous()?;
+                    let kt = k.transpose(1, 2)?.contiguous()?;
+                    let vt = v.transpose(1, 2)?.contiguous()?;
+                    let mask = if causal {
+                        let i = Tensor::arange(0u32, s as u32, &dev)?;
+                        let m = i.unsqueeze(1)?.broadcast_lt(&i.unsqueeze(0)?)?;
+                        let ninf = Tensor::full(f32::NEG_INFINITY, (s, s), &dev)?;
+                        Some(m.where_cond(&ninf, &ninf.zeros_like()?)?)
+                    } else {
+                        None
+                    };
+                    let t = time(&dev, budget, || naive(&qt, &kt, &vt, scale, mask.as_ref()))?;
+                    Ok(f / t / 1e12)
+                })();
+                let (naive_s, ratio_s) = match naive_tf {
+                    Ok(n) => (format!("{n:.2}"), format!("{:.1}x", tf_flash / n)),
+                    Err(e) => {
+                        let msg = e.to_string();
+                        let why = if msg.contains("OUT_OF_MEMORY") || msg.contains("out of memory")
+                        {
+                            "OOM".to_string()
+                        } else {
+                            format!("error: {}", msg.lines().next().unwrap_or(""))
+                        };
+                        (why, "-".to_string())
+                    }
+                };
+                println!(
+                    "{d:>4} {s:>6} {b:>6} {causal:>7} {tf_flash:>12.2} {naive_s:>12} {ratio_s:>8}"
+                );
+                println!("RESULT32 {d} {s} {causal} {tf_flash:.2} {naive_s}");
+                dev.synchronize()?;
+            }
+        }
+    }
+    Ok(())
+}

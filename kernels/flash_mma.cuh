@@ -1,0 +1,466 @@
+// FlashAttention-2 forward for f16/bf16 on tensor cores (sm_80+ mma.sync), f32 accumulation.
+//
+// Tiling: one thread block computes BR = 16 * MT * WARPS query rows of one (batch, head) against
+// all visible keys, BC keys at a time. Each warp owns MT slices of 16 rows (FA2 split: no
+// inter-warp reduction); its O accumulator, row max m and row sum l stay in registers for the
+// whole loop and O is normalised once at the end.
+//   S = Q K^T : mma.m16n8k16, A = Q from shared memory (ldmatrix), B = K (ldmatrix)
+//   P = exp2(S * scale * log2 e - m) : computed in the S registers, rounded to T and fed directly
+//       as the A operand of the next mma (the C fragment layout of two n8 tiles is exactly the A
+//       layout of one k16 step), so P never touches shared memory
+//   O += P V   : B = V (ldmatrix.trans)
+// K/V tiles stream through a STAGES-deep cp.async ring; the load of tile t+STAGES-1 is issued
+// before tile t is computed. Shared memory rows are 16-byte chunks permuted by an XOR swizzle so
+// that the 8 rows an ldmatrix reads hit distinct banks (see `swz`).
+// Causal / sliding-window tiles outside the band are skipped by the loop bounds; only tiles the
+// band cuts (or the key tail) run the per-element mask. Softcap and ALiBi are applied in the
+// score registers. Rows that see no key end with l = 0 and are written as 0 with lse = -inf.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "flash_common.cuh"
+
+namespace flash {
+
+// ---- PTX wrappers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// 16-byte async copy global -> shared; src_bytes = 0 zero-fills (tails, padding columns).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+// threadIdx.x through a volatile read: per-copy offsets derived from it are then recomputed at
+// each use instead of being hoisted out of the key loop into (dozens of) registers.
+__device__ __forceinline__ int tid_volatile() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// volatile: shared memory changes between loop iterations, so these must not be hoisted/merged.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+template <typename T>
+struct Mma;
+template <>
+struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // Two f32 -> one register holding (lo, hi) as bf16, lo in the low half (lower column).
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+};
+template <>
+struct Mma<__half> {
+    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+};
+
+// ---- shared-memory layout -------------------------------------------------------------------
+
+// Element offset of 16-byte chunk `c` of row `r` in a tile whose rows hold D elements
+// (C = D / 8 chunks, C % 8 is 0 or 4 for every instantiated D). The first C8 = C & ~7 chunks
+// are XOR-permuted by r & 7; a remaining half line of 4 chunks by (r >> 1) & 3. Either way, the 8
+// rows of one ldmatrix (same logical chunk) land on 8 distinct 16-byte bank groups, and so do
+// the cp.async stores of consecutive chunks.
+template <int D>
+__device__ __forceinline__ int swz(int r, int c) {
+    constexpr int C = D / 8;
+    constexpr int C8 = C & ~7;
+    const int pc = c < C8 ? (c ^ (r & 7)) : (C8 + ((c - C8) ^ ((r >> 1) & 3)));
+    return r * D + pc * 8;
+}
+
+// Per-thread ldmatrix addressing. A thread always reads row r_t + 16 i (i compile-time) at
+// chunk 2 kk + hi; adding multiples of 8 to the row changes neither r & 7 nor (r >> 1) & 3. In the
+// XOR-swizzled part, chunk (2 kk + hi) ^ (r & 7) = 8 (kk / 4) + (2 (kk % 4) ^ y) with the
+// per-thread y = hi ^ (r & 7), so an offset is `row + (y8 ^ constant) + constant`: one XOR and
+// one add per ldmatrix, and only two registers per operand (one when D % 64 == 0, where the row
+// offset has no bits under 64 and y8 can be merged into it). The tail half line (C % 8 == 4)
+// has two per-thread offsets of its own.
+template <int D>
+struct SwzRow {
+    static constexpr int C = D / 8, C8 = C & ~7;
+    static constexpr bool MERGED = D % 64 == 0;
+    int row_;  // r_t * D (+ y8 when MERGED)
+    int y8_;   // 8 * (hi ^ (r_t & 7)), in elements
+    int tail_[C % 8 == 4 ? 2 : 1];
+    __device__ __forceinline__ SwzRow(int r_t, int hi) {
+        y8_ = 8 * (hi ^ (r_t & 7));
+        row_ = r_t * D + (MERGED ? y8_ : 0);
+        if constexpr (C % 8 == 4) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                tail_[i] = r_t * D + (C8 + ((2 * i + hi) ^ ((r_t >> 1) & 3))) * 8;
+        }
+    }
+    // Element offset of chunk 2 kk + hi in row r_t + 16 i (kk, i compile-time after unrolling).
+    __device__ __forceinline__ int at(int i, int kk) const {
+        if (2 * kk < C8) {
+            const int x = 16 * (kk % 4);  // (2 (kk % 4)) chunks, in elements
+            const int c = (kk / 4) * 64 + i * 16 * D;
+            return MERGED ? (row_ ^ x) + c : row_ + (y8_ ^ x) + c;
+        }
+        return tail_[(kk - C8 / 2) % 2] + i * 16 * D;
+    }
+};
+
+// Copies ROWS x D elements (rows `row_stride` apart, columns contiguous) into a swizzled tile.
+// Rows >= rows_valid and columns >= d_load are zero-filled, so tails need no special casing later.
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile(T* smem, const T* g, int64_t row_stride, int rows_valid,
+                                          int d_load) {
+    constexpr int C = D / 8;
+    const int tid = tid_volatile();
+    // Each thread keeps one column chunk and steps down the rows, RPI rows at a time: one
+    // pointer increment per step, nothing hoisted per iteration.
+    constexpr int RPI = THREADS / C;
+    static_assert(RPI >= 1, "a row must fit in one pass of the block");
+    const int r0 = tid / C, c = tid % C;
+    const bool col_ok = c * 8 < d_load && r0 < RPI;
+    const T* src = g + r0 * row_stride + c * 8;
+#pragma unroll
+    for (int it = 0; it < (ROWS + RPI - 1) / RPI; ++it) {
+        const int r = r0 + it * RPI;
+        if ((ROWS % RPI == 0 || r < ROWS) && (THREADS % C == 0 || r0 < RPI)) {
+            const bool ok = col_ok && r < rows_valid;
+            // A zero-byte copy reads nothing; point it at the tile base, which is always mapped.
+            cp_async16(smem + swz<D>(r, c), ok ? src : g, ok ? 16 : 0);
+        }
+        src += RPI * row_stride;
+    }
+}
+
+// ---- the kernel -----------------------------------------------------------------------------
+
+template <typename T, int D, int MT, int BC, int WARPS, int STAGES>
+struct Traits {
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int BR = 16 * MT * WARPS;  // query rows per block
+    static constexpr int NT = BC / 8;           // n8 tiles of S per 16-row slice
+    static constexpr int DT = D / 8;            // n8 tiles of O per 16-row slice
+    static constexpr int SMEM = (BR * D + STAGES * 2 * BC * D) * (int)sizeof(T);
+};
+
+template <typename T, int D, int MT, int BC, int WARPS, int STAGES, bool MODS>
+__device__ __forceinline__ void flash_fwd(const FlashParams& p) {
+    using Tr = Traits<T, D, MT, BC, WARPS, STAGES>;
+    constexpr int BR = Tr::BR, NT = Tr::NT, DT = Tr::DT, THREADS = Tr::THREADS;
+    static_assert(BC % 16 == 0 && D % 16 == 0, "tiles are whole mma steps");
+    static_assert(STAGES >= 2, "the ring needs a buffer in flight");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sKV = sQ + BR * D;  // stage s: K at sKV + 2 s BC D, V right after
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // Reverse tile order: with causal masks the last query tiles have the most keys, so the
+    // longest blocks start first and the short ones fill the tail of the grid.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    BlockGeom g;
+    if (!block_geom(p, m_block, BR, h, b, g)) return;
+    const int kvh = h / p.kv_group;
+
+    const T* qg = static_cast<const T*>(p.q) + (int64_t)b * p.q_batch +
+                  (g.q_row0 + g.m0) * p.q_seq + (int64_t)h * p.q_head;
+    const T* kg = static_cast<const T*>(p.k) + (int64_t)b * p.k_batch + g.k_row0 * p.k_seq +
+                  (int64_t)kvh * p.k_head;
+    const T* vg = static_cast<const T*>(p.v) + (int64_t)b * p.v_batch + g.k_row0 * p.v_seq +
+                  (int64_t)kvh * p.v_head;
+
+    // Per-thread rows: slice mt of this warp, rows (lane / 4) and (lane / 4 + 8) of the slice.
+    const int row_base = warp * 16 * MT + lane / 4;
+    float acc_o[MT][DT][4];
+    float row_m[MT][2], row_l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < DT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][j][e] = 0.f;
+        row_m[mt][0] = row_m[mt][1] = -INFINITY;
+        row_l[mt][0] = row_l[mt][1] = 0.f;
+    }
+
+    const SwzRow<D> q_off(warp * 16 * MT + lane % 16, lane / 16);
+    const SwzRow<D> k_off((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    const SwzRow<D> v_off(lane % 16, lane / 16);
+    // Diagonal of this thread's first row; its other rows are 8 and 16 further.
+    const int diag_t = g.m0 + row_base + g.sk - g.sq;
+
+    const int t_begin = g.n_lo / BC;
+    const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BC - 1) / BC : t_begin;
+    const float slope_log2 = p.alibi ? p.alibi[g.slope_idx] * LOG2E_F : 0.f;
+
+    // Prologue: Q plus the first STAGES-1 K/V tiles, one commit group per tile.
+    load_tile<T, D, BR, THREADS>(sQ, qg, p.q_seq, g.rows, p.d_load);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        const int t = t_begin + s;
+        if (t < t_end) {
+            T* sK = sKV + s * 2 * BC * D;
+            const int rows = min(BC, g.sk - t * BC);
+            load_tile<T, D, BC, THREADS>(sK, kg + (int64_t)t * BC * p.k_seq, p.k_seq, rows,
+                                         p.d_load);
+            load_tile<T, D, BC, THREADS>(sK + BC * D, vg + (int64_t)t * BC * p.v_seq, p.v_seq, rows,
+                                         p.d_load);
+        }
+        cp_async_commit();
+    }
+
+    for (int t = t_begin; t < t_end; ++t) {
+        const int it = t - t_begin;
+        cp_async_wait<STAGES - 2>();  // tile t (and Q) have landed for this thread...
+        __syncthreads();              // ...and for all; everyone is done with tile t-1's buffer
+        {
+            const int tn = t + STAGES - 1;
+            if (tn < t_end) {
+                T* sK = sKV + ((it + STAGES - 1) % STAGES) * 2 * BC * D;
+                const int rows = min(BC, g.sk - tn * BC);
+                load_tile<T, D, BC, THREADS>(sK, kg + (int64_t)tn * BC * p.k_seq, p.k_seq, rows,
+                                             p.d_load);
+                load_tile<T, D, BC, THREADS>(sK + BC * D, vg + (int64_t)tn * BC * p.v_seq, p.v_seq,
+                                             rows, p.d_load);
+            }
+            cp_async_commit();
+        }
+        const T* sK = sKV + (it % STAGES) * 2 * BC * D;
+        const T* sV = sK + BC * D;
+
+        // S = Q K^T for this warp's MT x 16 rows and BC keys.
+        float acc_s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mt][j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4(qa[mt], sQ + q_off.at(mt, kk));
+#pragma unroll
+            for (int np = 0; np < BC / 16; ++np) {
+                uint32_t kb[4];
+                // matrices: (keys 0-7, k lo) (keys 0-7, k hi) (keys 8-15, k lo) (keys 8-15, k hi)
+                ldsm_x4(kb, sK + k_off.at(np, kk));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma<T>::run(acc_s[mt][2 * np], qa[mt], kb[0], kb[1]);
+                    Mma<T>::run(acc_s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
+                }
+            }
+        }
+
+        // Scores to base 2: plain scale folded with log2 e, or softcap / ALiBi.
+        const int k0 = t * BC;
+        const int col = k0 + 2 * (lane % 4);  // key of element e = 0 of n-tile 0
+        if constexpr (MODS) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int diag = diag_t + mt * 16 + (e / 2) * 8;
+                        acc_s[mt][j][e] =
+                            modded_score(p, acc_s[mt][j][e], slope_log2, diag, col + j * 8 + e % 2);
+                    }
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_s[mt][j][e] *= p.scale_log2;
+        }
+        // Per-element mask only where the band or the key tail cuts this tile.
+        if (!tile_is_full(p, g, k0, BC)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int diag = diag_t + mt * 16 + (e / 2) * 8;
+                        if (!visible(p, diag, col + j * 8 + e % 2, g.sk)) acc_s[mt][j][e] = -INFINITY;
+                    }
+        }
+
+        // Online softmax: new running max, rescale O and l, exponentiate in place.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                float mx = row_m[mt][hf];
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+                    mx = fmaxf(mx, fmaxf(acc_s[mt][j][2 * hf], acc_s[mt][j][2 * hf + 1]));
+                // The 4 threads of a quad hold the same row.
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+                // A row that has seen only masked keys keeps max -inf; subtracting 0 instead
+                // keeps exp2 at 0 rather than NaN (-inf - -inf).
+                const float m_use = mx == -INFINITY ? 0.f : mx;
+                const float alpha = fast_exp2(row_m[mt][hf] - m_use);
+                row_m[mt][hf] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float pv = fast_exp2(acc_s[mt][j][2 * hf + e] - m_use);
+                        acc_s[mt][j][2 * hf + e] = pv;
+                        sum += pv;
+                    }
+                // l stays a per-thread partial sum (quad-reduced once at the end).
+                row_l[mt][hf] = row_l[mt][hf] * alpha + sum;
+#pragma unroll
+                for (int j = 0; j < DT; ++j) {
+                    acc_o[mt][j][2 * hf] *= alpha;
+                    acc_o[mt][j][2 * hf + 1] *= alpha;
+                }
+            }
+        // O += P V, P straight from the S registers: the C layout of n-tiles (2 kk, 2 kk + 1)
+        // is the A layout of k-step kk once rounded to T.
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            uint32_t pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = Mma<T>::pack(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
+                pa[mt][1] = Mma<T>::pack(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
+                pa[mt][2] = Mma<T>::pack(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
+                pa[mt][3] = Mma<T>::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                uint32_t vb[4];
+                // matrices: (keys 0-7, d lo) (keys 8-15, d lo) (keys 0-7, d hi) (keys 8-15, d hi)
+                ldsm_x4_t(vb, sV + v_off.at(kk, dp));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma<T>::run(acc_o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+                    Mma<T>::run(acc_o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                }
+            }
+        }
+    }
+    // Only empty groups can remain after the loop, but a block that saw no key never waited for
+    // Q: drain every copy and let all threads finish before sQ is reused for the output.
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Epilogue: one normalisation, lse, then stage the tile in sQ for 16-byte coalesced stores.
+    // Each warp overwrites only its own Q rows, which no other warp reads.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            float l = row_l[mt][hf];
+            l += __shfl_xor_sync(0xffffffff, l, 1);
+            l += __shfl_xor_sync(0xffffffff, l, 2);
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const int r = row_base + mt * 16 + hf * 8;
+            if (lane % 4 == 0 && r < g.rows)
+                p.lse[g.lse0 + r] = l > 0.f ? (row_m[mt][hf] + __log2f(l)) * LN2_F : -INFINITY;
+#pragma unroll
+            for (int j = 0; j < DT; ++j) {
+                const int c = j * 8 + 2 * (lane % 4);
+                *reinterpret_cast<uint32_t*>(sQ + swz<D>(r, c / 8) + c % 8) =
+                    Mma<T>::pack(acc_o[mt][j][2 * hf] * inv, acc_o[mt][j][2 * hf + 1] * inv);
+            }
+        }
+    __syncthreads();
+    T* og = static_cast<T*>(p.o) + (g.out_row0 + g.m0) * p.o_seq + (int64_t)h * p.o_head;
+    constexpr int C = D / 8;
+    if (p.d_out % 8 == 0) {
+#pragma unroll
+        for (int it = 0; it < BR * C / THREADS; ++it) {
+            const int i = tid + it * THREADS;
+            const int r = i / C, c = i % C;
+            if (r < g.rows && c * 8 < p.d_out)
+                *reinterpret_cast<uint4*>(og + r * p.o_seq + c * 8) =
+                    *reinterpret_cast<const uint4*>(sQ + swz<D>(r, c));
+        }
+    } else {
+        // Head dims that are not a multiple of 8 (inputs were padded by the pack kernel).
+        for (int i = tid; i < BR * p.d_out; i += THREADS) {
+            const int r = i / p.d_out, c = i % p.d_out;
+            if (r < g.rows) og[r * p.o_seq + c] = sQ[swz<D>(r, c / 8) + c % 8];
+        }
+    }
+}
+
+// Blocks whose band holds no key never enter the loop: they fall through to the epilogue with
+// l = 0 and write zeros / -inf, which is the contract for rows that see nothing.
+
+}  // namespace flash
+
+// One extern "C" entry point per (dtype, head dim). The Rust side (src/cuda.rs, `MMA_CONFIGS`)
+// mirrors the tile sizes to size the grid and the dynamic shared memory.
+// Softcap / ALiBi get their own `_mods` instance: fused into the plain kernel they would cost it
+// registers (and spills at d 128) even when off.
+#define FLASH_INSTANCE(NAME, T, D, MT, BC, WARPS, STAGES, MINB)                         \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                      \
+        NAME(const FlashParams p) {                                                     \
+        flash::flash_fwd<T, D, MT, BC, WARPS, STAGES, false>(p);                        \
+    }                                                                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                      \
+        NAME##_mods(const FlashParams p) {                                              \
+        flash::flash_fwd<T, D, MT, BC, WARPS, STAGES, true>(p);                         \
+    }
+
+// Config per head dim (see the Rust table): up to 128, warps take 32 rows so each K/V fragment
+// read from shared memory feeds two mmas; from 160 up the O accumulator of 32 rows would not fit
+// in registers, so warps take 16 rows. `_d128_w8` (8 warps of 16 rows, same 128-row tile) is an
+// alternative for d 128 selected with CANDLE_FLASH_D128=w8, kept for benchmarking.
+#define FLASH_ALL_DIMS(PREFIX, T)                                 \
+    FLASH_INSTANCE(PREFIX##_d32, T, 32, 2, 64, 4, 2, 2)           \
+    FLASH_INSTANCE(PREFIX##_d64, T, 64, 2, 64, 4, 2, 2)           \
+    FLASH_INSTANCE(PREFIX##_d96, T, 96, 2, 32, 4, 2, 2)           \
+    FLASH_INSTANCE(PREFIX##_d128, T, 128, 2, 64, 4, 2, 2)         \
+    FLASH_INSTANCE(PREFIX##_d160, T, 160, 1, 64, 4, 2, 2)         \
+    FLASH_INSTANCE(PREFIX##_d192, T, 192, 1, 32, 4, 2, 2)         \
+    FLASH_INSTANCE(PREFIX##_d224, T, 224, 1, 32, 4, 2, 2)         \
+    FLASH_INSTANCE(PREFIX##_d256, T, 256, 1, 32, 4, 2, 2)         \
+    FLASH_INSTANCE(PREFIX##_d128_w8, T, 128, 1, 64, 8, 2, 1)

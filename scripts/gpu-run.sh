@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# What runs on the GPU machine (carry .gpu/, made by scripts/pack-gpu.sh):
+#   GPU tests, compute-sanitizer (racecheck, synccheck, initcheck) on small ragged shapes, the
+#   candle-flash benchmark, PyTorch SDPA (flash and cuDNN) on the same shapes, and a
+#   side-by-side table with ratios. Logs go to $OUT when it is set.
+#   scripts/gpu-run.sh [--quick] [--no-tests] [--no-sanitizer] [--no-bench]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+QUICK=""; TESTS=1; SAN=1; BENCH=1
+for a in "$@"; do
+    case "$a" in
+        --quick) QUICK=--quick ;;
+        --no-tests) TESTS=0 ;;
+        --no-sanitizer) SAN=0 ;;
+        --no-bench) BENCH=0 ;;
+    esac
+done
+LOG=${OUT:-/tmp}
+export LD_LIBRARY_PATH=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))'):${LD_LIBRARY_PATH:-}
+for f in .gpu/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
+chmod +x .gpu/gpu_tests .gpu/gpu_bench
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+status=0
+if [ $TESTS = 1 ]; then
+    echo "== GPU tests"
+    ./.gpu/gpu_tests --test-threads=1 2>&1 | tee "$LOG/tests.log" | grep -E "^test |test result|passed|panicked|error" || true
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ $SAN = 1 ]; then
+    for tool in racecheck synccheck initcheck; do
+        echo "== compute-sanitizer --tool $tool (small ragged shapes)"
+        CANDLE_FLASH_GPU_SMALL=1 compute-sanitizer --tool $tool --error-exitcode 9 \
+            ./.gpu/gpu_tests --test-threads=1 parity_matrix varlen views 2>&1 \
+            | tee "$LOG/sanitizer-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Error|error" | head -20
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
+fi
+if [ $BENCH = 1 ]; then
+    echo "== candle-flash benchmark"
+    ./.gpu/gpu_bench $QUICK 2>&1 | tee "$LOG/bench.log" | grep -v '^RESULT'
+    echo "== PyTorch SDPA"
+    python3 .gpu/sdpa_bench.py $QUICK 2>&1 | tee "$LOG/sdpa.log" | grep -v '^RESULT'
+    echo "== side by side (TFLOP/s; ratio = candle / torch flash)"
+    cat "$LOG/bench.log" "$LOG/sdpa.log" | python3 -c '
+import sys
+r = {}
+for l in sys.stdin:
+    p = l.split()
+    if len(p) == 7 and p[0] == "RESULT":
+        r[(p[1], p[2], int(p[3]), int(p[4]), p[5])] = float(p[6])
+keys = sorted({k[1:] for k in r}, key=lambda k: (k[0], k[1], k[3], k[2]))
+print(f"| dtype | d | seq | causal | candle-flash | torch flash | torch cuDNN | vs flash | vs cuDNN |")
+print("|---|---|---|---|---|---|---|---|---|")
+for k in keys:
+    c, f, n = (r.get((s,) + k) for s in ("candle", "torch_flash", "torch_cudnn"))
+    fmt = lambda x: f"{x:.1f}" if x else "-"
+    rat = lambda a, b: f"{a / b:.2f}" if a and b else "-"
+    print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {fmt(c)} | {fmt(f)} | {fmt(n)} | {rat(c, f)} | {rat(c, n)} |")
+' | tee "$LOG/table.md"
+fi
+exit $status

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds the GPU test binary and the GPU benchmark here (no GPU needed) and leaves them stripped
+# and gzipped in .gpu/, ready to be carried to the device machine and run by scripts/gpu-run.sh.
+#   scripts/pack-gpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+eval "$(../shared/cuda/toolkit.sh 2>/dev/null || /work/shared/cuda/toolkit.sh)"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
+mkdir -p .gpu
+rm -f .gpu/*
+# The test binary's path is only known from cargo's JSON messages.
+test_bin=$(cargo test --release --features cuda --test gpu --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
+        print(m["executable"])')
+cargo build --release --features cuda --example gpu_bench
+cp "$test_bin" .gpu/gpu_tests
+cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .gpu/gpu_bench
+cp scripts/sdpa_bench.py .gpu/
+strip .gpu/gpu_tests .gpu/gpu_bench
+gzip -9 .gpu/gpu_tests .gpu/gpu_bench
+ls -l .gpu

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Assembles every PTX module the crate emits for sm_90 (ptxas -v) and prints registers, stack
+# and spills per kernel. Fails when a main kernel spills: the plain tensor-core instances
+# (flash_fwd_{bf16,f16}_d*, not the *_mods variants for softcap/ALiBi) and the f32 kernels.
+#   scripts/ptxas-check.sh [ptx dir]   (default: the newest cuda build under target*/)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v ptxas >/dev/null || eval "$(../shared/cuda/toolkit.sh)"
+dir=${1:-$(dirname "$(ls -t target*/*/build/candle-flash-*/out/flash_bf16.ptx 2>/dev/null | head -1)")}
+[ -f "$dir/flash_bf16.ptx" ] || { echo "no PTX found (build with --features cuda first)"; exit 1; }
+fail=0
+for ptx in "$dir"/*.ptx; do
+    report=$(ptxas -arch=sm_90 -v "$ptx" -o /dev/null 2>&1) || { echo "$report"; exit 1; }
+    while IFS=$'\t' read -r name regs spill; do
+        printf '%-32s %s %s\n' "$name" "$regs" "$spill"
+        case "$name" in
+            *_mods) ;;
+            flash_fwd_*)
+                if ! grep -q "0 bytes spill stores, 0 bytes spill loads" <<<"$spill"; then
+                    echo "  ^ SPILLS in a main kernel"; fail=1
+                fi ;;
+        esac
+    done < <(awk '
+        /Compiling entry function/ { match($0, /'"'"'[^'"'"']+'"'"'/); name = substr($0, RSTART + 1, RLENGTH - 2) }
+        /spill stores/ { sub(/^.*info    : +/, ""); spill = $0 }
+        /Used [0-9]+ registers/ { match($0, /Used [0-9]+ registers/); printf "%s\t%s\t%s\n", name, substr($0, RSTART, RLENGTH), spill }
+    ' <<<"$report")
+done
+exit $fail

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""PyTorch scaled_dot_product_attention forward TFLOP/s on the shapes of examples/gpu_bench.rs.
+
+bf16 and f16, head dims 64 and 128, seq 512/2048/8192/16384, causal and not, hidden 2048
+(heads = 2048 / d), 16k tokens per batch (batch = 16384 / seq), with the flash (FA2) and cuDNN
+backends. TFLOP/s counts 4*b*h*s^2*d, halved when causal; each time is the median of CUDA-event
+timed runs after warm-up. Lines starting with RESULT are parsed by scripts/gpu-run.sh.
+
+    python3 scripts/sdpa_bench.py [--quick]
+"""
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HIDDEN, TOKENS = 2048, 16384
+
+
+def bench(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    seqs = [2048, 8192] if args.quick else [512, 2048, 8192, 16384]
+    reps = 5 if args.quick else 20
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print(f"{'backend':<8} {'dtype':<6} {'d':>4} {'seq':>6} {'causal':>7} {'ms':>9} {'TFLOP/s':>9}")
+    backends = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]
+    for name, backend in backends:
+        for dtype in (torch.bfloat16, torch.float16):
+            dname = "bf16" if dtype == torch.bfloat16 else "f16"
+            for d in (64, 128):
+                for s in seqs:
+                    for causal in (False, True):
+                        b, h = TOKENS // s, HIDDEN // d
+                        # (b, h, s, d) is SDPA's layout; same element count as ours.
+                        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
+                        flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                        try:
+                            with sdpa_kernel([backend]):
+                                t = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
+                            tf = flops / t / 1e12
+                            print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} {t * 1e3:>9.3f} {tf:>9.1f}")
+                            print(f"RESULT torch_{name} {dname} {d} {s} {str(causal).lower()} {tf:.2f}")
+                        except RuntimeError as e:
+                            print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} unavailable: {str(e).splitlines()[0]}")
+
+
+if __name__ == "__main__":
+    main()
