@@ -11,8 +11,9 @@
 //! matmul; the mask is built outside the clock) from seq 2048 up, with their ratio and where
 //! the naive one runs out of memory.
 //!
-//! TFLOP/s counts `4·b·h·s²·d`, halved under the causal mask. Each time is the median of the
-//! repetitions after two warm-up runs, with the device synchronised before and after each run.
+//! TFLOP/s counts `4·b·h·s²·d`, halved under the causal mask. Each time is the median over
+//! batches of back-to-back calls (synchronised before and after each batch) after two warm-up
+//! calls; scripts/sdpa_bench.py times PyTorch the same way.
 //! Lines starting with `RESULT` are for scripts (scripts/gpu-run.sh builds its table from them).
 
 use std::time::Instant;
@@ -47,7 +48,9 @@ fn flops(b: usize, h: usize, s: usize, d: usize, causal: bool) -> f64 {
     }
 }
 
-/// Median seconds of `f` (two warm-up runs, then repetitions until `budget` seconds or 50 runs).
+/// Seconds per call of `f`: two warm-up calls, then batches of back-to-back calls (enough for
+/// ~20 ms each) between device synchronisations, so host-side launch overhead overlaps device
+/// work as it does in a model; the median batch (at least 5, until `budget` seconds or 30).
 fn time(
     dev: &Device,
     budget: f64,
@@ -55,17 +58,22 @@ fn time(
 ) -> candle::Result<f64> {
     for _ in 0..2 {
         drop(f()?);
-        dev.synchronize()?;
     }
+    dev.synchronize()?;
+    let t = Instant::now();
+    drop(f()?);
+    dev.synchronize()?;
+    let per_batch = ((0.02 / t.elapsed().as_secs_f64()).ceil() as usize).clamp(1, 200);
     let mut times = Vec::new();
     let start = Instant::now();
-    while times.len() < 5 || (start.elapsed().as_secs_f64() < budget && times.len() < 50) {
+    while times.len() < 5 || (start.elapsed().as_secs_f64() < budget && times.len() < 30) {
         dev.synchronize()?;
         let t = Instant::now();
-        let out = f()?;
+        for _ in 0..per_batch {
+            drop(f()?);
+        }
         dev.synchronize()?;
-        times.push(t.elapsed().as_secs_f64());
-        drop(out);
+        times.push(t.elapsed().as_secs_f64() / per_batch as f64);
     }
     times.sort_by(|a, b| a.total_cmp(b));
     Ok(times[times.len() / 2])

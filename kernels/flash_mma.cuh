@@ -205,6 +205,17 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                   (int64_t)kvh * p.k_head;
     const T* vg = static_cast<const T*>(p.v) + (int64_t)b * p.v_batch + g.k_row0 * p.v_seq +
                   (int64_t)kvh * p.v_head;
+    // Block-uniform values the key loop needs once per tile live in shared memory rather than
+    // registers: at d 128 the O and S accumulators leave no room for them (ptxas spilled them).
+    // They are read right after the loop's barrier, so their live ranges stay short.
+    __shared__ const T* sh_kg;
+    __shared__ const T* sh_vg;
+    __shared__ int sh_sk;
+    if (tid == 0) {
+        sh_kg = kg;
+        sh_vg = vg;
+        sh_sk = g.sk;
+    }
 
     // Per-thread rows: slice mt of this warp, rows (lane / 4) and (lane / 4 + 8) of the slice.
     const int row_base = warp * 16 * MT + lane / 4;
@@ -229,6 +240,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     const int t_begin = g.n_lo / BC;
     const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BC - 1) / BC : t_begin;
     const float slope_log2 = p.alibi ? p.alibi[g.slope_idx] * LOG2E_F : 0.f;
+    const float unit = MODS ? 1.f : p.scale_log2;  // base-2 logit per unit of row_m / acc_s
 
     // Prologue: Q plus the first STAGES-1 K/V tiles, one commit group per tile.
     load_tile<T, D, BR, THREADS>(sQ, qg, p.q_seq, g.rows, p.d_load);
@@ -254,11 +266,11 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             const int tn = t + STAGES - 1;
             if (tn < t_end) {
                 T* sK = sKV + ((it + STAGES - 1) % STAGES) * 2 * BC * D;
-                const int rows = min(BC, g.sk - tn * BC);
-                load_tile<T, D, BC, THREADS>(sK, kg + (int64_t)tn * BC * p.k_seq, p.k_seq, rows,
+                const int rows = min(BC, sh_sk - tn * BC);
+                load_tile<T, D, BC, THREADS>(sK, sh_kg + (int64_t)tn * BC * p.k_seq, p.k_seq, rows,
                                              p.d_load);
-                load_tile<T, D, BC, THREADS>(sK + BC * D, vg + (int64_t)tn * BC * p.v_seq, p.v_seq,
-                                             rows, p.d_load);
+                load_tile<T, D, BC, THREADS>(sK + BC * D, sh_vg + (int64_t)tn * BC * p.v_seq,
+                                             p.v_seq, rows, p.d_load);
             }
             cp_async_commit();
         }
@@ -291,7 +303,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             }
         }
 
-        // Scores to base 2: plain scale folded with log2 e, or softcap / ALiBi.
+        // Softcap / ALiBi turn the scores into base-2 logits here (unit 1). The plain kernel
+        // keeps raw dot products (unit scale * log2 e, > 0 by the host's choice of kernel) and
+        // folds the scale into the exponent's FFMA below, as max(s) * u = max(s * u) for u > 0.
         const int k0 = t * BC;
         const int col = k0 + 2 * (lane % 4);  // key of element e = 0 of n-tile 0
         if constexpr (MODS) {
@@ -305,13 +319,6 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                         acc_s[mt][j][e] =
                             modded_score(p, acc_s[mt][j][e], slope_log2, diag, col + j * 8 + e % 2);
                     }
-        } else {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int j = 0; j < NT; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_s[mt][j][e] *= p.scale_log2;
         }
         // Per-element mask only where the band or the key tail cuts this tile.
         if (!tile_is_full(p, g, k0, BC)) {
@@ -340,15 +347,15 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
                 // A row that has seen only masked keys keeps max -inf; subtracting 0 instead
                 // keeps exp2 at 0 rather than NaN (-inf - -inf).
-                const float m_use = mx == -INFINITY ? 0.f : mx;
-                const float alpha = fast_exp2(row_m[mt][hf] - m_use);
+                const float m_scaled = mx == -INFINITY ? 0.f : mx * unit;
+                const float alpha = fast_exp2(fmaf(row_m[mt][hf], unit, -m_scaled));
                 row_m[mt][hf] = mx;
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float pv = fast_exp2(acc_s[mt][j][2 * hf + e] - m_use);
+                        const float pv = fast_exp2(fmaf(acc_s[mt][j][2 * hf + e], unit, -m_scaled));
                         acc_s[mt][j][2 * hf + e] = pv;
                         sum += pv;
                     }
@@ -391,7 +398,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     __syncthreads();
 
     // Epilogue: one normalisation, lse, then stage the tile in sQ for 16-byte coalesced stores.
-    // Each warp overwrites only its own Q rows, which no other warp reads.
+    // Each warp overwrites only its own Q rows, which no other warp reads. The geometry is
+    // recomputed (after the barrier above, so nothing is carried through the loop).
+    block_geom(p, m_block, BR, h, b, g);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -402,7 +411,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             const float inv = l > 0.f ? 1.f / l : 0.f;
             const int r = row_base + mt * 16 + hf * 8;
             if (lane % 4 == 0 && r < g.rows)
-                p.lse[g.lse0 + r] = l > 0.f ? (row_m[mt][hf] + __log2f(l)) * LN2_F : -INFINITY;
+                p.lse[g.lse0 + r] = l > 0.f ? (row_m[mt][hf] * unit + __log2f(l)) * LN2_F : -INFINITY;
 #pragma unroll
             for (int j = 0; j < DT; ++j) {
                 const int c = j * 8 + 2 * (lane % 4);
@@ -452,15 +461,16 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
 // Config per head dim (see the Rust table): up to 128, warps take 32 rows so each K/V fragment
 // read from shared memory feeds two mmas; from 160 up the O accumulator of 32 rows would not fit
-// in registers, so warps take 16 rows. `_d128_w8` (8 warps of 16 rows, same 128-row tile) is an
-// alternative for d 128 selected with CANDLE_FLASH_D128=w8, kept for benchmarking.
+// in registers, so warps take 16 rows. Measured on the H100 at d 128 (bf16, TFLOP/s, seq 8192 /
+// 16384, non-causal): 32-key tiles 318 / 327, 64-key tiles 325 / 339 but with ~70 bytes of
+// register spills (ptxas), 8 warps of 16 rows 264 at 8192. 32-key tiles were kept: spill-free
+// and within a few percent.
 #define FLASH_ALL_DIMS(PREFIX, T)                                 \
     FLASH_INSTANCE(PREFIX##_d32, T, 32, 2, 64, 4, 2, 2)           \
     FLASH_INSTANCE(PREFIX##_d64, T, 64, 2, 64, 4, 2, 2)           \
     FLASH_INSTANCE(PREFIX##_d96, T, 96, 2, 32, 4, 2, 2)           \
-    FLASH_INSTANCE(PREFIX##_d128, T, 128, 2, 64, 4, 2, 2)         \
+    FLASH_INSTANCE(PREFIX##_d128, T, 128, 2, 32, 4, 2, 2)         \
     FLASH_INSTANCE(PREFIX##_d160, T, 160, 1, 64, 4, 2, 2)         \
     FLASH_INSTANCE(PREFIX##_d192, T, 192, 1, 32, 4, 2, 2)         \
     FLASH_INSTANCE(PREFIX##_d224, T, 224, 1, 32, 4, 2, 2)         \
-    FLASH_INSTANCE(PREFIX##_d256, T, 256, 1, 32, 4, 2, 2)         \
-    FLASH_INSTANCE(PREFIX##_d128_w8, T, 128, 1, 64, 8, 2, 1)
+    FLASH_INSTANCE(PREFIX##_d256, T, 256, 1, 32, 4, 2, 2)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 eval "$(../shared/cuda/toolkit.sh 2>/dev/null || /work/shared/cuda/toolkit.sh)"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
 mkdir -p .gpu
-rm -f .gpu/*
+rm -f .gpu/gpu_tests .gpu/gpu_tests.gz .gpu/gpu_bench .gpu/gpu_bench.gz .gpu/sdpa_bench.py
 # The test binary's path is only known from cargo's JSON messages.
 test_bin=$(cargo test --release --features cuda --test gpu --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys

@@ -3,12 +3,13 @@
 
 bf16 and f16, head dims 64 and 128, seq 512/2048/8192/16384, causal and not, hidden 2048
 (heads = 2048 / d), 16k tokens per batch (batch = 16384 / seq), with the flash (FA2) and cuDNN
-backends. TFLOP/s counts 4*b*h*s^2*d, halved when causal; each time is the median of CUDA-event
-timed runs after warm-up. Lines starting with RESULT are parsed by scripts/gpu-run.sh.
+backends. TFLOP/s counts 4*b*h*s^2*d, halved when causal; each time is the median over batches
+of back-to-back calls timed with CUDA events, after warm-up. Lines starting with RESULT are parsed by scripts/gpu-run.sh.
 
     python3 scripts/sdpa_bench.py [--quick]
 """
 import argparse
+import math
 import statistics
 
 import torch
@@ -19,17 +20,25 @@ HIDDEN, TOKENS = 2048, 16384
 
 
 def bench(fn, reps):
+    """Seconds per call: batches of back-to-back calls (~20 ms each) between CUDA events, median
+    batch; the same method as examples/gpu_bench.rs."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    per_batch = max(1, min(200, math.ceil(20.0 / start.elapsed_time(end))))
     times = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(per_batch):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / per_batch)
     return statistics.median(times)
 
 
@@ -38,7 +47,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     seqs = [2048, 8192] if args.quick else [512, 2048, 8192, 16384]
-    reps = 5 if args.quick else 20
+    reps = 3 if args.quick else 7
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(f"{'backend':<8} {'dtype':<6} {'d':>4} {'seq':>6} {'causal':>7} {'ms':>9} {'TFLOP/s':>9}")
     backends = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]

@@ -112,8 +112,6 @@ struct MmaConfig {
     bc: usize,
     warps: usize,
     stages: usize,
-    /// Kernel name suffix of a non-default instance.
-    suffix: &'static str,
 }
 
 impl MmaConfig {
@@ -136,25 +134,14 @@ const fn mma(d: usize, mt: usize, bc: usize) -> MmaConfig {
         bc,
         warps: 4,
         stages: 2,
-        suffix: "",
     }
 }
-
-/// d 128 with 8 warps of 16 rows (`CANDLE_FLASH_D128=w8`): a tuning alternative to the default.
-const MMA_D128_W8: MmaConfig = MmaConfig {
-    d: 128,
-    mt: 1,
-    bc: 64,
-    warps: 8,
-    stages: 2,
-    suffix: "_w8",
-};
 
 const MMA_CONFIGS: [MmaConfig; 8] = [
     mma(32, 2, 64),
     mma(64, 2, 64),
     mma(96, 2, 32),
-    mma(128, 2, 64),
+    mma(128, 2, 32),
     mma(160, 1, 64),
     mma(192, 1, 32),
     mma(224, 1, 32),
@@ -226,21 +213,18 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
 
     // Head dim as loaded (zero-padded to a multiple of 8 for the 16-byte copies) and instance.
     let d_load = if is_f32 { d } else { d.next_multiple_of(8) };
-    let (name_d, suffix, smem, rows, threads) = if is_f32 {
+    let (name_d, smem, rows, threads) = if is_f32 {
         let &(dk, bc) = F32_CONFIGS.iter().find(|(dk, _)| *dk >= d).ok_or_else(|| {
             candle::Error::Msg(format!("flash-attn: head_dim {d} too large for f32"))
         })?;
-        (dk, "", f32_smem(dk, bc), F32_ROWS, F32_THREADS)
+        (dk, f32_smem(dk, bc), F32_ROWS, F32_THREADS)
     } else {
-        let mut c = MMA_CONFIGS.iter().find(|c| c.d >= d_load).ok_or_else(|| {
+        let c = MMA_CONFIGS.iter().find(|c| c.d >= d_load).ok_or_else(|| {
             candle::Error::Msg(format!(
                 "flash-attn: head_dim {d} too large for the CUDA kernels"
             ))
         })?;
-        if c.d == 128 && std::env::var("CANDLE_FLASH_D128").is_ok_and(|v| v == "w8") {
-            c = &MMA_D128_W8;
-        }
-        (c.d, c.suffix, c.smem(), c.rows(), c.threads())
+        (c.d, c.smem(), c.rows(), c.threads())
     };
 
     // Operands: read in place when the kernel can (always for f32, which reads through any
@@ -356,14 +340,16 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         pad_: 0,
     };
 
-    let mods = softcap > 0.0 || op.alibi.is_some();
+    // The plain tensor-core kernel folds a positive scale into its exponent; softcap, ALiBi and
+    // any scale <= 0 go through the `_mods` instance.
+    let mods = softcap > 0.0 || op.alibi.is_some() || p.score.scale <= 0.0;
     let dname = match T::DTYPE {
         DType::BF16 => "bf16",
         DType::F16 => "f16",
         _ => "f32",
     };
     let fn_name = format!(
-        "flash_fwd_{dname}_d{name_d}{suffix}{}",
+        "flash_fwd_{dname}_d{name_d}{}",
         if mods && !is_f32 { "_mods" } else { "" }
     );
     let module = module_for(dev, T::DTYPE)?;
@@ -373,14 +359,19 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         .context()
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .w()? as usize;
-    if smem > max_smem {
+    // The kernels also hold a few bytes of static shared memory (block-uniform values).
+    let static_smem = func
+        .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+        .w()? as usize;
+    if smem + static_smem > max_smem {
         bail!(
-            "flash-attn: kernel {fn_name} needs {smem} bytes of shared memory per block, the device \
-             allows {max_smem}"
+            "flash-attn: kernel {fn_name} needs {} bytes of shared memory per block, the device \
+             allows {max_smem}",
+            smem + static_smem
         )
     }
-    if smem > 48 * 1024 {
-        // Dynamic shared memory above 48 KB must be opted into per function.
+    if smem + static_smem > 48 * 1024 {
+        // Above 48 KB per block, dynamic shared memory must be opted into per function.
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -433,10 +424,10 @@ fn to_i32(x: usize, what: &str) -> Result<i32> {
 /// the head dim must be a multiple of 8 with unit stride and every row 16-byte aligned.
 fn fits_fast_path(p: &Problem, s: &Strides, rows: usize, heads: usize) -> bool {
     let batch = if p.varlen.is_some() { 1 } else { p.batch };
-    let aligned = |stride: usize, n: usize| n <= 1 || stride % 8 == 0;
-    p.head_dim % 8 == 0
+    let aligned = |stride: usize, n: usize| n <= 1 || stride.is_multiple_of(8);
+    p.head_dim.is_multiple_of(8)
         && (s.dim == 1 || p.head_dim == 1)
-        && s.offset % 8 == 0
+        && s.offset.is_multiple_of(8)
         && aligned(s.batch, batch)
         && aligned(s.seq, rows)
         && aligned(s.head, heads)
