@@ -121,9 +121,9 @@ enum NormArg {
     Layer,
 }
 
-/// A Transformer block stack with naive or flash attention, on random weights.
+/// A pre-norm Transformer block stack (GQA + rotary embeddings) on seeded random weights, with
+/// naive or flash attention; `--attention both` compares the two on the same weights and input.
 #[derive(Parser, Debug)]
-#[command(about)]
 struct Args {
     /// Attention implementation; `both` runs the same weights and input through each and compares.
     #[arg(long, value_enum, default_value_t = AttentionArg::Both)]
@@ -131,16 +131,19 @@ struct Args {
     /// `cuda` needs the crate's `cuda` feature.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     device: DeviceArg,
+    /// Dtype of weights and activations (the naive softmax runs in f32 either way).
     #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
     dtype: DTypeArg,
     /// Tokens per sequence.
     #[arg(long, default_value_t = 2048)]
     seq_len: usize,
+    /// Sequences per forward pass.
     #[arg(long, default_value_t = 1)]
     batch: usize,
     /// Causal (decoder) attention; `--causal false` for an encoder.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     causal: bool,
+    /// Transformer blocks (attention + MLP each).
     #[arg(long, default_value_t = 2)]
     layers: usize,
     /// Query heads (d_model = heads × head_dim).
@@ -149,8 +152,10 @@ struct Args {
     /// Key/value heads (grouped-query attention); must divide --heads.
     #[arg(long, default_value_t = 2)]
     kv_heads: usize,
+    /// Per-head dimension (even, at most 256).
     #[arg(long, default_value_t = 64)]
     head_dim: usize,
+    /// Pre-norm flavour: RMSNorm or LayerNorm.
     #[arg(long, value_enum, default_value_t = NormArg::Rms)]
     norm: NormArg,
     /// Timed forward passes per backend (after one untimed warm-up pass).
