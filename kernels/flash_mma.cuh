@@ -13,8 +13,9 @@
 // before tile t is computed. Shared memory rows are 16-byte chunks permuted by an XOR swizzle so
 // that the 8 rows an ldmatrix reads hit distinct banks (see `swz`).
 // Causal / sliding-window tiles outside the band are skipped by the loop bounds; only tiles the
-// band cuts (or the key tail) run the per-element mask. Softcap and ALiBi are applied in the
-// score registers. Rows that see no key end with l = 0 and are written as 0 with lse = -inf.
+// band cuts (or the key tail) run the per-element mask. The plain instance folds scale * log2 e
+// into the exp2 FFMA; the `_mods` instance applies softcap and ALiBi in the score registers.
+// Rows that see no key end with l = 0 and are written as 0 with lse = -inf.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
