@@ -378,6 +378,10 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         )
         .w()?;
     }
+    // Diagonals and key indices are `int` in the kernels (window sides are clamped to 2^30).
+    if p.max_seq_q.max(p.max_seq_k) > 1 << 30 {
+        bail!("flash-attn: sequences longer than 2^30 are not supported by the CUDA kernels")
+    }
     let q_tiles = p.max_seq_q.div_ceil(rows);
     if p.heads > 65535 || p.batch > 65535 || q_tiles > i32::MAX as usize {
         bail!(
