@@ -2,7 +2,6 @@
 
 use candle::{DType, Device, Tensor, D};
 
-use crate::semantics::diagonal;
 use crate::FlashAttn;
 
 /// Plain attention with the same options and semantics as [`FlashAttn`]: the full
@@ -42,16 +41,17 @@ pub fn naive_attention(
         let c = p.score.softcap as f64;
         s = ((s / c)?.tanh()? * c)?;
     }
-    let (mask, dist) = mask_and_distance(opts, sq, sk, q.device())?;
     if let Some(slopes) = &opts.alibi_slopes {
         let slopes = if slopes.rank() == 1 {
             slopes.reshape((1, h, 1, 1))?
         } else {
             slopes.reshape((b, h, 1, 1))?
         };
-        s = s.broadcast_sub(&dist.broadcast_mul(&slopes)?)?;
+        s = s.broadcast_sub(&distance(sq, sk, q.device())?.broadcast_mul(&slopes)?)?;
     }
-    let s = s.broadcast_add(&mask)?;
+    if !opts.mask().is_full() {
+        s = s.broadcast_add(&mask(opts, sq, sk, q.device())?)?;
+    }
     // A row with every key masked has max -inf: clamping the max keeps exp() at 0 instead of
     // NaN, and clamping the sum turns 0/0 into 0.
     let m = s.max_keepdim(D::Minus1)?.maximum(f32::MIN as f64)?;
@@ -63,25 +63,35 @@ pub fn naive_attention(
     pr.matmul(&vt)?.transpose(1, 2)?.contiguous()
 }
 
-/// The additive mask (0 or -inf) and the ALiBi distances `|diag(i) - j|`, both `(sq, sk)` f32.
-fn mask_and_distance(
-    opts: &FlashAttn,
-    sq: usize,
-    sk: usize,
-    device: &Device,
-) -> candle::Result<(Tensor, Tensor)> {
-    let w = opts.mask();
-    let mut mask = vec![f32::NEG_INFINITY; sq * sk];
-    let mut dist = vec![0f32; sq * sk];
-    for i in 0..sq {
-        let (lo, hi) = w.key_range(i, sq, sk);
-        mask[i * sk + lo..i * sk + hi].fill(0.0);
-        for j in 0..sk {
-            dist[i * sk + j] = (diagonal(i, sq, sk) - j as i64).unsigned_abs() as f32;
-        }
+/// `rows(shift)[i] = diag(i) + shift` as an `(sq, 1)` i64 column (diag(i) = i + sk - sq), and
+/// the key indices as a `(1, sk)` row: integer ranges only, built on the device, in i64 so that
+/// no length or window size wraps.
+fn indices(sq: usize, sk: usize, shift: i64, device: &Device) -> candle::Result<(Tensor, Tensor)> {
+    let off = sk as i64 - sq as i64 + shift;
+    let rows = Tensor::arange(off, off + sq as i64, device)?.reshape((sq, 1))?;
+    let keys = Tensor::arange(0i64, sk as i64, device)?.reshape((1, sk))?;
+    Ok((rows, keys))
+}
+
+/// The additive `(sq, sk)` f32 mask: 0 where a key is visible, -inf elsewhere.
+fn mask(opts: &FlashAttn, sq: usize, sk: usize, device: &Device) -> candle::Result<Tensor> {
+    let (left, right) = opts.mask().as_i64();
+    let mut visible = Tensor::ones((sq, sk), DType::U8, device)?;
+    if left >= 0 {
+        let (lo, j) = indices(sq, sk, -left, device)?;
+        visible = (visible * j.broadcast_ge(&lo)?)?;
     }
-    Ok((
-        Tensor::from_vec(mask, (sq, sk), device)?,
-        Tensor::from_vec(dist, (sq, sk), device)?,
-    ))
+    if right >= 0 {
+        let (hi, j) = indices(sq, sk, right, device)?;
+        visible = (visible * j.broadcast_le(&hi)?)?;
+    }
+    let zeros = Tensor::zeros((sq, sk), DType::F32, device)?;
+    let neg_inf = Tensor::full(f32::NEG_INFINITY, (sq, sk), device)?;
+    visible.where_cond(&zeros, &neg_inf)
+}
+
+/// The ALiBi distances `|diag(i) - j|`, `(sq, sk)` f32.
+fn distance(sq: usize, sk: usize, device: &Device) -> candle::Result<Tensor> {
+    let (diag, j) = indices(sq, sk, 0, device)?;
+    diag.broadcast_sub(&j)?.to_dtype(DType::F32)?.abs()
 }
