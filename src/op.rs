@@ -197,13 +197,7 @@ impl FlashAttn {
                     t.dtype()
                 )
             }
-            if !t.device().same_device(q.device()) {
-                bail!(
-                    "flash-attn: {name} is on {:?} but q is on {:?}",
-                    t.device().location(),
-                    q.device().location()
-                )
-            }
+            check_device(name, t, q)?;
         }
         let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
         let (batch, seq_q, heads, head_dim) = match varlen {
@@ -291,18 +285,24 @@ impl FlashAttn {
     }
 }
 
+/// `t` (the argument `name`) must live on q's device.
+fn check_device(name: &str, t: &Tensor, q: &Tensor) -> Result<()> {
+    if !t.device().same_device(q.device()) {
+        bail!(
+            "flash-attn: {name} is on {:?} but q is on {:?}",
+            t.device().location(),
+            q.device().location()
+        )
+    }
+    Ok(())
+}
+
 /// Checks ALiBi slopes and returns their batch stride (0 for per-head slopes).
 fn check_alibi(s: &Tensor, q: &Tensor, batch: usize, heads: usize) -> Result<usize> {
     if s.dtype() != DType::F32 {
         bail!("flash-attn: alibi_slopes must be f32, got {:?}", s.dtype())
     }
-    if !s.device().same_device(q.device()) {
-        bail!(
-            "flash-attn: alibi_slopes are on {:?} but q is on {:?}",
-            s.device().location(),
-            q.device().location()
-        )
-    }
+    check_device("alibi_slopes", s, q)?;
     match s.dims() {
         [h] if *h == heads => Ok(0),
         [b, h] if *b == batch && *h == heads => Ok(heads),
@@ -331,13 +331,7 @@ fn read_seqlens(
                 t.dims()
             )
         }
-        if !t.device().same_device(q.device()) {
-            bail!(
-                "flash-attn: {name} is on {:?} but q is on {:?}",
-                t.device().location(),
-                q.device().location()
-            )
-        }
+        check_device(name, t, q)?;
         let cu = t.to_vec1::<u32>()?;
         if cu[0] != 0 {
             bail!("flash-attn: {name} must start at 0, got {}", cu[0])
