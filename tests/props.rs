@@ -12,7 +12,11 @@ fn window() -> impl Strategy<Value = Option<usize>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    // 48 cases keep CI quick; PROPTEST_CASES=N runs a longer soak.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(48),
+        ..ProptestConfig::default()
+    })]
     #[test]
     fn random_shapes_and_options(
         b in 1usize..3,
