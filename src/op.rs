@@ -375,11 +375,18 @@ fn read_seqlens(
             cu_k.len()
         )
     }
+    // The longest actual sequences, not the caller's bounds: kernels size their grids by them.
+    let longest = |cu: &[u32]| {
+        cu.windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    };
     Ok(VarLen {
+        max_seqlen_q: longest(&cu_q),
+        max_seqlen_k: longest(&cu_k),
         cu_q,
         cu_k,
-        max_seqlen_q,
-        max_seqlen_k,
     })
 }
 

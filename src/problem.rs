@@ -69,6 +69,7 @@ pub(crate) struct Seq {
 pub(crate) struct VarLen {
     pub cu_q: Vec<u32>,
     pub cu_k: Vec<u32>,
+    /// Longest sequence of each side (at most the caller's `max_seqlen_*`, which is checked).
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
 }
