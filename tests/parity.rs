@@ -336,6 +336,11 @@ fn varlen_matches_reference() {
         *cu_k.last().unwrap() as usize,
     );
     let slopes = Tensor::new(&[0.3f32, 0.1, 0.05, 0.01], &dev).unwrap();
+    // Per-sequence slopes: (batch, heads).
+    let slopes_bh = randn(&[lens_q.len(), 4], DType::F32, 44, &dev)
+        .unwrap()
+        .abs()
+        .unwrap();
     for dtype in DTYPES {
         let q = randn(&[tq, 4, 24], dtype, 41, &dev).unwrap();
         let k = randn(&[tk, 2, 24], dtype, 42, &dev).unwrap();
@@ -345,6 +350,7 @@ fn varlen_matches_reference() {
         for opts in [
             FlashAttn::new(0.2),
             FlashAttn::new(0.2).causal(),
+            FlashAttn::new(0.2).causal().alibi(&slopes_bh),
             FlashAttn::new(0.2)
                 .window(Some(4), Some(2))
                 .alibi(&slopes)
@@ -412,20 +418,16 @@ fn naive_varlen(
     cu_k: &[u32],
     opts: &FlashAttn,
 ) -> Tensor {
-    let mut outs = vec![];
-    for b in 0..cu_q.len() - 1 {
-        let (q0, q1) = (cu_q[b] as usize, cu_q[b + 1] as usize);
-        let (k0, k1) = (cu_k[b] as usize, cu_k[b + 1] as usize);
-        let qb = q.narrow(0, q0, q1 - q0).unwrap().unsqueeze(0).unwrap();
-        let kb = k.narrow(0, k0, k1 - k0).unwrap().unsqueeze(0).unwrap();
-        let vb = v.narrow(0, k0, k1 - k0).unwrap().unsqueeze(0).unwrap();
-        outs.push(
-            naive_attention(&qb, &kb, &vb, opts)
+    let outs: Vec<Tensor> = sequences(q, k, v, cu_q, cu_k, opts)
+        .unwrap()
+        .iter()
+        .map(|s| {
+            naive_attention(&s.q, &s.k, &s.v, &s.opts)
                 .unwrap()
                 .squeeze(0)
-                .unwrap(),
-        );
-    }
+                .unwrap()
+        })
+        .collect();
     Tensor::cat(&outs, 0).unwrap()
 }
 

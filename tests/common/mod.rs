@@ -97,6 +97,48 @@ pub fn reference(
     Ok((out, lse))
 }
 
+/// One sequence pair of a packed varlen batch as a dense batch of 1, with its options (per-batch
+/// ALiBi slopes narrowed to its own row) and the rows `q0..q1` it occupies in the packed q.
+pub struct Sequence {
+    pub q0: usize,
+    pub q1: usize,
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub opts: FlashAttn,
+}
+
+/// Splits a packed varlen batch into its sequence pairs.
+pub fn sequences(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_q: &[u32],
+    cu_k: &[u32],
+    opts: &FlashAttn,
+) -> Result<Vec<Sequence>> {
+    (0..cu_q.len() - 1)
+        .map(|b| {
+            let (q0, q1) = (cu_q[b] as usize, cu_q[b + 1] as usize);
+            let (k0, k1) = (cu_k[b] as usize, cu_k[b + 1] as usize);
+            let mut o = opts.clone();
+            if let Some(s) = &opts.alibi_slopes {
+                if s.rank() == 2 {
+                    o.alibi_slopes = Some(s.i(b)?);
+                }
+            }
+            Ok(Sequence {
+                q0,
+                q1,
+                q: q.narrow(0, q0, q1 - q0)?.unsqueeze(0)?,
+                k: k.narrow(0, k0, k1 - k0)?.unsqueeze(0)?,
+                v: v.narrow(0, k0, k1 - k0)?.unsqueeze(0)?,
+                opts: o,
+            })
+        })
+        .collect()
+}
+
 /// Golden varlen attention: each packed sequence pair through [`reference`]. Returns the output
 /// `(total_q, h, d)` and the lse `(h, total_q)`, flattened.
 pub fn reference_varlen(
@@ -110,23 +152,13 @@ pub fn reference_varlen(
     let (total_q, h, d) = q.dims3()?;
     let mut out = vec![0f64; total_q * h * d];
     let mut lse = vec![f64::NEG_INFINITY; h * total_q];
-    for b in 0..cu_q.len() - 1 {
-        let (q0, q1) = (cu_q[b] as usize, cu_q[b + 1] as usize);
-        let (k0, k1) = (cu_k[b] as usize, cu_k[b + 1] as usize);
-        let mut o = opts.clone();
-        if let Some(s) = &opts.alibi_slopes {
-            if s.rank() == 2 {
-                o.alibi_slopes = Some(s.i(b)?);
-            }
-        }
-        let qb = q.narrow(0, q0, q1 - q0)?.unsqueeze(0)?;
-        let kb = k.narrow(0, k0, k1 - k0)?.unsqueeze(0)?;
-        let vb = v.narrow(0, k0, k1 - k0)?.unsqueeze(0)?;
-        let (ob, lb) = reference(&qb, &kb, &vb, &o)?;
-        out[q0 * h * d..q1 * h * d].copy_from_slice(&ob);
-        let sq = q1 - q0;
+    for s in sequences(q, k, v, cu_q, cu_k, opts)? {
+        let (ob, lb) = reference(&s.q, &s.k, &s.v, &s.opts)?;
+        out[s.q0 * h * d..s.q1 * h * d].copy_from_slice(&ob);
+        let sq = s.q1 - s.q0;
         for hi in 0..h {
-            lse[hi * total_q + q0..hi * total_q + q1].copy_from_slice(&lb[hi * sq..(hi + 1) * sq]);
+            lse[hi * total_q + s.q0..hi * total_q + s.q1]
+                .copy_from_slice(&lb[hi * sq..(hi + 1) * sq]);
         }
     }
     Ok((out, lse))
