@@ -1,0 +1,97 @@
+//! Element types the CPU path reads and writes (f32, f16, bf16; all arithmetic is f32), and
+//! the row copies that convert them into dense f32 tiles.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use crate::problem::Strides;
+
+/// Element types the CPU path reads and writes; all arithmetic is f32.
+pub(crate) trait Elem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+    /// Converts a contiguous run; overridden where a vectorised conversion exists.
+    #[inline(always)]
+    fn load_f32(dst: &mut [f32], src: &[Self]) {
+        for (o, x) in dst.iter_mut().zip(src) {
+            *o = x.to_f32();
+        }
+    }
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn load_f32(dst: &mut [f32], src: &[Self]) {
+        // Fixed 16-float chunks inline as vector moves; `copy_from_slice` of a run-time length
+        // was a libc call per row, 128 of them per K/V tile.
+        let mut o = dst.chunks_exact_mut(16);
+        let mut i = src.chunks_exact(16);
+        for (o, i) in (&mut o).zip(&mut i) {
+            o.copy_from_slice(i);
+        }
+        o.into_remainder().copy_from_slice(i.remainder());
+    }
+}
+
+impl Elem for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    #[inline(always)]
+    fn load_f32(dst: &mut [f32], src: &[Self]) {
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+impl Elem for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    #[inline(always)]
+    fn load_f32(dst: &mut [f32], src: &[Self]) {
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+/// Copies `rows` rows of one head, starting at `row0`, into a dense f32 `rows × d` block.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_rows<T: Elem>(
+    dst: &mut [f32],
+    src: &[T],
+    s: &Strides,
+    b: usize,
+    row0: usize,
+    rows: usize,
+    head: usize,
+    d: usize,
+) {
+    for (r, dst) in dst[..rows * d].chunks_exact_mut(d).enumerate() {
+        let base = s.at(b, row0 + r, head);
+        if s.dim == 1 {
+            T::load_f32(dst, &src[base..base + d]);
+        } else {
+            for (x, o) in dst.iter_mut().enumerate() {
+                *o = src[base + x * s.dim].to_f32();
+            }
+        }
+    }
+}

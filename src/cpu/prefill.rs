@@ -1,0 +1,417 @@
+//! The prefill driver: work items of `(batch, head, block of query rows)` over rayon, and the
+//! per-tile update of one query sub-tile (scores, mask, online softmax, `P V`).
+
+use rayon::prelude::*;
+
+use super::elem::{load_rows, Elem};
+use super::exp2::exp2;
+use super::kernel::{Isa, Kernel, Portable};
+#[cfg(target_arch = "x86_64")]
+use super::kernel::{Avx512, Fused};
+use super::scratch::{with_scratch, Scratch, SubTile};
+use super::{Lanes, SyncPtr, BC, BR, QSUB};
+use crate::problem::Problem;
+use crate::semantics::{alibi_bias, kv_head, LOG2_E};
+
+/// Everything a work item reads, shared by all of them.
+struct Ctx<'a, T> {
+    p: &'a Problem,
+    slopes: Option<&'a [f32]>,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    out: SyncPtr<T>,
+    lse: SyncPtr<f32>,
+    /// Sub-tiles per work item (`1..=QSUB`).
+    qsub: usize,
+}
+
+/// Runs the whole problem; returns the contiguous output and the log-sum-exp.
+pub(crate) fn forward<T: Elem>(
+    p: &Problem,
+    slopes: Option<&[f32]>,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+) -> (Vec<T>, Vec<f32>) {
+    forward_with(Isa::detect(), p, slopes, q, k, v)
+}
+
+/// [`forward`] with a chosen instruction set (the caller checked that the CPU has it).
+fn forward_with<T: Elem>(
+    isa: Isa,
+    p: &Problem,
+    slopes: Option<&[f32]>,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+) -> (Vec<T>, Vec<f32>) {
+    let d = p.head_dim;
+    let mut out = vec![T::from_f32(0.0); p.total_q * p.heads * d];
+    let mut lse = vec![f32::NEG_INFINITY; p.total_q * p.heads];
+    // Fewer sub-tiles per item when there would be too few items to keep every thread busy.
+    let rows_total: usize = (0..p.batch).map(|b| p.seq(b).seq_q).sum::<usize>() * p.heads;
+    let want = 4 * rayon::current_num_threads();
+    let qsub = [QSUB, 2, 1]
+        .into_iter()
+        .find(|&n| rows_total.div_ceil(BR * n) >= want)
+        .unwrap_or(1);
+    // Last query tiles first: under a causal mask they see the most keys, and starting the
+    // longest items early leaves only short ones for rayon to balance at the end.
+    let items: Vec<(usize, usize, usize)> = (0..p.batch)
+        .flat_map(|b| {
+            let tiles = p.seq(b).seq_q.div_ceil(BR * qsub);
+            (0..p.heads).flat_map(move |h| (0..tiles).rev().map(move |t| (b, h, t)))
+        })
+        .collect();
+    let ctx = Ctx {
+        p,
+        slopes,
+        q,
+        k,
+        v,
+        out: SyncPtr(out.as_mut_ptr()),
+        lse: SyncPtr(lse.as_mut_ptr()),
+        qsub,
+    };
+    // One item per rayon job, so idle threads can steal any single item.
+    items.into_par_iter().with_max_len(1).for_each(|item| {
+        with_scratch(d, |scratch| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::detect` saw avx512f on this CPU.
+            Isa::Avx512 => unsafe { item_avx512(&ctx, scratch, item) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::detect` saw avx2 and fma on this CPU.
+            Isa::Avx2Fma => unsafe { item_avx2(&ctx, scratch, item) },
+            Isa::Portable => run_item::<T, Portable>(&ctx, scratch, item),
+        })
+    });
+    (out, lse)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn item_avx512<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: (usize, usize, usize)) {
+    run_item::<T, Avx512>(ctx, sc, item)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn item_avx2<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: (usize, usize, usize)) {
+    run_item::<T, Fused>(ctx, sc, item)
+}
+
+/// What every sub-tile update of one work item shares.
+struct ItemCtx<'a> {
+    p: &'a Problem,
+    d: usize,
+    sq: usize,
+    sk: usize,
+    slope: f32,
+    softcap: bool,
+}
+
+/// One work item: query rows `t · BR · qsub ..` of head `h` in sequence `b`, as up to `qsub`
+/// sub-tiles of BR rows that share every K/V tile copy.
+#[inline(always)]
+fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usize, usize, usize)) {
+    let p = ctx.p;
+    let d = p.head_dim;
+    let seq = p.seq(b);
+    let (sq, sk) = (seq.seq_q, seq.seq_k);
+    let i0 = t * BR * ctx.qsub;
+    let rows = (BR * ctx.qsub).min(sq - i0);
+    let nsub = rows.div_ceil(BR);
+    let kvh = kv_head(h, p.heads, p.kv_heads);
+    let softcap = p.score.softcap > 0.0;
+    let it = ItemCtx {
+        p,
+        d,
+        sq,
+        sk,
+        slope: ctx.slopes.map_or(0.0, |s| s[b * p.alibi_batch_stride + h]),
+        softcap,
+    };
+    // Without softcap the scale and log2(e) fold into Q once; with it, tanh needs the true score.
+    let q_scale = if softcap {
+        p.score.scale
+    } else {
+        p.score.scale * LOG2_E
+    };
+
+    // Row range and key range of every sub-tile.
+    let mut sub_rows = [(0usize, 0usize); QSUB];
+    let mut sub_keys = [(0usize, 0usize); QSUB];
+    for u in 0..nsub {
+        let r0 = i0 + u * BR;
+        let n = BR.min(i0 + rows - r0);
+        sub_rows[u] = (r0, n);
+        sub_keys[u] = p.window.key_range_rows(r0..r0 + n, sq, sk);
+        let st = &mut sc.sub[u];
+        // Qᵀ; lanes past the last row stay 0, which keeps their (unused) scores finite.
+        if n < BR {
+            st.qt.iter_mut().for_each(|x| *x = Lanes::splat(0.0));
+        }
+        for r in 0..n {
+            load_rows(&mut sc.row, ctx.q, &p.q, b, seq.q_row + r0 + r, 1, h, d);
+            for (qt, &x) in st.qt.iter_mut().zip(&sc.row) {
+                qt.0[r] = x * q_scale;
+            }
+        }
+        st.ot.iter_mut().for_each(|x| *x = Lanes::splat(0.0));
+        st.m = Lanes::splat(f32::NEG_INFINITY);
+        st.l = Lanes::splat(0.0);
+    }
+
+    // Key tiles outside the union of the rows' ranges are skipped by these bounds.
+    let (lo, hi) = p.window.key_range_rows(i0..i0 + rows, sq, sk);
+    let mut j0 = lo;
+    while j0 < hi {
+        let cols = BC.min(hi - j0);
+        load_rows(&mut sc.k, ctx.k, &p.k, b, seq.k_row + j0, cols, kvh, d);
+        load_rows(&mut sc.v, ctx.v, &p.v, b, seq.k_row + j0, cols, kvh, d);
+        for u in 0..nsub {
+            // The part of this key tile the sub-tile sees (under a causal mask the first
+            // sub-tile sees fewer keys than the last).
+            let c0 = sub_keys[u].0.max(j0);
+            let c1 = sub_keys[u].1.min(j0 + cols);
+            if c0 >= c1 {
+                continue;
+            }
+            let (r0, n) = sub_rows[u];
+            let (kt, vt) = (&sc.k[(c0 - j0) * d..], &sc.v[(c0 - j0) * d..]);
+            update::<K>(&it, &mut sc.sub[u], &mut sc.s, kt, vt, r0, n, c0, c1 - c0);
+        }
+        j0 += cols;
+    }
+
+    // Epilogue: one division per row, Oᵀ transposed back into the output rows.
+    let row_stride = p.heads * d;
+    let lse_h = p.lse_head_stride();
+    for (u, &(r0, n)) in sub_rows[..nsub].iter().enumerate() {
+        let st = &sc.sub[u];
+        for r in 0..n {
+            let l = st.l.0[r];
+            let i = r0 + r;
+            let base = (seq.out_row + i) * row_stride + h * d;
+            // A row that saw no key has l = 0 and outputs exactly 0; NaN stays NaN.
+            let (inv, row_lse) = if l == 0.0 {
+                (0.0, f32::NEG_INFINITY)
+            } else {
+                (1.0 / l, (st.m.0[r] + l.log2()) / LOG2_E)
+            };
+            for (x, ot) in st.ot.iter().enumerate() {
+                let o = if l == 0.0 { 0.0 } else { ot.0[r] * inv };
+                // SAFETY: element (row, h, x) belongs to this work item alone and is in bounds
+                // of the output allocated by `forward` (total_q * heads * d elements).
+                unsafe { *ctx.out.0.add(base + x) = T::from_f32(o) };
+            }
+            // SAFETY: as above, for the row's log-sum-exp.
+            unsafe { *ctx.lse.0.add(seq.lse_base + h * lse_h + i) = row_lse };
+        }
+    }
+}
+
+/// Folds keys `j0 .. j0 + cols` (rows of `kt` and `vt`) into the sub-tile of query rows
+/// `r0 .. r0 + rows`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn update<K: Kernel>(
+    it: &ItemCtx,
+    st: &mut SubTile,
+    s: &mut [Lanes],
+    kt: &[f32],
+    vt: &[f32],
+    r0: usize,
+    rows: usize,
+    j0: usize,
+    cols: usize,
+) {
+    let (p, d, sq, sk, slope) = (it.p, it.d, it.sq, it.sk, it.slope);
+    // Sᵀ = K Qᵀ, ROWS keys per micro-kernel call.
+    let mut c = 0;
+    while c < cols {
+        let n = K::ROWS.min(cols - c);
+        K::block(&mut s[c..c + n], None, &kt[c * d..], d, 1, &st.qt, d);
+        c += n;
+    }
+    let s = &mut s[..cols];
+
+    if it.softcap || slope != 0.0 {
+        for (c, s) in s.iter_mut().enumerate() {
+            for (r, s) in s.0[..rows].iter_mut().enumerate() {
+                let raw = if it.softcap {
+                    p.score.cap(*s) * LOG2_E
+                } else {
+                    *s
+                };
+                let bias = if slope != 0.0 {
+                    alibi_bias(slope, r0 + r, j0 + c, sq, sk) * LOG2_E
+                } else {
+                    0.0
+                };
+                *s = raw - bias;
+            }
+        }
+    }
+    // Only tiles the band cuts through need a per-element mask.
+    if !p.window.covers(r0..r0 + rows, j0..j0 + cols, sq, sk) {
+        // Per-lane bounds, then one lane-wise compare per key: the loop over lanes vectorises,
+        // where a loop over keys per row was a scalar store per score.
+        let mut lo = [0usize; BR];
+        let mut hi = [usize::MAX; BR];
+        for (r, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).take(rows).enumerate() {
+            (*lo, *hi) = p.window.key_range(r0 + r, sq, sk);
+        }
+        for (c, s) in s.iter_mut().enumerate() {
+            let j = j0 + c;
+            for ((x, &lo), &hi) in s.0.iter_mut().zip(&lo).zip(&hi) {
+                if j < lo || j >= hi {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+
+    // Online softmax, per lane: m_new = max(m, rowmax(S)), P = 2^(S - m_new),
+    // l = l · 2^(m - m_new) + rowsum(P); O gets the same correction inside the P·V kernel.
+    //
+    // This max skips NaN scores (it compiles to `vmaxps`), yet NaN still propagates: a NaN score
+    // turns its P, hence l and that row of O, into NaN, even when every other key is masked.
+    let m_tile = K::max_rows(s);
+    let mut corr = Lanes::splat(0.0);
+    // The max to subtract: a lane that has seen only masked keys keeps m = -inf and subtracts 0
+    // instead, so its P and correction are 0 rather than NaN.
+    let mut m_sub = Lanes::splat(0.0);
+    for (((m, &mt), ms), corr) in
+        st.m.0
+            .iter_mut()
+            .zip(&m_tile.0)
+            .zip(m_sub.0.iter_mut())
+            .zip(corr.0.iter_mut())
+    {
+        let m_new = if mt > *m { mt } else { *m };
+        *ms = if m_new == f32::NEG_INFINITY {
+            0.0
+        } else {
+            m_new
+        };
+        *corr = exp2::<K>(*m - *ms);
+        *m = m_new;
+    }
+    let mut row_sum = Lanes::splat(0.0);
+    for s in s.iter_mut() {
+        for ((x, &ms), sum) in s.0.iter_mut().zip(&m_sub.0).zip(row_sum.0.iter_mut()) {
+            *x = exp2::<K>(*x - ms);
+            *sum += *x;
+        }
+    }
+    for ((l, &c), &s) in st.l.0.iter_mut().zip(&corr.0).zip(&row_sum.0) {
+        *l = K::fma(*l, c, s);
+    }
+
+    // Oᵀ = Oᵀ · corr + Vᵀ Pᵀ, ROWS head dims per micro-kernel call.
+    let mut x = 0;
+    while x < d {
+        let n = K::ROWS.min(d - x);
+        K::block(&mut st.ot[x..x + n], Some(&corr), &vt[x..], 1, d, s, cols);
+        x += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{Device, Tensor};
+
+    use super::*;
+    use crate::{naive_attention, FlashAttn};
+
+    /// Every instruction set this CPU has, so the fallbacks are tested on an AVX-512 machine too.
+    fn isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2Fma);
+            }
+            if is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn every_isa_matches_naive() -> candle::Result<()> {
+        let dev = Device::Cpu;
+        let cases = [
+            (1, 1, 8, 2, 2, FlashAttn::new(0.3)),
+            (17, 239, 40, 6, 2, FlashAttn::new(0.2).causal()),
+            (239, 17, 80, 6, 1, FlashAttn::new(0.2).causal()),
+            (
+                130,
+                200,
+                24,
+                4,
+                2,
+                FlashAttn::new(0.2).window(Some(30), Some(5)).softcap(3.0),
+            ),
+            (
+                129,
+                129,
+                256,
+                2,
+                1,
+                FlashAttn::new(0.06).window(Some(0), None),
+            ),
+            (
+                200,
+                131,
+                40,
+                2,
+                2,
+                FlashAttn::new(0.2).alibi(&Tensor::new(&[0.25f32, 0.0625], &dev)?),
+            ),
+        ];
+        for (sq, sk, d, h, hk, opts) in cases {
+            let q = Tensor::randn(0f32, 1., (1, sq, h, d), &dev)?;
+            let k = Tensor::randn(0f32, 1., (1, sk, hk, d), &dev)?;
+            let v = Tensor::randn(0f32, 1., (1, sk, hk, d), &dev)?;
+            let want = naive_attention(&q, &k, &v, &opts)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let p = opts.problem(&q, &k, &v, None)?;
+            let slopes = match &opts.alibi_slopes {
+                Some(s) => Some(s.to_vec1::<f32>()?),
+                None => None,
+            };
+            let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+            let (qv, kv, vv) = (flat(&q)?, flat(&k)?, flat(&v)?);
+            for isa in isas() {
+                let (got, _) = forward_with(isa, &p, slopes.as_deref(), &qv, &kv, &vv);
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(g, w)| (g - w).abs())
+                    .fold(0f32, |a, e| if e > a || e.is_nan() { e } else { a });
+                assert!(err <= 1e-4, "{isa:?} ({sq}, {sk}, {d}): max error {err}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn exp2_is_accurate_and_exact_at_the_ends() {
+        assert_eq!(exp2::<Portable>(0.0), 1.0);
+        assert_eq!(exp2::<Portable>(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp2::<Portable>(-200.0), 0.0);
+        assert!(exp2::<Portable>(f32::NAN).is_nan());
+        let mut x = -126.0f32;
+        while x <= 20.0 {
+            let rel = (exp2::<Portable>(x) as f64 / (x as f64).exp2() - 1.0).abs();
+            assert!(rel < 5e-7, "exp2({x}): relative error {rel}");
+            x += 0.0137;
+        }
+    }
+}
+
