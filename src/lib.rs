@@ -9,7 +9,6 @@
 //! the output is shaped and typed like q. See [`semantics`] for masking, ALiBi, softcap and GQA.
 
 mod cpu;
-#[cfg(feature = "cuda")]
 mod cuda;
 mod naive;
 mod op;

@@ -92,8 +92,10 @@ pub(crate) struct Problem {
     pub varlen: Option<VarLen>,
     pub window: Window,
     pub score: ScoreMod,
+    /// Whether ALiBi slopes come with the call.
+    pub has_alibi: bool,
     /// ALiBi slopes, `batch * heads` of them with batch stride `alibi_batch_stride` (0 when the
-    /// slopes are per head only). `None` without ALiBi.
+    /// slopes are per head only, or without ALiBi).
     pub alibi_batch_stride: usize,
 }
 
@@ -150,6 +152,18 @@ impl Problem {
         }
     }
 
+    /// Rows of q and of k/v along their storage's seq axis: per batch entry for dense calls,
+    /// all packed tokens for varlen.
+    pub fn storage_rows(&self) -> (usize, usize) {
+        match &self.varlen {
+            None => (self.max_seq_q, self.max_seq_k),
+            Some(vl) => (
+                *vl.cu_q.last().unwrap_or(&0) as usize,
+                *vl.cu_k.last().unwrap_or(&0) as usize,
+            ),
+        }
+    }
+
     /// The layouts a backend receives must be the ones this problem was built from.
     pub fn check_layouts(&self, q: &Layout, k: &Layout, v: &Layout) -> Result<()> {
         let strides = |l: &Layout| match self.varlen {
@@ -177,13 +191,7 @@ impl Problem {
                 + heads.saturating_sub(1) * s.head
                 + self.head_dim.saturating_sub(1) * s.dim
         };
-        let (rows_q, rows_k) = match &self.varlen {
-            None => (self.max_seq_q, self.max_seq_k),
-            Some(vl) => (
-                *vl.cu_q.last().unwrap_or(&0) as usize,
-                *vl.cu_k.last().unwrap_or(&0) as usize,
-            ),
-        };
+        let (rows_q, rows_k) = self.storage_rows();
         if self.total_q == 0 || self.batch == 0 {
             return Ok(());
         }

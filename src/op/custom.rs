@@ -1,0 +1,118 @@
+//! The `CustomOp3` behind every public function: q, k and v are its three operands; the
+//! validated [`Problem`] and the ALiBi slopes are all a backend receives.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle::backend::BackendStorage;
+use candle::{bail, CpuStorage, Layout, Result, Shape, Storage, Tensor};
+
+use crate::problem::Problem;
+
+pub(crate) struct FlashAttnOp {
+    pub problem: Problem,
+    pub alibi: Option<Tensor>,
+    /// The log-sum-exp storage a backend leaves behind, taken by `FlashAttn::run`.
+    pub lse_stash: Arc<Mutex<Option<Storage>>>,
+    /// The same log-sum-exp as a tensor, kept for the backward pass.
+    pub lse: Arc<OnceLock<Tensor>>,
+}
+
+impl FlashAttnOp {
+    pub fn new(problem: Problem, alibi: Option<Tensor>) -> Self {
+        Self {
+            problem,
+            alibi,
+            lse_stash: Arc::default(),
+            lse: Arc::default(),
+        }
+    }
+
+    fn stash_lse(&self, lse: Storage) -> Result<()> {
+        *self
+            .lse_stash
+            .lock()
+            .map_err(|_| candle::Error::Msg("lse slot poisoned".into()))? = Some(lse);
+        Ok(())
+    }
+}
+
+impl candle::CustomOp3 for FlashAttnOp {
+    fn name(&self) -> &'static str {
+        "flash-attn"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.problem.check_layouts(ql, kl, vl)?;
+        let slopes = match &self.alibi {
+            None => None,
+            Some(s) => Some(s.flatten_all()?.to_vec1::<f32>()?),
+        };
+        let p = &self.problem;
+        let slopes = slopes.as_deref();
+        let (out, lse) = match (q, k, v) {
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                p.check_bounds(q.len(), k.len(), v.len())?;
+                let (o, l) = crate::cpu::forward(p, slopes, q, k, v);
+                (CpuStorage::F32(o), l)
+            }
+            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                p.check_bounds(q.len(), k.len(), v.len())?;
+                let (o, l) = crate::cpu::forward(p, slopes, q, k, v);
+                (CpuStorage::F16(o), l)
+            }
+            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                p.check_bounds(q.len(), k.len(), v.len())?;
+                let (o, l) = crate::cpu::forward(p, slopes, q, k, v);
+                (CpuStorage::BF16(o), l)
+            }
+            _ => bail!(
+                "flash-attn: q, k, v must share one of f32/f16/bf16, got {:?}/{:?}/{:?}",
+                q.dtype(),
+                k.dtype(),
+                v.dtype()
+            ),
+        };
+        self.stash_lse(Storage::Cpu(CpuStorage::F32(lse)))?;
+        Ok((out, Shape::from(p.out_shape())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle::CudaStorage,
+        ql: &Layout,
+        k: &candle::CudaStorage,
+        kl: &Layout,
+        v: &candle::CudaStorage,
+        vl: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        self.problem.check_layouts(ql, kl, vl)?;
+        let (out, lse) = crate::cuda::forward(&self.problem, self.alibi.as_ref(), q, k, v)?;
+        self.stash_lse(Storage::Cuda(lse))?;
+        Ok((out, Shape::from(self.problem.out_shape())))
+    }
+
+    fn bwd(
+        &self,
+        _q: &Tensor,
+        _k: &Tensor,
+        _v: &Tensor,
+        _out: &Tensor,
+        _grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // The forward's log-sum-exp is kept in `self.lse` for this pass.
+        bail!(
+            "flash-attn: the backward pass is not implemented yet, so gradients cannot flow \
+             through flash attention; train with candle_flash::naive_attention, or detach the \
+             inputs if no gradient is wanted"
+        )
+    }
+}

@@ -1,0 +1,236 @@
+//! Input validation: every bad argument becomes a `candle::Error` naming it, and a valid call
+//! becomes a [`Problem`] that the backends consume.
+
+use candle::{bail, DType, Result, Tensor};
+
+use super::{FlashAttn, MAX_HEAD_DIM};
+use crate::problem::{Problem, Strides, VarLen};
+use crate::semantics::ScoreMod;
+
+impl FlashAttn {
+    /// Validates the inputs against each other and the options, and describes the call.
+    pub(crate) fn problem(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        varlen: Option<VarLen>,
+    ) -> Result<Problem> {
+        let rank = if varlen.is_some() { 3 } else { 4 };
+        let expect = if varlen.is_some() {
+            "(total_tokens, heads, head_dim)"
+        } else {
+            "(batch, seq, heads, head_dim)"
+        };
+        for (name, t) in [("q", q), ("k", k), ("v", v)] {
+            if t.rank() != rank {
+                bail!(
+                    "flash-attn: {name} must have rank {rank} {expect}, got shape {:?}",
+                    t.dims()
+                )
+            }
+        }
+        let dtype = q.dtype();
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            bail!("flash-attn: q has dtype {dtype:?}, only f32, f16 and bf16 are supported")
+        }
+        for (name, t) in [("k", k), ("v", v)] {
+            if t.dtype() != dtype {
+                bail!(
+                    "flash-attn: {name} has dtype {:?} but q has {dtype:?}",
+                    t.dtype()
+                )
+            }
+            check_device(name, t, q)?;
+        }
+        let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
+        let (batch, seq_q, heads, head_dim) = match varlen {
+            None => (qd[0], qd[1], qd[2], qd[3]),
+            Some(ref vl) => (vl.cu_q.len() - 1, vl.max_seqlen_q, qd[1], qd[2]),
+        };
+        let (kv_heads, seq_k) = (kd[rank - 2], if varlen.is_some() { 0 } else { kd[1] });
+        if kd != vd {
+            bail!("flash-attn: k has shape {kd:?} but v has shape {vd:?}")
+        }
+        if varlen.is_none() && kd[0] != batch {
+            bail!(
+                "flash-attn: q has batch {batch} but k and v have batch {}",
+                kd[0]
+            )
+        }
+        if kd[rank - 1] != head_dim {
+            bail!(
+                "flash-attn: q has head_dim {head_dim} but k and v have head_dim {}",
+                kd[rank - 1]
+            )
+        }
+        if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+            bail!("flash-attn: head_dim {head_dim} is unsupported (must be 1..={MAX_HEAD_DIM})")
+        }
+        if kv_heads == 0 {
+            bail!("flash-attn: k and v have 0 kv heads")
+        }
+        if heads % kv_heads != 0 {
+            bail!("flash-attn: q has {heads} heads, not a multiple of the {kv_heads} kv heads of k and v")
+        }
+        if !self.softmax_scale.is_finite() {
+            bail!(
+                "flash-attn: softmax_scale must be finite, got {}",
+                self.softmax_scale
+            )
+        }
+        let softcap = match self.softcap {
+            None => 0.0,
+            Some(0.0) => 0.0,
+            Some(c) if c > 0.0 && c.is_finite() => c,
+            Some(c) => {
+                bail!("flash-attn: softcap must be a finite positive number (or 0 = off), got {c}")
+            }
+        };
+        let alibi_batch_stride = match &self.alibi_slopes {
+            None => 0,
+            Some(s) => check_alibi(s, q, batch, heads)?,
+        };
+        let (q_s, k_s, v_s, total_q, max_seq_k) = match &varlen {
+            None => (
+                Strides::dense(q.layout()),
+                Strides::dense(k.layout()),
+                Strides::dense(v.layout()),
+                batch * seq_q,
+                seq_k,
+            ),
+            Some(vl) => (
+                Strides::packed(q.layout()),
+                Strides::packed(k.layout()),
+                Strides::packed(v.layout()),
+                qd[0],
+                vl.max_seqlen_k,
+            ),
+        };
+        Ok(Problem {
+            batch,
+            heads,
+            kv_heads,
+            head_dim,
+            max_seq_q: seq_q,
+            max_seq_k,
+            total_q,
+            q: q_s,
+            k: k_s,
+            v: v_s,
+            varlen,
+            window: self.mask(),
+            score: ScoreMod {
+                scale: self.softmax_scale,
+                softcap,
+            },
+            has_alibi: self.alibi_slopes.is_some(),
+            alibi_batch_stride,
+        })
+    }
+}
+
+/// `t` (the argument `name`) must live on q's device.
+fn check_device(name: &str, t: &Tensor, q: &Tensor) -> Result<()> {
+    if !t.device().same_device(q.device()) {
+        bail!(
+            "flash-attn: {name} is on {:?} but q is on {:?}",
+            t.device().location(),
+            q.device().location()
+        )
+    }
+    Ok(())
+}
+
+/// Checks ALiBi slopes and returns their batch stride (0 for per-head slopes).
+fn check_alibi(s: &Tensor, q: &Tensor, batch: usize, heads: usize) -> Result<usize> {
+    if s.dtype() != DType::F32 {
+        bail!("flash-attn: alibi_slopes must be f32, got {:?}", s.dtype())
+    }
+    check_device("alibi_slopes", s, q)?;
+    match s.dims() {
+        [h] if *h == heads => Ok(0),
+        [b, h] if *b == batch && *h == heads => Ok(heads),
+        d => bail!(
+            "flash-attn: alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {d:?}"
+        ),
+    }
+}
+
+/// Reads and checks cumulative sequence lengths of a varlen call.
+pub(super) fn read_seqlens(
+    q: &Tensor,
+    k: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+) -> Result<VarLen> {
+    let read = |name: &str, t: &Tensor, total: Option<usize>, max: usize| -> Result<Vec<u32>> {
+        if t.dtype() != DType::U32 {
+            bail!("flash-attn: {name} must be u32, got {:?}", t.dtype())
+        }
+        if t.rank() != 1 || t.dims1()? == 0 {
+            bail!(
+                "flash-attn: {name} must have shape (batch + 1,), got {:?}",
+                t.dims()
+            )
+        }
+        check_device(name, t, q)?;
+        let cu = t.to_vec1::<u32>()?;
+        if cu[0] != 0 {
+            bail!("flash-attn: {name} must start at 0, got {}", cu[0])
+        }
+        for (b, w) in cu.windows(2).enumerate() {
+            if w[1] < w[0] {
+                bail!(
+                    "flash-attn: {name} must be non-decreasing, got {} then {} at {b}",
+                    w[0],
+                    w[1]
+                )
+            }
+            if (w[1] - w[0]) as usize > max {
+                bail!(
+                    "flash-attn: sequence {b} of {name} has length {} > max_seqlen {max}",
+                    w[1] - w[0]
+                )
+            }
+        }
+        if let Some(total) = total {
+            if *cu.last().unwrap_or(&0) as usize != total {
+                bail!(
+                    "flash-attn: {name} ends at {} but the packed tensor has {total} tokens",
+                    cu.last().unwrap_or(&0)
+                )
+            }
+        }
+        Ok(cu)
+    };
+    for (name, t) in [("q", q), ("k", k)] {
+        if t.rank() != 3 {
+            bail!("flash-attn: varlen {name} must have rank 3 (total_tokens, heads, head_dim), got {:?}", t.dims())
+        }
+    }
+    let cu_q = read("seqlens_q", seqlens_q, Some(q.dim(0)?), max_seqlen_q)?;
+    let cu_k = read("seqlens_k", seqlens_k, Some(k.dim(0)?), max_seqlen_k)?;
+    if cu_q.len() != cu_k.len() {
+        bail!(
+            "flash-attn: seqlens_q has {} entries but seqlens_k has {}: both must be batch + 1",
+            cu_q.len(),
+            cu_k.len()
+        )
+    }
+    // The longest actual sequences, not the caller's bounds: kernels size their grids by them.
+    let longest = |cu: &[u32]| {
+        cu.windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    };
+    Ok(VarLen {
+        max_seqlen_q: longest(&cu_q),
+        max_seqlen_k: longest(&cu_k),
+        cu_q,
+        cu_k,
+    })
+}
