@@ -1,5 +1,8 @@
-// f16 instances of the tensor-core FlashAttention-2 forward (see flash_mma.cuh for the
-// algorithm and tiling): one kernel per head dim 32, 64, ..., 256, named flash_fwd_f16_d<D>.
-#include "flash_mma.cuh"
+// The f16 module: tensor-core forward instances (forward/mma.cuh; tiles from
+// src/cuda/instances.rs via the generated instances.cuh) and the row-wise fallback.
+#include "forward/mma.cuh"
+#include "forward/rowwise.cuh"
+#include "instances.cuh"
 
-FLASH_ALL_DIMS(flash_fwd_f16, __half)
+FLASH_MMA_INSTANCES(flash_fwd_f16, __half)
+FLASH_ROWWISE_INSTANCE(flash_rowwise_f16, __half)

@@ -16,83 +16,14 @@
 // band cuts (or the key tail) run the per-element mask. The plain instance folds scale * log2 e
 // into the exp2 FFMA; the `_mods` instance applies softcap and ALiBi in the score registers.
 // Rows that see no key end with l = 0 and are written as 0 with lse = -inf.
+// Heads wider than 256 would not fit O in registers: such instances keep Q and K whole (D) but
+// give each block DV < D columns of V and O, blockIdx.x / q_tiles choosing which.
 #pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include "flash_common.cuh"
+#include "common/mask.cuh"
+#include "common/math.cuh"
+#include "common/ptx.cuh"
 
 namespace flash {
-
-// ---- PTX wrappers ---------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-// 16-byte async copy global -> shared; src_bytes = 0 zero-fills (tails, padding columns).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(src_bytes));
-}
-// threadIdx.x through a volatile read: per-copy offsets derived from it are then recomputed at
-// each use instead of being hoisted out of the key loop into (dozens of) registers.
-__device__ __forceinline__ int tid_volatile() {
-    int t;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-    return t;
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// volatile: shared memory changes between loop iterations, so these must not be hoisted/merged.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
-template <typename T>
-struct Mma;
-template <>
-struct Mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    // Two f32 -> one register holding (lo, hi) as bf16, lo in the low half (lower column).
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-};
-template <>
-struct Mma<__half> {
-    static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                               uint32_t b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-        __half2 v = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<uint32_t*>(&v);
-    }
-};
 
 // ---- shared-memory layout -------------------------------------------------------------------
 
@@ -171,30 +102,39 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, int64_t row_strid
 
 // ---- the kernel -----------------------------------------------------------------------------
 
-template <typename T, int D, int MT, int BC, int WARPS, int STAGES>
+// D: head dim of Q and K in shared memory; DV: the V/O columns this block computes (D for heads
+// up to 256; wider heads are split by columns across blocks, each recomputing S over all of D).
+template <typename T, int D, int DV, int MT, int BC, int WARPS, int STAGES>
 struct Traits {
     static constexpr int THREADS = WARPS * 32;
     static constexpr int BR = 16 * MT * WARPS;  // query rows per block
     static constexpr int NT = BC / 8;           // n8 tiles of S per 16-row slice
-    static constexpr int DT = D / 8;            // n8 tiles of O per 16-row slice
-    static constexpr int SMEM = (BR * D + STAGES * 2 * BC * D) * (int)sizeof(T);
+    static constexpr int DT = DV / 8;           // n8 tiles of O per 16-row slice
+    static constexpr int KV = BC * (D + DV);    // elements of one K + V stage
+    static constexpr int SMEM = (BR * D + STAGES * KV) * (int)sizeof(T);
 };
 
-template <typename T, int D, int MT, int BC, int WARPS, int STAGES, bool MODS>
+template <typename T, int D, int DV, int MT, int BC, int WARPS, int STAGES, bool MODS>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
-    using Tr = Traits<T, D, MT, BC, WARPS, STAGES>;
+    using Tr = Traits<T, D, DV, MT, BC, WARPS, STAGES>;
     constexpr int BR = Tr::BR, NT = Tr::NT, DT = Tr::DT, THREADS = Tr::THREADS;
-    static_assert(BC % 16 == 0 && D % 16 == 0, "tiles are whole mma steps");
+    constexpr int KV = Tr::KV;
+    static_assert(BC % 16 == 0 && D % 16 == 0 && DV % 16 == 0, "tiles are whole mma steps");
+    static_assert(DV <= D, "O is staged in the Q tile");
     static_assert(STAGES >= 2, "the ring needs a buffer in flight");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sKV = sQ + BR * D;  // stage s: K at sKV + 2 s BC D, V right after
+    T* sKV = sQ + BR * D;  // stage s: K (BC x D) at sKV + s KV, V (BC x DV) right after
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     // Reverse tile order: with causal masks the last query tiles have the most keys, so the
     // longest blocks start first and the short ones fill the tail of the grid.
-    const int m_block = gridDim.x - 1 - blockIdx.x;
+    // Column blocks of V/O are the slow part of blockIdx.x.
+    const int q_tiles = gridDim.x / p.dv_splits;
+    const int m_block = q_tiles - 1 - (int)(blockIdx.x % q_tiles);
+    const int v_col0 = (int)(blockIdx.x / q_tiles) * DV;
+    const int dv_load = min(DV, p.d_load - v_col0);
     const int h = blockIdx.y, b = blockIdx.z;
     BlockGeom g;
     if (!block_geom(p, m_block, BR, h, b, g)) return;
@@ -205,17 +145,19 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     const T* kg = static_cast<const T*>(p.k) + (int64_t)b * p.k_batch + g.k_row0 * p.k_seq +
                   (int64_t)kvh * p.k_head;
     const T* vg = static_cast<const T*>(p.v) + (int64_t)b * p.v_batch + g.k_row0 * p.v_seq +
-                  (int64_t)kvh * p.v_head;
+                  (int64_t)kvh * p.v_head + v_col0;
     // Block-uniform values the key loop needs once per tile live in shared memory rather than
     // registers: at d 128 the O and S accumulators leave no room for them (ptxas spilled them).
     // They are read right after the loop's barrier, so their live ranges stay short.
     __shared__ const T* sh_kg;
     __shared__ const T* sh_vg;
     __shared__ int sh_sk;
+    __shared__ int sh_dv_load;
     if (tid == 0) {
         sh_kg = kg;
         sh_vg = vg;
         sh_sk = g.sk;
+        sh_dv_load = dv_load;
     }
 
     // Per-thread rows: slice mt of this warp, rows (lane / 4) and (lane / 4 + 8) of the slice.
@@ -234,7 +176,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     const SwzRow<D> q_off(warp * 16 * MT + lane % 16, lane / 16);
     const SwzRow<D> k_off((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
-    const SwzRow<D> v_off(lane % 16, lane / 16);
+    const SwzRow<DV> v_off(lane % 16, lane / 16);
     // Diagonal of this thread's first row; its other rows are 8 and 16 further.
     const int diag_t = g.m0 + row_base + g.sk - g.sq;
 
@@ -249,12 +191,12 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     for (int s = 0; s < STAGES - 1; ++s) {
         const int t = t_begin + s;
         if (t < t_end) {
-            T* sK = sKV + s * 2 * BC * D;
+            T* sK = sKV + s * KV;
             const int rows = min(BC, g.sk - t * BC);
             load_tile<T, D, BC, THREADS>(sK, kg + (int64_t)t * BC * p.k_seq, p.k_seq, rows,
                                          p.d_load);
-            load_tile<T, D, BC, THREADS>(sK + BC * D, vg + (int64_t)t * BC * p.v_seq, p.v_seq, rows,
-                                         p.d_load);
+            load_tile<T, DV, BC, THREADS>(sK + BC * D, vg + (int64_t)t * BC * p.v_seq, p.v_seq,
+                                          rows, dv_load);
         }
         cp_async_commit();
     }
@@ -266,16 +208,16 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         {
             const int tn = t + STAGES - 1;
             if (tn < t_end) {
-                T* sK = sKV + ((it + STAGES - 1) % STAGES) * 2 * BC * D;
+                T* sK = sKV + ((it + STAGES - 1) % STAGES) * KV;
                 const int rows = min(BC, sh_sk - tn * BC);
                 load_tile<T, D, BC, THREADS>(sK, sh_kg + (int64_t)tn * BC * p.k_seq, p.k_seq, rows,
                                              p.d_load);
-                load_tile<T, D, BC, THREADS>(sK + BC * D, sh_vg + (int64_t)tn * BC * p.v_seq,
-                                             p.v_seq, rows, p.d_load);
+                load_tile<T, DV, BC, THREADS>(sK + BC * D, sh_vg + (int64_t)tn * BC * p.v_seq,
+                                              p.v_seq, rows, sh_dv_load);
             }
             cp_async_commit();
         }
-        const T* sK = sKV + (it % STAGES) * 2 * BC * D;
+        const T* sK = sKV + (it % STAGES) * KV;
         const T* sV = sK + BC * D;
 
         // S = Q K^T for this warp's MT x 16 rows and BC keys.
@@ -381,7 +323,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 pa[mt][3] = Mma<T>::pack(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
             }
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
+            for (int dp = 0; dp < DV / 16; ++dp) {
                 uint32_t vb[4];
                 // matrices: (keys 0-7, d lo) (keys 8-15, d lo) (keys 0-7, d hi) (keys 8-15, d hi)
                 ldsm_x4_t(vb, sV + v_off.at(kk, dp));
@@ -411,32 +353,33 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             l += __shfl_xor_sync(0xffffffff, l, 2);
             const float inv = l > 0.f ? 1.f / l : 0.f;
             const int r = row_base + mt * 16 + hf * 8;
-            if (lane % 4 == 0 && r < g.rows)
+            if (lane % 4 == 0 && r < g.rows && v_col0 == 0)
                 p.lse[g.lse0 + r] = l > 0.f ? (row_m[mt][hf] * unit + __log2f(l)) * LN2_F : -INFINITY;
 #pragma unroll
             for (int j = 0; j < DT; ++j) {
                 const int c = j * 8 + 2 * (lane % 4);
-                *reinterpret_cast<uint32_t*>(sQ + swz<D>(r, c / 8) + c % 8) =
+                *reinterpret_cast<uint32_t*>(sQ + swz<DV>(r, c / 8) + c % 8) =
                     Mma<T>::pack(acc_o[mt][j][2 * hf] * inv, acc_o[mt][j][2 * hf + 1] * inv);
             }
         }
     __syncthreads();
-    T* og = static_cast<T*>(p.o) + (g.out_row0 + g.m0) * p.o_seq + (int64_t)h * p.o_head;
-    constexpr int C = D / 8;
+    T* og = static_cast<T*>(p.o) + (g.out_row0 + g.m0) * p.o_seq + (int64_t)h * p.o_head + v_col0;
+    constexpr int C = DV / 8;
+    const int d_out = min(DV, p.d_out - v_col0);
     if (p.d_out % 8 == 0) {
 #pragma unroll
         for (int it = 0; it < BR * C / THREADS; ++it) {
             const int i = tid + it * THREADS;
             const int r = i / C, c = i % C;
-            if (r < g.rows && c * 8 < p.d_out)
+            if (r < g.rows && c * 8 < d_out)
                 *reinterpret_cast<uint4*>(og + r * p.o_seq + c * 8) =
-                    *reinterpret_cast<const uint4*>(sQ + swz<D>(r, c));
+                    *reinterpret_cast<const uint4*>(sQ + swz<DV>(r, c));
         }
     } else {
         // Head dims that are not a multiple of 8 (inputs were padded by the pack kernel).
-        for (int i = tid; i < BR * p.d_out; i += THREADS) {
-            const int r = i / p.d_out, c = i % p.d_out;
-            if (r < g.rows) og[r * p.o_seq + c] = sQ[swz<D>(r, c / 8) + c % 8];
+        for (int i = tid; i < BR * d_out; i += THREADS) {
+            const int r = i / d_out, c = i % d_out;
+            if (r < g.rows) og[r * p.o_seq + c] = sQ[swz<DV>(r, c / 8) + c % 8];
         }
     }
 }
@@ -446,32 +389,18 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
 }  // namespace flash
 
-// One extern "C" entry point per (dtype, head dim). The Rust side (src/cuda.rs, `MMA_CONFIGS`)
-// mirrors the tile sizes to size the grid and the dynamic shared memory.
-// Softcap / ALiBi get their own `_mods` instance: fused into the plain kernel they would cost it
+// One extern "C" entry point per (dtype, instance) of the table in src/cuda/instances.rs, which
+// build.rs expands into FLASH_MMA_INSTANCES (instances.cuh) together with the shared-memory size
+// the Rust planner assumes for it; the static_assert ties that figure to Traits::SMEM.
+// Softcap / ALiBi get their own `_mods` entry: fused into the plain kernel they would cost it
 // registers (and spills at d 128) even when off.
-#define FLASH_INSTANCE(NAME, T, D, MT, BC, WARPS, STAGES, MINB)                         \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                      \
-        NAME(const FlashParams p) {                                                     \
-        flash::flash_fwd<T, D, MT, BC, WARPS, STAGES, false>(p);                        \
-    }                                                                                   \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                      \
-        NAME##_mods(const FlashParams p) {                                              \
-        flash::flash_fwd<T, D, MT, BC, WARPS, STAGES, true>(p);                         \
+#define FLASH_MMA_INSTANCE(NAME, T, D, DV, MT, BC, WARPS, STAGES, MINB, SMEM_BYTES)            \
+    static_assert(flash::Traits<T, D, DV, MT, BC, WARPS, STAGES>::SMEM == SMEM_BYTES,           \
+                  "src/cuda/instances.rs and the kernel disagree on shared memory");           \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) NAME(const FlashParams p) {  \
+        flash::flash_fwd<T, D, DV, MT, BC, WARPS, STAGES, false>(p);                            \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)                              \
+        NAME##_mods(const FlashParams p) {                                                      \
+        flash::flash_fwd<T, D, DV, MT, BC, WARPS, STAGES, true>(p);                             \
     }
-
-// Config per head dim (see the Rust table): up to 128, warps take 32 rows so each K/V fragment
-// read from shared memory feeds two mmas; from 160 up the O accumulator of 32 rows would not fit
-// in registers, so warps take 16 rows. Measured on the H100 at d 128 (bf16, TFLOP/s, seq 8192 /
-// 16384, non-causal): 32-key tiles 318 / 327, 64-key tiles 325 / 339 but with ~70 bytes of
-// register spills (ptxas), 8 warps of 16 rows 264 at 8192. 32-key tiles were kept: spill-free
-// and within a few percent.
-#define FLASH_ALL_DIMS(PREFIX, T)                                 \
-    FLASH_INSTANCE(PREFIX##_d32, T, 32, 2, 64, 4, 2, 2)           \
-    FLASH_INSTANCE(PREFIX##_d64, T, 64, 2, 64, 4, 2, 2)           \
-    FLASH_INSTANCE(PREFIX##_d96, T, 96, 2, 32, 4, 2, 2)           \
-    FLASH_INSTANCE(PREFIX##_d128, T, 128, 2, 32, 4, 2, 2)         \
-    FLASH_INSTANCE(PREFIX##_d160, T, 160, 1, 64, 4, 2, 2)         \
-    FLASH_INSTANCE(PREFIX##_d192, T, 192, 1, 32, 4, 2, 2)         \
-    FLASH_INSTANCE(PREFIX##_d224, T, 224, 1, 32, 4, 2, 2)         \
-    FLASH_INSTANCE(PREFIX##_d256, T, 256, 1, 32, 4, 2, 2)

@@ -1,0 +1,41 @@
+// The launch parameters of every forward kernel. Its Rust twin is `Params` in
+// src/cuda/params.rs; build.rs generates params_layout.cuh from that struct, whose static_asserts
+// fail the build if a field's offset or the size differs between the two.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+// One struct instead of dozens of positional arguments. 8-byte fields first, so the C and Rust
+// (`#[repr(C)]`) layouts agree without relying on padding rules.
+struct FlashParams {
+    const void* q;  // element (0, 0, 0, 0) of each operand (view offset already applied)
+    const void* k;
+    const void* v;
+    void* o;               // contiguous (rows, heads, d_out)
+    float* lse;            // natural-log log-sum-exp, f32
+    const float* alibi;    // slopes or null
+    const uint32_t* cu_q;  // varlen cumulative lengths (batch + 1) or null for dense
+    const uint32_t* cu_k;
+    // Element strides (64-bit: large tensors overflow 32-bit offsets).
+    int64_t q_batch, q_seq, q_head, q_dim;
+    int64_t k_batch, k_seq, k_head, k_dim;
+    int64_t v_batch, v_seq, v_head, v_dim;
+    int64_t o_seq, o_head;  // output strides (o_dim is 1)
+    int64_t lse_head;       // distance between heads in lse
+    int64_t win_left;       // keys visible left of the diagonal, -1 = unbounded
+    int64_t win_right;      // keys visible right of the diagonal, -1 = unbounded
+    int32_t seq_q, seq_k;   // dense lengths (varlen reads cu_q / cu_k)
+    int32_t heads;
+    int32_t kv_group;       // heads / kv_heads: query heads sharing one K/V head
+    int32_t d_load;         // columns read from q/k/v (the rest of the tile is zero-filled)
+    int32_t d_out;          // columns written to o
+    float scale_log2;       // softmax_scale * log2(e): scores live in base 2
+    float softcap;          // 0 = off
+    float scale_over_cap;   // softmax_scale / softcap
+    float cap_log2;         // softcap * log2(e)
+    int32_t alibi_batch;    // batch stride of the slopes (0 = per head)
+    int32_t dv_splits;      // blocks splitting the V/O columns of one query tile (>= 1)
+};
+
+
+#include "params_layout.cuh"

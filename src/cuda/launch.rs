@@ -1,0 +1,345 @@
+//! Executes a [`LaunchPlan`]: operands the kernel cannot read in place are packed, one
+//! parameter struct is filled, and the kernel is launched on candle's stream.
+//!
+//! The kernels are compiled to PTX (`compute_80`) by `build.rs`, embedded here and loaded once
+//! per device; [`ptx`] maps a plan's module to its text, so an architecture-specific module (an
+//! sm_90a build) slots in by compute capability without touching the launch code.
+
+use candle::backend::BackendStorage;
+use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle::{bail, CudaStorage, DType, Result, Storage, Tensor};
+use half::{bf16, f16};
+
+use super::params::Params;
+use super::plan::{plan, DeviceCaps, LaunchPlan, Module, MAX_SEQ, STATIC_SMEM_RESERVE};
+use crate::problem::{Problem, Strides};
+use crate::semantics::LOG2_E;
+
+/// The PTX text and candle's cache name of a module.
+fn ptx(m: Module) -> (&'static str, &'static str) {
+    match m {
+        Module::Bf16 => (
+            "candle_flash_bf16",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_bf16.ptx")),
+        ),
+        Module::F16 => (
+            "candle_flash_f16",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_f16.ptx")),
+        ),
+        Module::F32 => (
+            "candle_flash_f32",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_f32.ptx")),
+        ),
+    }
+}
+
+const PACK_PTX: (&str, &str) = (
+    "candle_flash_pack",
+    include_str!(concat!(env!("OUT_DIR"), "/pack.ptx")),
+);
+
+// SAFETY: `Params` is `#[repr(C)]`, `Copy`, made of plain integers and floats, and its C twin
+// `FlashParams` is checked field by field at build time (see params.rs).
+unsafe impl DeviceRepr for Params {}
+
+/// What the planner needs, read from the device.
+fn caps(stream: &CudaStream) -> Result<DeviceCaps> {
+    let ctx = stream.context();
+    let attr = |a| -> Result<usize> { Ok(ctx.attribute(a).w()? as usize) };
+    Ok(DeviceCaps::new(
+        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as u32,
+        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as u32,
+        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+        attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+    ))
+}
+
+/// Window sides for the kernels: -1 unbounded, otherwise clamped so `int` arithmetic on
+/// diagonals (sequences < 2^30) cannot overflow; any window that wide already covers everything.
+fn window_side(w: i64) -> i64 {
+    if w < 0 {
+        -1
+    } else {
+        w.min(MAX_SEQ as i64)
+    }
+}
+
+/// The forward pass of `p` on the GPU: returns (out, lse). `alibi` holds the slopes when
+/// `p.has_alibi`.
+pub(crate) fn forward(
+    p: &Problem,
+    alibi: Option<&Tensor>,
+    q: &CudaStorage,
+    k: &CudaStorage,
+    v: &CudaStorage,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let dev = q.device().clone();
+    match (q.dtype(), k.dtype(), v.dtype()) {
+        (DType::BF16, DType::BF16, DType::BF16) => forward_t::<bf16>(p, alibi, &dev, q, k, v),
+        (DType::F16, DType::F16, DType::F16) => forward_t::<f16>(p, alibi, &dev, q, k, v),
+        (DType::F32, DType::F32, DType::F32) => forward_t::<f32>(p, alibi, &dev, q, k, v),
+        (a, b, c) => {
+            bail!("flash-attn: q, k, v must share one of f32/f16/bf16, got {a:?}/{b:?}/{c:?}")
+        }
+    }
+}
+
+/// One operand as the kernel reads it: a device address of element (0, 0, 0, 0) and strides.
+struct Operand {
+    ptr: u64,
+    s: Strides,
+}
+
+fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
+    p: &Problem,
+    alibi: Option<&Tensor>,
+    dev: &CudaDevice,
+    q: &CudaStorage,
+    k: &CudaStorage,
+    v: &CudaStorage,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let stream = dev.cuda_stream();
+    let (q, k, v) = (
+        q.as_cuda_slice::<T>()?,
+        k.as_cuda_slice::<T>()?,
+        v.as_cuda_slice::<T>()?,
+    );
+    p.check_bounds(q.len(), k.len(), v.len())?;
+    if p.has_alibi != alibi.is_some() {
+        bail!("flash-attn: ALiBi slopes do not match the validated problem")
+    }
+    let plan = plan(p, T::DTYPE, &caps(&stream)?)?;
+    let esize = std::mem::size_of::<T>();
+    let d = p.head_dim;
+
+    // Operands: read in place where the plan allows, otherwise through a packed contiguous copy.
+    let (q_rows, k_rows) = p.storage_rows();
+    let (q_guard, k_guard, v_guard) = (
+        q.device_ptr(&stream),
+        k.device_ptr(&stream),
+        v.device_ptr(&stream),
+    );
+    let mut scratch: Vec<CudaSlice<T>> = Vec::new();
+    let mut operand =
+        |base: u64, s: Strides, rows: usize, heads: usize, packed: bool| -> Result<Operand> {
+            if !packed {
+                return Ok(Operand {
+                    ptr: base + (s.offset * esize) as u64,
+                    s,
+                });
+            }
+            let (buf, s) = pack::<T>(dev, &stream, p, base, s, rows, heads, plan.d_load)?;
+            // The guard only orders other streams; `scratch` keeps the buffer alive past the
+            // launch.
+            let ptr = buf.device_ptr(&stream).0;
+            scratch.push(buf);
+            Ok(Operand { ptr, s })
+        };
+    let qo = operand(q_guard.0, p.q, q_rows, p.heads, plan.pack[0])?;
+    let ko = operand(k_guard.0, p.k, k_rows, p.kv_heads, plan.pack[1])?;
+    let vo = operand(v_guard.0, p.v, k_rows, p.kv_heads, plan.pack[2])?;
+
+    let out_len = p.total_q * p.heads * d;
+    // SAFETY: every element of `out` and `lse` is written by the kernel before anyone reads it
+    // (each (row, head, column block) belongs to exactly one block, which stores all its columns
+    // and, for the first column block, the lse).
+    let mut out = unsafe { dev.alloc::<T>(out_len)? };
+    // SAFETY: as above.
+    let mut lse = unsafe { dev.alloc::<f32>(p.total_q * p.heads)? };
+
+    let cu = match &p.varlen {
+        None => None,
+        Some(vl) => Some((
+            stream.clone_htod(&vl.cu_q).w()?,
+            stream.clone_htod(&vl.cu_k).w()?,
+        )),
+    };
+    let alibi = match alibi {
+        None => None,
+        Some(a) => Some(a.to_dtype(DType::F32)?.contiguous()?),
+    };
+    let alibi_storage = alibi.as_ref().map(|a| a.storage_and_layout());
+    let alibi_slice = match &alibi_storage {
+        None => None,
+        Some((st, l)) => match &**st {
+            Storage::Cuda(c) => Some((c.as_cuda_slice::<f32>()?, l.start_offset())),
+            _ => bail!("flash-attn: alibi_slopes must be on the same CUDA device as q"),
+        },
+    };
+
+    let (o_guard, lse_guard) = (out.device_ptr_mut(&stream), lse.device_ptr_mut(&stream));
+    let cu_guards = cu
+        .as_ref()
+        .map(|(a, b)| (a.device_ptr(&stream), b.device_ptr(&stream)));
+    let alibi_guard = alibi_slice.map(|(s, off)| (s.device_ptr(&stream), off));
+
+    let (win_left, win_right) = p.window.as_i64();
+    let softcap = p.score.softcap;
+    let params = Params {
+        q: qo.ptr,
+        k: ko.ptr,
+        v: vo.ptr,
+        o: o_guard.0,
+        lse: lse_guard.0,
+        alibi: alibi_guard
+            .as_ref()
+            .map_or(0, |(g, off)| g.0 + (*off * 4) as u64),
+        cu_q: cu_guards.as_ref().map_or(0, |(a, _)| a.0),
+        cu_k: cu_guards.as_ref().map_or(0, |(_, b)| b.0),
+        q_batch: qo.s.batch as i64,
+        q_seq: qo.s.seq as i64,
+        q_head: qo.s.head as i64,
+        q_dim: qo.s.dim as i64,
+        k_batch: ko.s.batch as i64,
+        k_seq: ko.s.seq as i64,
+        k_head: ko.s.head as i64,
+        k_dim: ko.s.dim as i64,
+        v_batch: vo.s.batch as i64,
+        v_seq: vo.s.seq as i64,
+        v_head: vo.s.head as i64,
+        v_dim: vo.s.dim as i64,
+        o_seq: (p.heads * d) as i64,
+        o_head: d as i64,
+        lse_head: p.lse_head_stride() as i64,
+        win_left: window_side(win_left),
+        win_right: window_side(win_right),
+        seq_q: to_i32(p.max_seq_q, "seq_q")?,
+        seq_k: to_i32(p.max_seq_k, "seq_k")?,
+        heads: to_i32(p.heads, "heads")?,
+        kv_group: to_i32(p.heads / p.kv_heads, "heads")?,
+        d_load: to_i32(plan.d_load, "head_dim")?,
+        d_out: to_i32(d, "head_dim")?,
+        scale_log2: p.score.scale * LOG2_E,
+        softcap,
+        scale_over_cap: if softcap > 0.0 {
+            p.score.scale / softcap
+        } else {
+            0.0
+        },
+        cap_log2: softcap * LOG2_E,
+        alibi_batch: to_i32(p.alibi_batch_stride, "alibi stride")?,
+        dv_splits: to_i32(plan.dv_splits, "dv splits")?,
+    };
+    launch(dev, &plan, &params)?;
+    drop((
+        o_guard,
+        lse_guard,
+        cu_guards,
+        alibi_guard,
+        q_guard,
+        k_guard,
+        v_guard,
+    ));
+    drop(scratch);
+
+    let out = CudaStorage::wrap_cuda_slice(out, dev.clone());
+    let lse = CudaStorage::wrap_cuda_slice(lse, dev.clone());
+    Ok((out, lse))
+}
+
+/// Loads the plan's function, opts into its shared memory and launches it with `params`.
+fn launch(dev: &CudaDevice, plan: &LaunchPlan, params: &Params) -> Result<()> {
+    let (module, text) = ptx(plan.module);
+    let func = dev.get_or_load_custom_func(&plan.function, module, text)?;
+    // The plan left room for the kernels' few bytes of static shared memory; make sure it did.
+    let static_smem = func
+        .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+        .w()? as usize;
+    if static_smem > STATIC_SMEM_RESERVE {
+        bail!(
+            "flash-attn: kernel {} holds {static_smem} bytes of static shared memory, more than \
+             the {STATIC_SMEM_RESERVE} its plan reserves",
+            plan.function
+        )
+    }
+    if plan.smem + static_smem > 48 * 1024 {
+        // Above 48 KB per block, dynamic shared memory must be opted into per function.
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            plan.smem as i32,
+        )
+        .w()?;
+    }
+    let cfg = LaunchConfig {
+        grid_dim: plan.grid,
+        block_dim: (plan.threads, 1, 1),
+        shared_mem_bytes: plan.smem as u32,
+    };
+    let mut builder = func.builder();
+    builder.arg(params);
+    // SAFETY: `params` matches the kernel's parameter struct (checked at build time); every
+    // pointer in it is kept alive by the caller until after the launch, and `check_bounds` plus
+    // the per-sequence lengths bound every element the kernel reads; the grid and shared memory
+    // fit the device limits the plan was made for.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(())
+}
+
+fn to_i32(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x)
+        .map_err(|_| candle::Error::Msg(format!("flash-attn: {what} = {x} exceeds i32")))
+}
+
+/// Copies a strided 16-bit operand into a contiguous `(batch, rows, heads, dp)` buffer with
+/// zero padding columns; returns it with its strides.
+#[allow(clippy::too_many_arguments)]
+fn pack<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    stream: &std::sync::Arc<CudaStream>,
+    p: &Problem,
+    base: u64,
+    s: Strides,
+    rows: usize,
+    heads: usize,
+    dp: usize,
+) -> Result<(CudaSlice<T>, Strides)> {
+    let batch = if p.varlen.is_some() { 1 } else { p.batch };
+    let len = batch * rows * heads * dp;
+    // SAFETY: the pack kernel writes every one of the `len` elements (padding included).
+    let mut dst = unsafe { dev.alloc::<T>(len.max(1))? };
+    if len > 0 {
+        let func = dev.get_or_load_custom_func("pack_b16", PACK_PTX.0, PACK_PTX.1)?;
+        let (dst_ptr, dst_guard) = dst.device_ptr_mut(stream);
+        let src = base + (s.offset * 2) as u64;
+        let args: [i64; 9] = [
+            batch as i64,
+            rows as i64,
+            heads as i64,
+            p.head_dim as i64,
+            dp as i64,
+            s.batch as i64,
+            s.seq as i64,
+            s.head as i64,
+            s.dim as i64,
+        ];
+        let threads = 256usize;
+        let blocks = len.div_ceil(threads).min(65535 * 8);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = func.builder();
+        b.arg(&src).arg(&dst_ptr);
+        for a in &args {
+            b.arg(a);
+        }
+        // SAFETY: the kernel reads elements of the source view, all inside its storage
+        // (`check_bounds` ran on it), and writes `len` elements of `dst`; argument types match
+        // `pack_b16` (two pointers, nine int64).
+        unsafe { b.launch(cfg) }.w()?;
+        drop(dst_guard);
+    }
+    let strides = Strides {
+        offset: 0,
+        batch: rows * heads * dp,
+        seq: heads * dp,
+        head: dp,
+        dim: 1,
+    };
+    Ok((dst, strides))
+}

@@ -1,0 +1,53 @@
+// The by-value parameter struct of every forward kernel: `FlashParams` in
+// `kernels/common/params.cuh` is its C twin. `build.rs` `include!`s this file, computes the C
+// layout of the fields below from their types, checks it against this struct's `size_of`, and
+// emits a `static_assert` on the size and on every field's offset into the generated
+// `params_layout.cuh`, so a field added, moved or retyped on one side only fails the build.
+// Plain fields of 8-byte then 4-byte types, so no padding rule is involved.
+
+/// Launch parameters of the forward kernels, mirrored field for field by `FlashParams`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Params {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub alibi: u64,
+    pub cu_q: u64,
+    pub cu_k: u64,
+    pub q_batch: i64,
+    pub q_seq: i64,
+    pub q_head: i64,
+    pub q_dim: i64,
+    pub k_batch: i64,
+    pub k_seq: i64,
+    pub k_head: i64,
+    pub k_dim: i64,
+    pub v_batch: i64,
+    pub v_seq: i64,
+    pub v_head: i64,
+    pub v_dim: i64,
+    pub o_seq: i64,
+    pub o_head: i64,
+    pub lse_head: i64,
+    pub win_left: i64,
+    pub win_right: i64,
+    pub seq_q: i32,
+    pub seq_k: i32,
+    pub heads: i32,
+    pub kv_group: i32,
+    pub d_load: i32,
+    pub d_out: i32,
+    pub scale_log2: f32,
+    pub softcap: f32,
+    pub scale_over_cap: f32,
+    pub cap_log2: f32,
+    pub alibi_batch: i32,
+    pub dv_splits: i32,
+}
+
+/// The size both sides agree on (also asserted in C by the generated header).
+pub const PARAMS_SIZE: usize = 8 * 25 + 4 * 12;
+const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);

@@ -1,0 +1,355 @@
+//! Which kernel runs a problem on a given GPU, with which tiles, grid and shared memory.
+//!
+//! [`plan`] is a pure function of the validated [`Problem`] and the device's [`DeviceCaps`], so
+//! every per-GPU limit lives here and is unit-tested on the CPU against the opt-in shared-memory
+//! limits of sm_80, sm_86/sm_89 and sm_90; the launch code only executes a plan.
+
+use candle::{bail, DType, Result};
+
+use super::instances::{
+    F32Instance, MmaInstance, F32_INSTANCES, F32_ROWS, F32_THREADS, MMA_INSTANCES, ROWWISE_MAX_D,
+    ROWWISE_WARPS,
+};
+use crate::problem::{Problem, Strides};
+
+/// What the planner needs to know about a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DeviceCaps {
+    /// Compute capability.
+    pub major: u32,
+    pub minor: u32,
+    /// Streaming multiprocessors.
+    pub sms: u32,
+    /// Largest dynamic plus static shared memory one block may opt into, in bytes.
+    pub smem_optin: usize,
+}
+
+impl DeviceCaps {
+    /// A100 class.
+    #[cfg(test)]
+    pub const SM80: Self = Self::new(8, 0, 108, 166_912);
+    /// RTX 30xx, A10, A40.
+    #[cfg(test)]
+    pub const SM86: Self = Self::new(8, 6, 84, 101_376);
+    /// RTX 40xx, L4, L40S.
+    #[cfg(test)]
+    pub const SM89: Self = Self::new(8, 9, 142, 101_376);
+    /// H100, H200.
+    #[cfg(test)]
+    pub const SM90: Self = Self::new(9, 0, 132, 232_448);
+
+    pub const fn new(major: u32, minor: u32, sms: u32, smem_optin: usize) -> Self {
+        Self {
+            major,
+            minor,
+            sms,
+            smem_optin,
+        }
+    }
+}
+
+/// Shared memory the plan keeps free for the kernels' static `__shared__` values (a few
+/// block-uniform pointers); the launch code checks the compiled kernels stay within it.
+pub(crate) const STATIC_SMEM_RESERVE: usize = 256;
+
+/// The PTX module a kernel lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Module {
+    Bf16,
+    F16,
+    F32,
+}
+
+/// The kernel family and instance of a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// Tensor-core tiles (f16/bf16).
+    Mma(MmaInstance),
+    /// Exact f32 FFMA tiles.
+    F32(F32Instance),
+    /// One query row per warp, no shared memory: what no tiled instance fits.
+    Rowwise,
+}
+
+/// Everything the launch code needs to run one forward call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LaunchPlan {
+    pub kernel: Kernel,
+    pub module: Module,
+    /// The `extern "C"` entry point.
+    pub function: String,
+    pub grid: (u32, u32, u32),
+    pub threads: u32,
+    /// Dynamic shared memory per block, in bytes.
+    pub smem: usize,
+    /// Columns of q/k/v the kernel reads (the tensor-core kernels need a multiple of 8).
+    pub d_load: usize,
+    /// Blocks that split the V/O columns of one query tile (heads wider than the instance's dv).
+    pub dv_splits: usize,
+    /// Operands (q, k, v) that must first be packed into a contiguous copy.
+    pub pack: [bool; 3],
+}
+
+/// Longest sequence the kernels index with `int` diagonals.
+pub(crate) const MAX_SEQ: usize = 1 << 30;
+
+/// Picks the kernel and launch geometry of `p` (whose elements have type `dtype`) on `caps`.
+pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<LaunchPlan> {
+    if caps.major < 8 {
+        bail!(
+            "flash-attn: the CUDA kernels need compute capability 8.0 or newer (Ampere), this \
+             device has {}.{}",
+            caps.major,
+            caps.minor
+        )
+    }
+    if p.max_seq_q.max(p.max_seq_k) > MAX_SEQ {
+        bail!("flash-attn: sequences longer than 2^30 are not supported by the CUDA kernels")
+    }
+    let d = p.head_dim;
+    let fits = |smem: usize| smem + STATIC_SMEM_RESERVE <= caps.smem_optin;
+    let (module, prefix) = match dtype {
+        DType::BF16 => (Module::Bf16, "flash_fwd_bf16"),
+        DType::F16 => (Module::F16, "flash_fwd_f16"),
+        DType::F32 => (Module::F32, "flash_fwd_f32"),
+        dt => bail!("flash-attn: no CUDA kernel for dtype {dt:?}"),
+    };
+    let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0;
+    let tiled = if dtype == DType::F32 {
+        F32_INSTANCES
+            .iter()
+            .find(|i| i.d >= d && fits(i.smem()))
+            .map(|&i| Kernel::F32(i))
+    } else {
+        let d_load = d.next_multiple_of(8);
+        // The table is ordered by width, the fastest tiles of a width first: the first wide
+        // enough instance that fits is the narrowest width with the biggest tiles the device
+        // can hold.
+        MMA_INSTANCES
+            .iter()
+            .find(|i| i.d >= d_load && fits(i.smem()))
+            .map(|&i| Kernel::Mma(i))
+    };
+    let kernel = match tiled {
+        Some(k) => k,
+        None if d <= ROWWISE_MAX_D => Kernel::Rowwise,
+        None => bail!("flash-attn: head_dim {d} is unsupported by the CUDA kernels"),
+    };
+    let (rows, threads, smem, d_load, dv_splits, function) = match kernel {
+        Kernel::Mma(i) => {
+            let suffix = if mods { "_mods" } else { "" };
+            (
+                i.rows(),
+                i.threads(),
+                i.smem(),
+                d.next_multiple_of(8),
+                d.div_ceil(i.dv),
+                format!("{prefix}_{}{suffix}", i.suffix()),
+            )
+        }
+        Kernel::F32(i) => (
+            F32_ROWS,
+            F32_THREADS,
+            i.smem(),
+            d,
+            1,
+            format!("{prefix}_{}", i.suffix()),
+        ),
+        Kernel::Rowwise => {
+            let name = match module {
+                Module::Bf16 => "flash_rowwise_bf16",
+                Module::F16 => "flash_rowwise_f16",
+                Module::F32 => "flash_rowwise_f32",
+            };
+            (ROWWISE_WARPS, 32 * ROWWISE_WARPS, 0, d, 1, name.to_string())
+        }
+    };
+    // Operands the kernel cannot read in place: the tensor-core kernels copy 16-byte chunks of
+    // rows; the f32 and row-wise kernels read through any strides.
+    let pack = match kernel {
+        Kernel::Mma(_) => {
+            let (q_rows, k_rows) = p.storage_rows();
+            [
+                !fits_fast_path(p, &p.q, q_rows, p.heads),
+                !fits_fast_path(p, &p.k, k_rows, p.kv_heads),
+                !fits_fast_path(p, &p.v, k_rows, p.kv_heads),
+            ]
+        }
+        _ => [false; 3],
+    };
+    let q_tiles = p.max_seq_q.div_ceil(rows) * dv_splits;
+    if p.heads > 65535 || p.batch > 65535 || q_tiles > i32::MAX as usize {
+        bail!(
+            "flash-attn: grid ({q_tiles}, {}, {}) exceeds the CUDA limits (heads and batch <= 65535)",
+            p.heads,
+            p.batch
+        )
+    }
+    Ok(LaunchPlan {
+        kernel,
+        module,
+        function,
+        // Query tiles fastest: the blocks of one (batch, head) run together and share K/V in L2.
+        grid: (q_tiles as u32, p.heads as u32, p.batch as u32),
+        threads: threads as u32,
+        smem,
+        d_load,
+        dv_splits,
+        pack,
+    })
+}
+
+/// Can the tensor-core kernel read this operand in place? It copies 16-byte chunks of rows, so
+/// the head dim must be a multiple of 8 with unit stride and every row 16-byte aligned.
+fn fits_fast_path(p: &Problem, s: &Strides, rows: usize, heads: usize) -> bool {
+    let batch = if p.varlen.is_some() { 1 } else { p.batch };
+    let aligned = |stride: usize, n: usize| n <= 1 || stride.is_multiple_of(8);
+    p.head_dim.is_multiple_of(8)
+        && (s.dim == 1 || p.head_dim == 1)
+        && s.offset.is_multiple_of(8)
+        && aligned(s.batch, batch)
+        && aligned(s.seq, rows)
+        && aligned(s.head, heads)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{Device, Tensor};
+
+    use super::*;
+    use crate::op::MAX_HEAD_DIM;
+    use crate::FlashAttn;
+
+    const CAPS: [DeviceCaps; 4] = [
+        DeviceCaps::SM80,
+        DeviceCaps::SM86,
+        DeviceCaps::SM89,
+        DeviceCaps::SM90,
+    ];
+
+    fn problem(d: usize, dtype: DType, opts: &FlashAttn, sq: usize, sk: usize) -> Problem {
+        let dev = Device::Cpu;
+        let q = Tensor::zeros((2, sq, 4, d), dtype, &dev).unwrap();
+        let k = Tensor::zeros((2, sk, 2, d), dtype, &dev).unwrap();
+        opts.problem(&q, &k, &k, None).unwrap()
+    }
+
+    fn options() -> Vec<FlashAttn> {
+        let slopes = Tensor::new(&[0.5f32, 0.25, 0.125, 0.0625], &Device::Cpu).unwrap();
+        vec![
+            FlashAttn::new(0.1),
+            FlashAttn::new(0.1).causal(),
+            FlashAttn::new(0.1).window(Some(7), Some(3)),
+            FlashAttn::new(0.1).softcap(5.0),
+            FlashAttn::new(0.1).alibi(&slopes),
+            FlashAttn::new(-0.5),
+        ]
+    }
+
+    /// Every head dim, dtype and option on every GPU class gets a plan that fits its limit and
+    /// covers the head.
+    #[test]
+    fn every_plan_fits_its_device() {
+        for caps in CAPS {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                for opts in options() {
+                    for d in 1..=MAX_HEAD_DIM {
+                        let p = problem(d, dtype, &opts, 3, 5);
+                        let pl = plan(&p, dtype, &caps).unwrap();
+                        let what = format!("{caps:?} {dtype:?} d {d} {opts:?}: {pl:?}");
+                        assert!(pl.smem + STATIC_SMEM_RESERVE <= caps.smem_optin, "{what}");
+                        assert!(pl.d_load >= d && pl.threads > 0, "{what}");
+                        match pl.kernel {
+                            Kernel::Mma(i) => {
+                                assert_ne!(dtype, DType::F32, "{what}");
+                                assert!(i.d >= pl.d_load && pl.d_load % 8 == 0, "{what}");
+                                assert!(pl.dv_splits * i.dv >= d, "{what}");
+                                assert!((pl.dv_splits - 1) * i.dv < d, "{what}");
+                                let mods = opts.softcap.is_some()
+                                    || opts.alibi_slopes.is_some()
+                                    || opts.softmax_scale <= 0.0;
+                                assert_eq!(pl.function.ends_with("_mods"), mods, "{what}");
+                            }
+                            Kernel::F32(i) => {
+                                assert_eq!(dtype, DType::F32, "{what}");
+                                assert!(i.d >= d && pl.dv_splits == 1, "{what}");
+                            }
+                            Kernel::Rowwise => assert!(d <= ROWWISE_MAX_D, "{what}"),
+                        }
+                        let rows = pl.grid.0 as usize / pl.dv_splits;
+                        assert!(rows * pl_rows(&pl) >= 3, "{what}");
+                        assert_eq!((pl.grid.1, pl.grid.2), (4, 2), "{what}");
+                    }
+                }
+            }
+        }
+    }
+
+    fn pl_rows(pl: &LaunchPlan) -> usize {
+        match pl.kernel {
+            Kernel::Mma(i) => i.rows(),
+            Kernel::F32(_) => F32_ROWS,
+            Kernel::Rowwise => ROWWISE_WARPS,
+        }
+    }
+
+    /// The big tiles where they fit, smaller ones (not the row-wise fallback) where they do not.
+    #[test]
+    fn tiles_shrink_on_small_shared_memory() {
+        let opts = FlashAttn::new(0.1);
+        let pick =
+            |d, dtype, caps: &DeviceCaps| plan(&problem(d, dtype, &opts, 64, 64), dtype, caps);
+        let k = |d, dtype, caps| pick(d, dtype, caps).unwrap().kernel;
+        // d 160 (102,400 bytes with 64-key tiles) takes 32-key tiles on sm_86/sm_89.
+        assert!(matches!(k(160, DType::BF16, &DeviceCaps::SM90), Kernel::Mma(i) if i.bc == 64));
+        assert!(matches!(k(160, DType::BF16, &DeviceCaps::SM86), Kernel::Mma(i) if i.bc == 32));
+        // d 512: 4 warps on sm_80/sm_90, 2 warps of 16-key tiles on sm_89.
+        assert!(matches!(k(512, DType::F16, &DeviceCaps::SM80), Kernel::Mma(i) if i.warps == 4));
+        assert!(matches!(k(512, DType::F16, &DeviceCaps::SM89), Kernel::Mma(i) if i.warps == 2));
+        // f32 d 256 (147,968 bytes): tiled on sm_80/90, row-wise on sm_86.
+        assert!(matches!(
+            k(256, DType::F32, &DeviceCaps::SM90),
+            Kernel::F32(_)
+        ));
+        assert_eq!(k(256, DType::F32, &DeviceCaps::SM86), Kernel::Rowwise);
+        assert!(matches!(
+            k(128, DType::F32, &DeviceCaps::SM86),
+            Kernel::F32(_)
+        ));
+        assert_eq!(k(320, DType::F32, &DeviceCaps::SM90), Kernel::Rowwise);
+        // Splits of V for wide heads: 320 columns in two blocks of 256.
+        assert_eq!(
+            pick(320, DType::BF16, &DeviceCaps::SM90).unwrap().dv_splits,
+            2
+        );
+        assert_eq!(
+            pick(256, DType::BF16, &DeviceCaps::SM90).unwrap().dv_splits,
+            1
+        );
+    }
+
+    #[test]
+    fn old_gpus_get_an_error_naming_their_capability() {
+        let p = problem(64, DType::F16, &FlashAttn::new(0.1), 4, 4);
+        let err = plan(&p, DType::F16, &DeviceCaps::new(7, 5, 40, 65_536)).unwrap_err();
+        assert!(err.to_string().contains("7.5"), "{err}");
+    }
+
+    #[test]
+    fn strided_operands_are_packed_for_the_tensor_cores() {
+        let dev = Device::Cpu;
+        let q = Tensor::zeros((1, 8, 2, 64), DType::BF16, &dev).unwrap();
+        let k = Tensor::zeros((1, 2, 8, 64), DType::BF16, &dev)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+        let p = FlashAttn::new(0.1).problem(&q, &k, &k, None).unwrap();
+        let pl = plan(&p, DType::BF16, &DeviceCaps::SM90).unwrap();
+        assert_eq!(pl.pack, [false, false, false]);
+        let q33 = Tensor::zeros((1, 8, 2, 33), DType::BF16, &dev).unwrap();
+        let p = FlashAttn::new(0.1).problem(&q33, &q33, &q33, None).unwrap();
+        let pl = plan(&p, DType::BF16, &DeviceCaps::SM90).unwrap();
+        assert_eq!(pl.pack, [true, true, true]);
+        assert_eq!(pl.d_load, 40);
+    }
+}
