@@ -279,22 +279,10 @@ fn non_contiguous_layouts_are_bitwise_equal() {
             for (n, (qv, kv, vv)) in variants.iter().enumerate() {
                 assert!(!qv.is_contiguous() || !kv.is_contiguous() || !vv.is_contiguous());
                 let out = opts.forward(qv, kv, vv).unwrap();
-                let diff = (&out - &base)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap();
-                let diff = diff
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .max(0)
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
-                assert!(
-                    diff == 0.0,
-                    "{dtype:?} variant {n}: differs from contiguous by {diff}"
+                assert_bitwise_eq(
+                    &format!("{dtype:?} {opts:?} variant {n} against contiguous"),
+                    &out,
+                    &base,
                 );
             }
         }
@@ -363,7 +351,7 @@ fn varlen_matches_reference() {
             assert_eq!(lse.dims(), &[4, tq]);
             let (r, rl) = reference_varlen(&q, &k, &v, &cu_q, &cu_k, &opts).unwrap();
             // Naive per-sequence error bounds the low-precision tolerance.
-            let naive = naive_varlen(&q, &k, &v, &cu_q, &cu_k, &opts);
+            let naive = naive_varlen(&q, &k, &v, &cu_q, &cu_k, &opts).unwrap();
             assert_close(
                 &format!("varlen {dtype:?} {opts:?}"),
                 &out,
@@ -392,43 +380,10 @@ fn varlen_matches_reference() {
                     opts.window_size_right == Some(0),
                 )
                 .unwrap();
-                assert_eq!(
-                    max_abs_err(
-                        &f,
-                        &out.to_dtype(DType::F64)
-                            .unwrap()
-                            .flatten_all()
-                            .unwrap()
-                            .to_vec1::<f64>()
-                            .unwrap()
-                    )
-                    .unwrap(),
-                    Some(0.0)
-                );
+                assert_bitwise_eq("flash_attn_varlen against the op", &f, &out);
             }
         }
     }
-}
-
-fn naive_varlen(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    cu_q: &[u32],
-    cu_k: &[u32],
-    opts: &FlashAttn,
-) -> Tensor {
-    let outs: Vec<Tensor> = sequences(q, k, v, cu_q, cu_k, opts)
-        .unwrap()
-        .iter()
-        .map(|s| {
-            naive_attention(&s.q, &s.k, &s.v, &s.opts)
-                .unwrap()
-                .squeeze(0)
-                .unwrap()
-        })
-        .collect();
-    Tensor::cat(&outs, 0).unwrap()
 }
 
 #[test]
@@ -436,20 +391,7 @@ fn public_functions_match_the_op() {
     let c = case(2, 33, 47, 4, 2, 32, DType::BF16);
     let (q, k, v) = inputs(c, 51);
     let slopes = Tensor::new(&[0.5f32, 0.25, 0.125, 0.0625], &Device::Cpu).unwrap();
-    let same = |a: Tensor, b: Tensor| {
-        let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
-        assert_eq!(
-            d.abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap(),
-            0.0
-        );
-    };
+    let same = |a: Tensor, b: Tensor| assert_bitwise_eq("public function against the op", &a, &b);
     let s = 0.17;
     same(
         candle_flash::flash_attn(&q, &k, &v, s, true).unwrap(),
@@ -501,47 +443,19 @@ fn public_functions_match_the_op() {
 #[test]
 fn planted_numerics() {
     let dev = Device::Cpu;
-    // One winning key with scores around 1e4: the output is that key's value row.
-    let (sq, sk, d) = (5, 9, 16);
-    let mut kd = vec![0f32; sk * d];
-    let winner = 6;
-    for x in 0..d {
-        kd[winner * d + x] = 100.0;
-        for j in 0..sk {
-            if j != winner {
-                kd[j * d + x] = 99.0 * if (j + x) % 2 == 0 { 1.0 } else { -1.0 };
-            }
-        }
-    }
-    let q = Tensor::full(1f32, (1, sq, 1, d), &dev)
-        .unwrap()
-        .affine(6.25, 0.0)
-        .unwrap();
-    let k = Tensor::from_vec(kd, (1, sk, 1, d), &dev).unwrap();
-    let v = randn(&[1, sk, 1, d], DType::F32, 61, &dev).unwrap();
+    // One winning key with scores around 1e4: the output is that key's value row, exactly.
+    let (q, k, v, winner) = planted_winner().unwrap();
     for dtype in DTYPES {
         let (q, k, v) = (
             q.to_dtype(dtype).unwrap(),
             k.to_dtype(dtype).unwrap(),
             v.to_dtype(dtype).unwrap(),
         );
-        let out = FlashAttn::new(1.0)
-            .forward(&q, &k, &v)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap();
-        let want = v.i((0, winner, 0)).unwrap().to_dtype(DType::F32).unwrap();
-        for i in 0..sq {
+        let out = FlashAttn::new(1.0).forward(&q, &k, &v).unwrap();
+        let want = v.i((0, winner, 0)).unwrap();
+        for i in 0..q.dim(1).unwrap() {
             let row = out.i((0, i, 0)).unwrap();
-            let e = (row - &want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert!(e == 0.0, "{dtype:?}: winner row {i} off by {e}");
+            assert_bitwise_eq(&format!("{dtype:?}: winner row {i}"), &row, &want);
         }
     }
     // All scores equal and large: the output is the mean of V, no 0/0.
@@ -680,4 +594,42 @@ fn repeated_runs_are_bitwise_identical() {
             .zip(&again)
             .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
+}
+
+/// Every (row, key) visibility for many windows against `semantics::Window::key_range`, through the
+/// mask probe of tests/common (q = 0, one-hot V: output = 1/count on visible keys, exactly 0
+/// elsewhere).
+#[test]
+fn mask_visibility_matches_semantics() {
+    let shapes = [
+        (1, 1),
+        (1, 64),
+        (5, 1),
+        (9, 17),
+        (17, 9),
+        (63, 64),
+        (64, 64),
+        (65, 64),
+        (130, 33),
+        (33, 50),
+    ];
+    let mut n = 0;
+    for dtype in DTYPES {
+        for &(sq, sk) in &shapes {
+            for left in PROBE_WINDOWS {
+                for right in PROBE_WINDOWS {
+                    let p = mask_probe(sq, sk, 2, 1, 64, left, right, dtype).unwrap();
+                    let (out, lse) = p.opts.forward_with_lse(&p.q, &p.k, &p.v).unwrap();
+                    check_mask_probe(
+                        &format!("{dtype:?} sq {sq} sk {sk} window ({left:?}, {right:?})"),
+                        &p,
+                        &out,
+                        &lse,
+                    );
+                    n += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(n, 3 * 10 * 49);
 }

@@ -220,9 +220,22 @@ mod tests {
     use super::*;
     use candle::{Device, IndexOp};
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
-        d.max(0).unwrap().to_scalar::<f32>().unwrap()
+    /// Bitwise equality of two f32 tensors. (Candle's `max` keeps a value only when `x < y`, so
+    /// `(a - b).abs().max()` drops any NaN that is not the first element.)
+    fn assert_bitwise_eq(a: &Tensor, b: &Tensor) {
+        assert_eq!(a.dims(), b.dims(), "shapes differ");
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        };
+        let (x, y) = (bits(a), bits(b));
+        if let Some(i) = x.iter().zip(&y).position(|(p, q)| p != q) {
+            panic!(
+                "element {i} differs: {} vs {}",
+                f32::from_bits(x[i]),
+                f32::from_bits(y[i])
+            );
+        }
     }
 
     /// Paged keys scattered over shuffled blocks give the same output as the packed varlen call.
@@ -278,7 +291,7 @@ mod tests {
             page,
             None,
         )?;
-        assert_eq!(max_diff(&want, &got), 0.0);
+        assert_bitwise_eq(&got, &want);
         Ok(())
     }
 

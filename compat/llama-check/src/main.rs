@@ -120,8 +120,17 @@ fn run(model: &Llama, cfg: &Config, dtype: DType, args: &Args, dev: &Device) -> 
     Ok(Tensor::stack(&logits, 0)?)
 }
 
+/// Largest `|x|`, folded on the host so that a NaN anywhere makes it NaN (candle's `max` keeps a
+/// value only when `x < y`, so a NaN that is not the first element would vanish from it).
 fn max_abs(t: &Tensor) -> Result<f32> {
-    Ok(t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(v.iter().fold(0f32, |m, &x| {
+        if m.is_nan() || x.is_nan() {
+            f32::NAN
+        } else {
+            m.max(x.abs())
+        }
+    }))
 }
 
 fn main() -> ExitCode {
@@ -173,7 +182,11 @@ fn check() -> Result<bool> {
         &args,
         &dev,
     )?;
-    let scale = max_abs(&golden)?.max(1.0);
+    let golden_max = max_abs(&golden)?;
+    if !golden_max.is_finite() {
+        bail!("the f32 reference logits are not finite (max |logit| {golden_max})");
+    }
+    let scale = golden_max.max(1.0);
 
     println!(
         "llama 2 layers, hidden 256, 8 heads / 4 kv heads, vocab {VOCAB}; batch {}, prompt {} (2 chunks) + {} decode steps on {:?}",
