@@ -4,8 +4,8 @@
 //!
 //! ```text
 //! scripts/fetch-models.sh
-//! cargo run --release --example bert -- --compare
-//! cargo run --release --example bert -- --compare --dtype bf16
+//! cargo run --release --features models --example bert -- --compare
+//! cargo run --release --features models --example bert -- --compare --dtype bf16
 //! ```
 
 #[path = "common/bert.rs"]

@@ -5,6 +5,7 @@
 //! ```text
 //! cargo run --release --example cpu_bench
 //! cargo run --release --example cpu_bench -- --quick
+//! cargo run --release --example cpu_bench -- --csv bench/cpu.csv   # also write CSV for scripts/plot.py
 //! ```
 //!
 //! Each timing is the median of `--reps` runs after one warm-up run (a warm-up over 2 s counts as
@@ -92,6 +93,9 @@ struct Args {
     /// Time only this crate's kernel (quick tuning runs); the ratio columns are left empty.
     #[arg(long)]
     ours_only: bool,
+    /// Also write the timings as CSV (the prefill schema of scripts/plot.py).
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
 }
 
 /// Median wall time of `reps` runs after one warm-up, in seconds. A warm-up longer than
@@ -113,6 +117,9 @@ fn time(reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     t.sort_by(f64::total_cmp);
     Ok(t[t.len() / 2])
 }
+
+/// Columns of `--csv` (one row per implementation and shape), as scripts/plot.py reads them.
+const CSV_HEADER: &str = "impl,dtype,d,seq,batch,heads,causal,ms,tflops,note\n";
 
 /// Seconds beyond which a warm-up run counts as a measurement.
 const LONG_RUN: f64 = 2.0;
@@ -224,6 +231,7 @@ fn main() -> Result<()> {
         "| n | mask | ours ms | ours GF/s | naive ms | naive GF/s | candle-nn flash ms | candle-nn GF/s | naive / ours | candle-nn / ours |"
     );
     println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut csv = String::from(CSV_HEADER);
     for &n in &ns {
         let reps = reps_for(n);
         // (b, s, h, d) for ours and candle-nn; contiguous (b, h, s, d) copies for the naive path.
@@ -280,6 +288,19 @@ fn main() -> Result<()> {
                 Ok(())
             })?;
             let gfs = |t: f64| flops / t / 1e9;
+            for (name, t) in [
+                ("candle-flash", ours),
+                ("candle-naive", base),
+                ("candle-nn-flash", nn),
+            ] {
+                if t.is_finite() {
+                    csv.push_str(&format!(
+                        "{name},f32,{d},{n},1,{h},{causal},{:.4},{:.6},\n",
+                        t * 1e3,
+                        flops / t / 1e12
+                    ));
+                }
+            }
             println!(
                 "| {n} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.2}x |",
                 if causal { "causal" } else { "none" },
@@ -295,6 +316,10 @@ fn main() -> Result<()> {
         }
     }
 
+    if let Some(path) = &args.csv {
+        std::fs::write(path, csv)?;
+        println!("CSV written to {}", path.display());
+    }
     println!();
     println!("{memory_line}");
     if let Some(l) = load_average() {

@@ -1,8 +1,9 @@
 //! GPU forward benchmark of the CUDA path.
 //!
 //! ```text
-//! cargo run --release --features cuda --example gpu_bench
-//! cargo run --release --features cuda --example gpu_bench -- --quick
+//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench
+//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --quick
+//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --csv bench/gpu.csv
 //! ```
 //!
 //! Part 1: bf16 and f16, head dims 64 and 128, seq 512 / 2048 / 8192 / 16384, causal and not, at
@@ -34,7 +35,13 @@ struct Args {
     /// Time budget per shape, in seconds.
     #[arg(long, default_value_t = 0.4)]
     budget: f64,
+    /// Also write every timing as CSV (the prefill schema of scripts/plot.py).
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
 }
+
+/// Columns of `--csv` (one row per implementation and shape), as scripts/plot.py reads them.
+const CSV_HEADER: &str = "impl,dtype,d,seq,batch,heads,causal,ms,tflops,note\n";
 
 const HIDDEN: usize = 2048;
 const TOKENS: usize = 16384;
@@ -101,10 +108,17 @@ fn main() -> Result<()> {
     let dev = match Device::new_cuda(0) {
         Ok(d) => d,
         Err(e) => {
-            println!("no CUDA device ({e}); build with --features cuda and run on a GPU machine");
+            println!("no CUDA device ({e}); build with --features cuda,candle-nn/cuda and run on a GPU machine");
             return Ok(());
         }
     };
+    // The naive f32 baseline uses candle-nn's softmax kernel, which exists on the GPU only when
+    // candle-nn itself is built with its `cuda` feature.
+    if !args.no_f32
+        && candle_nn::ops::softmax_last_dim(&Tensor::zeros((1, 1), DType::F32, &dev)?).is_err()
+    {
+        anyhow::bail!("candle-nn was built without its CUDA kernels: add --features candle-nn/cuda (or pass --no-f32)")
+    }
     let seqs: &[usize] = if args.quick {
         &[2048, 8192]
     } else {
@@ -112,6 +126,7 @@ fn main() -> Result<()> {
     };
     let budget = if args.quick { 0.15 } else { args.budget };
 
+    let mut csv = String::from(CSV_HEADER);
     println!("candle-flash CUDA forward, hidden {HIDDEN}, {TOKENS} tokens per batch");
     println!(
         "{:<6} {:>4} {:>6} {:>6} {:>4} {:>7} {:>10} {:>9}",
@@ -136,18 +151,30 @@ fn main() -> Result<()> {
                         format!("{dtype:?}").to_lowercase(),
                         t * 1e3
                     );
-                    println!(
-                        "RESULT candle {} {d} {s} {causal} {tf:.2}",
-                        format!("{dtype:?}").to_lowercase()
-                    );
+                    let dname = format!("{dtype:?}").to_lowercase();
+                    println!("RESULT candle {dname} {d} {s} {causal} {tf:.2}");
+                    csv.push_str(&format!(
+                        "candle-flash,{dname},{d},{s},{b},{h},{causal},{:.4},{tf:.3},\n",
+                        t * 1e3
+                    ));
                 }
             }
         }
     }
 
-    if args.no_f32 {
-        return Ok(());
+    if !args.no_f32 {
+        f32_section(&args, &dev, budget, &mut csv)?;
     }
+    if let Some(path) = &args.csv {
+        std::fs::write(path, csv)?;
+        println!("CSV written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// Part 2: the f32 path against candle's naive f32 attention; CSV rows go to `csv`.
+fn f32_section(args: &Args, dev: &Device, budget: f64, csv: &mut String) -> Result<()> {
+    let dev = dev.clone();
     let seqs32: &[usize] = if args.quick {
         &[2048, 8192]
     } else {
@@ -172,9 +199,14 @@ fn main() -> Result<()> {
                     op = op.causal();
                 }
                 let f = flops(b, h, s, d, causal);
-                let tf_flash = f / time(&dev, budget, || op.forward(&q, &k, &v))? / 1e12;
+                let t_flash = time(&dev, budget, || op.forward(&q, &k, &v))?;
+                let tf_flash = f / t_flash / 1e12;
+                csv.push_str(&format!(
+                    "candle-flash,f32,{d},{s},{b},{h},{causal},{:.4},{tf_flash:.3},\n",
+                    t_flash * 1e3
+                ));
                 // Naive: (b, h, s, d) layout prepared outside the clock, like a model would keep it.
-                let naive_tf = (|| -> candle::Result<f64> {
+                let naive_t = (|| -> candle::Result<f64> {
                     let qt = q.transpose(1, 2)?.contiguous()?;
                     let kt = k.transpose(1, 2)?.contiguous()?;
                     let vt = v.transpose(1, 2)?.contiguous()?;
@@ -187,10 +219,17 @@ fn main() -> Result<()> {
                         None
                     };
                     let t = time(&dev, budget, || naive(&qt, &kt, &vt, scale, mask.as_ref()))?;
-                    Ok(f / t / 1e12)
+                    Ok(t)
                 })();
-                let (naive_s, ratio_s) = match naive_tf {
-                    Ok(n) => (format!("{n:.2}"), format!("{:.1}x", tf_flash / n)),
+                let (naive_s, ratio_s) = match naive_t {
+                    Ok(t) => {
+                        let n = f / t / 1e12;
+                        csv.push_str(&format!(
+                            "candle-naive,f32,{d},{s},{b},{h},{causal},{:.4},{n:.3},\n",
+                            t * 1e3
+                        ));
+                        (format!("{n:.2}"), format!("{:.1}x", tf_flash / n))
+                    }
                     Err(e) => {
                         let msg = e.to_string();
                         let why = if msg.contains("OUT_OF_MEMORY") || msg.contains("out of memory")
@@ -199,6 +238,10 @@ fn main() -> Result<()> {
                         } else {
                             format!("error: {}", msg.lines().next().unwrap_or(""))
                         };
+                        csv.push_str(&format!(
+                            "candle-naive,f32,{d},{s},{b},{h},{causal},,,{}\n",
+                            why.replace(',', ";")
+                        ));
                         (why, "-".to_string())
                     }
                 };

@@ -3,8 +3,8 @@
 //!
 //! ```text
 //! scripts/fetch-models.sh
-//! cargo run --release --example smollm2 -- --prompt "What is the capital of France?"
-//! cargo run --release --example smollm2 -- --attention naive
+//! cargo run --release --features models --example smollm2 -- --prompt "What is the capital of France?"
+//! cargo run --release --features models --example smollm2 -- --attention naive
 //! ```
 
 #[path = "common/cli.rs"]

@@ -6,7 +6,7 @@
 //! ```text
 //! cargo run --release --example transformer                      # CPU, defaults below
 //! cargo run --release --example transformer -- --seq-len 4096 --causal false
-//! cargo run --release --features cuda --example transformer -- --device cuda --dtype bf16
+//! cargo run --release --features cuda,candle-nn/cuda --example transformer -- --device cuda --dtype bf16
 //! ```
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -558,11 +558,21 @@ fn device(arg: DeviceArg) -> Result<Device> {
     match arg {
         DeviceArg::Cpu => Ok(Device::Cpu),
         DeviceArg::Cuda if cfg!(feature = "cuda") => {
-            Device::new_cuda(0).context("opening CUDA device 0")
+            let dev = Device::new_cuda(0).context("opening CUDA device 0")?;
+            // The norms and rotary embeddings are candle-nn kernels, which exist on the GPU only
+            // when candle-nn itself is built with its `cuda` feature.
+            let probe = Tensor::zeros((1, 1), DType::F32, &dev)?;
+            if candle_nn::ops::softmax_last_dim(&probe).is_err() {
+                bail!(
+                    "candle-nn was built without its CUDA kernels: \
+                     cargo run --release --features cuda,candle-nn/cuda --example transformer -- --device cuda"
+                )
+            }
+            Ok(dev)
         }
         DeviceArg::Cuda => bail!(
             "--device cuda needs the `cuda` feature: \
-             cargo run --release --features cuda --example transformer -- --device cuda"
+             cargo run --release --features cuda,candle-nn/cuda --example transformer -- --device cuda"
         ),
     }
 }

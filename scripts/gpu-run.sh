@@ -2,7 +2,8 @@
 # What runs on the GPU machine (carry .gpu/, made by scripts/pack-gpu.sh):
 #   GPU tests, compute-sanitizer (racecheck, synccheck, initcheck) on small ragged shapes, the
 #   candle-flash benchmark, PyTorch SDPA (flash and cuDNN) on the same shapes, and a
-#   side-by-side table with ratios. Logs go to $OUT when it is set.
+#   side-by-side table with ratios. Logs, and the benchmarks' CSV (prefill-candle.csv,
+#   prefill-torch.csv: plot them with scripts/plot.py), go to $OUT when it is set.
 #   scripts/gpu-run.sh [--quick] [--no-tests] [--no-sanitizer] [--no-bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,9 +38,9 @@ if [ $SAN = 1 ]; then
 fi
 if [ $BENCH = 1 ]; then
     echo "== candle-flash benchmark"
-    ./.gpu/gpu_bench $QUICK 2>&1 | tee "$LOG/bench.log" | grep -v '^RESULT'
+    ./.gpu/gpu_bench $QUICK --csv "$LOG/prefill-candle.csv" 2>&1 | tee "$LOG/bench.log" | grep -v '^RESULT'
     echo "== PyTorch SDPA"
-    python3 .gpu/sdpa_bench.py $QUICK 2>&1 | tee "$LOG/sdpa.log" | grep -v '^RESULT'
+    python3 .gpu/sdpa_bench.py $QUICK --csv "$LOG/prefill-torch.csv" 2>&1 | tee "$LOG/sdpa.log" | grep -v '^RESULT'
     echo "== side by side (TFLOP/s; ratio = candle / torch flash)"
     cat "$LOG/bench.log" "$LOG/sdpa.log" | python3 -c '
 import sys

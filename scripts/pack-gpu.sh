@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # Builds the GPU test binary and the GPU benchmark here (no GPU needed) and leaves them stripped
 # and gzipped in .gpu/, ready to be carried to the device machine and run by scripts/gpu-run.sh.
+# Uses the nvcc already on PATH (or CUDA_HOME/NVCC), else installs one with scripts/setup-cuda.sh.
 #   scripts/pack-gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-eval "$(../shared/cuda/toolkit.sh 2>/dev/null || /work/shared/cuda/toolkit.sh)"
+if [ -z "${NVCC:-}" ] && [ -z "${CUDA_HOME:-}" ] && ! command -v nvcc >/dev/null; then
+    eval "$(bash scripts/setup-cuda.sh)"
+fi
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
+# candle-nn/cuda: gpu_bench's naive f32 baseline runs candle-nn's softmax kernel on the GPU (the
+# library's `cuda` feature leaves dev-dependencies alone). One feature set for both builds, so
+# they share every compiled crate.
+features=cuda,candle-nn/cuda
 mkdir -p .gpu
 rm -f .gpu/gpu_tests .gpu/gpu_tests.gz .gpu/gpu_bench .gpu/gpu_bench.gz .gpu/sdpa_bench.py
 # The test binary's path is only known from cargo's JSON messages.
-test_bin=$(cargo test --release --features cuda --test gpu --no-run --message-format=json 2>/dev/null \
+test_bin=$(cargo test --release --features "$features" --test gpu --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
         print(m["executable"])')
-cargo build --release --features cuda --example gpu_bench
+cargo build --release --features "$features" --example gpu_bench
 cp "$test_bin" .gpu/gpu_tests
 cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .gpu/gpu_bench
 cp scripts/sdpa_bench.py .gpu/

@@ -5,7 +5,7 @@
 #   scripts/ptxas-check.sh [ptx dir]   (default: the newest cuda build under target*/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v ptxas >/dev/null || eval "$(../shared/cuda/toolkit.sh)"
+command -v ptxas >/dev/null || eval "$(bash scripts/setup-cuda.sh)"
 dir=${1:-$(dirname "$(ls -t target*/*/build/candle-flash-*/out/flash_bf16.ptx 2>/dev/null | head -1)")}
 [ -f "$dir/flash_bf16.ptx" ] || { echo "no PTX found (build with --features cuda first)"; exit 1; }
 fail=0

@@ -6,9 +6,13 @@ bf16 and f16, head dims 64 and 128, seq 512/2048/8192/16384, causal and not, hid
 backends. TFLOP/s counts 4*b*h*s^2*d, halved when causal; each time is the median over batches
 of back-to-back calls timed with CUDA events, after warm-up. Lines starting with RESULT are parsed by scripts/gpu-run.sh.
 
-    python3 scripts/sdpa_bench.py [--quick]
+    python3 scripts/sdpa_bench.py [--quick] [--csv PATH]
+
+--csv PATH also writes every timing as CSV, in the prefill schema of scripts/plot.py
+(impl,dtype,d,seq,batch,heads,causal,ms,tflops,note; impl torch-flash or torch-cudnn).
 """
 import argparse
+import csv
 import math
 import statistics
 
@@ -45,7 +49,9 @@ def bench(fn, reps):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--csv", metavar="PATH", help="also write the timings as CSV (scripts/plot.py)")
     args = ap.parse_args()
+    rows = []
     seqs = [2048, 8192] if args.quick else [512, 2048, 8192, 16384]
     reps = 3 if args.quick else 7
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -67,8 +73,19 @@ def main():
                             tf = flops / t / 1e12
                             print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} {t * 1e3:>9.3f} {tf:>9.1f}")
                             print(f"RESULT torch_{name} {dname} {d} {s} {str(causal).lower()} {tf:.2f}")
+                            rows.append([f"torch-{name}", dname, d, s, b, h, str(causal).lower(),
+                                         f"{t * 1e3:.4f}", f"{tf:.3f}", ""])
                         except RuntimeError as e:
-                            print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} unavailable: {str(e).splitlines()[0]}")
+                            why = str(e).splitlines()[0]
+                            print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} unavailable: {why}")
+                            rows.append([f"torch-{name}", dname, d, s, b, h, str(causal).lower(),
+                                         "", "", f"unavailable: {why}"])
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["impl", "dtype", "d", "seq", "batch", "heads", "causal", "ms", "tflops", "note"])
+            w.writerows(rows)
+        print(f"CSV written to {args.csv}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,66 @@
 //!
 //! One `CustomOp3` with two backends: a tiled, multi-threaded CPU path and (with the `cuda`
 //! feature) CUDA kernels compiled from `kernels/*.cu` to PTX at build time. The free functions
-//! have the signatures of `candle-flash-attn` 0.11.1, so switching is a change of `use`.
+//! have the signatures of `candle-flash-attn` 0.11.1, so switching is a change of `use`;
+//! [`FlashAttn`] holds every option and also returns the log-sum-exp, and [`naive_attention`] is
+//! the materialising reference with the same semantics.
 //!
-//! Layouts: q `(batch, seq_q, heads, head_dim)`, k and v `(batch, seq_k, kv_heads, head_dim)`;
-//! the output is shaped and typed like q. See [`semantics`] for masking, ALiBi, softcap and GQA.
+//! The examples name candle-core `candle`, as candle's own crates do:
+//! `candle = { package = "candle-core", version = "0.11" }`.
+//!
+//! ```
+//! use candle::{Device, Tensor};
+//!
+//! let dev = Device::Cpu; // or Device::new_cuda(0)? with the `cuda` feature
+//! // q: (batch, seq_q, heads, head_dim); k, v: (batch, seq_k, kv_heads, head_dim)
+//! let q = Tensor::randn(0f32, 1., (2, 16, 4, 32), &dev)?;
+//! let k = Tensor::randn(0f32, 1., (2, 16, 2, 32), &dev)?; // GQA: 2 query heads per kv head
+//! let v = Tensor::randn(0f32, 1., (2, 16, 2, 32), &dev)?;
+//! let scale = 1.0 / (32f32).sqrt();
+//!
+//! let out = candle_flash::flash_attn(&q, &k, &v, scale, /* causal */ true)?;
+//! assert_eq!(out.dims(), q.dims());
+//!
+//! // The same attention through the full score matrix agrees up to f32 rounding.
+//! let opts = candle_flash::FlashAttn::new(scale).causal();
+//! let reference = candle_flash::naive_attention(&q, &k, &v, &opts)?;
+//! let max_diff = (out - reference)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+//! assert!(max_diff < 1e-4);
+//! # Ok::<(), candle::Error>(())
+//! ```
+//!
+//! # Shapes and semantics
+//!
+//! q is `(batch, seq_q, heads, head_dim)`, k and v are `(batch, seq_k, kv_heads, head_dim)`, and
+//! the output is shaped and typed like q. The variable-length (`varlen`) functions take packed
+//! `(total_tokens, heads, head_dim)` tensors and cumulative u32 sequence offsets instead.
+//! `heads` must be a multiple of `kv_heads` (GQA/MQA; K and V are read in place, never repeated).
+//! Masks are aligned bottom-right: query `i` sees key `j` iff
+//! `i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right`, with `None` meaning unbounded;
+//! causal is `(None, Some(0))`. A query that sees no key outputs zeros. Dtypes f32, f16 and bf16,
+//! accumulated in f32; any strides. [`semantics`] defines masking, ALiBi, softcap and GQA once
+//! for every backend.
+//!
+//! Supported head dims: 1 to [`MAX_HEAD_DIM`] (256) on every backend.
+//! <!-- head_dim: update this sentence when MAX_HEAD_DIM changes. -->
+//!
+//! # Errors
+//!
+//! Every function returns a [`candle::Error`] naming the offending argument, never panics, when:
+//!
+//! - q, k or v has the wrong rank (4, or 3 for varlen), or k and v differ in shape;
+//! - the dtype is not f32, f16 or bf16, or k/v's dtype differs from q's;
+//! - k, v, the ALiBi slopes or the sequence offsets live on another device than q;
+//! - batch sizes or head dims of q and k/v differ, or the head dim is 0 or above
+//!   [`MAX_HEAD_DIM`];
+//! - `kv_heads` is 0 or does not divide `heads`;
+//! - `softmax_scale` is not finite, or `softcap` is negative or not finite;
+//! - ALiBi slopes are not f32 of shape `(heads,)` or `(batch, heads)`;
+//! - varlen offsets are not u32 of shape `(batch + 1,)`, do not start at 0, decrease, hold a
+//!   sequence longer than `max_seqlen_q`/`max_seqlen_k`, do not end at the packed tensor's token
+//!   count, or q's and k's offsets differ in length;
+//! - the device has no implementation (a CUDA tensor without the `cuda` feature, Metal), or a
+//!   CUDA allocation or kernel launch fails.
 
 mod cpu;
 mod cuda;
@@ -26,7 +82,31 @@ fn causal_window(causal: bool) -> Option<usize> {
 
 /// Flash attention. q: `(batch, seq_q, heads, head_dim)`, k/v: `(batch, seq_k, kv_heads,
 /// head_dim)`; `causal` masks bottom-right aligned (query `i` sees key `j` iff
-/// `j <= i + seq_k - seq_q`).
+/// `j <= i + seq_k - seq_q`). Returns `(batch, seq_q, heads, head_dim)` in q's dtype.
+///
+/// # Errors
+///
+/// When the shapes, dtypes or devices of q, k and v do not fit together, the head dim is outside
+/// `1..=MAX_HEAD_DIM`, `softmax_scale` is not finite, or the backend fails (see
+/// [the crate docs](crate#errors)).
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// // Decoding one token against a KV cache of 9: causal alignment makes it see all 9 keys.
+/// let q = Tensor::randn(0f32, 1., (1, 1, 4, 16), &Device::Cpu)?;
+/// let k = Tensor::randn(0f32, 1., (1, 9, 4, 16), &Device::Cpu)?;
+/// let v = Tensor::randn(0f32, 1., (1, 9, 4, 16), &Device::Cpu)?;
+/// let out = candle_flash::flash_attn(&q, &k, &v, 0.25, true)?;
+/// assert_eq!(out.dims(), &[1, 1, 4, 16]);
+///
+/// // A head dim that differs between q and k is an error, not a panic.
+/// let k8 = Tensor::zeros((1, 9, 4, 8), candle::DType::F32, &Device::Cpu)?;
+/// assert!(candle_flash::flash_attn(&q, &k8, &k8, 0.25, true).is_err());
+/// # Ok::<(), candle::Error>(())
+/// ```
 pub fn flash_attn(
     q: &Tensor,
     k: &Tensor,
@@ -39,7 +119,28 @@ pub fn flash_attn(
         .forward(q, k, v)
 }
 
-/// Flash attention with a sliding window around the diagonal (`None` = unbounded side).
+/// Flash attention with a sliding window around the (bottom-right aligned) diagonal: query `i`
+/// sees keys `diag(i) - window_size_left ..= diag(i) + window_size_right`, where
+/// `diag(i) = i + seq_k - seq_q` and `None` leaves that side unbounded. `(None, Some(0))` is
+/// causal, `(None, None)` full attention.
+///
+/// # Errors
+///
+/// As [`flash_attn`]: mismatched shapes, dtypes or devices, an unsupported head dim, a non-finite
+/// scale, or a backend failure (see [the crate docs](crate#errors)).
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// let q = Tensor::randn(0f32, 1., (1, 32, 2, 16), &Device::Cpu)?;
+/// let kv = Tensor::randn(0f32, 1., (1, 32, 2, 16), &Device::Cpu)?;
+/// // Sliding-window causal attention: each query sees itself and the 7 keys before it.
+/// let out = candle_flash::flash_attn_windowed(&q, &kv, &kv, 0.25, Some(7), Some(0))?;
+/// assert_eq!(out.dims(), &[1, 32, 2, 16]);
+/// # Ok::<(), candle::Error>(())
+/// ```
 pub fn flash_attn_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -53,7 +154,31 @@ pub fn flash_attn_windowed(
         .forward(q, k, v)
 }
 
-/// Flash attention with ALiBi (`alibi_slopes`: f32, `(heads,)` or `(batch, heads)`).
+/// Flash attention with ALiBi: each score of head `h` is lowered by
+/// `alibi_slopes[h] · |diag(i) - j|` before the softmax (`alibi_slopes`: f32, `(heads,)` or
+/// `(batch, heads)`, on q's device).
+///
+/// # Errors
+///
+/// As [`flash_attn`], and when `alibi_slopes` is not f32, has another shape than `(heads,)` or
+/// `(batch, heads)`, or lives on another device than q (see [the crate docs](crate#errors)).
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// let q = Tensor::randn(0f32, 1., (1, 8, 4, 16), &Device::Cpu)?;
+/// let kv = Tensor::randn(0f32, 1., (1, 8, 4, 16), &Device::Cpu)?;
+/// let slopes = Tensor::new(&[0.5f32, 0.25, 0.125, 0.0625], &Device::Cpu)?;
+/// let out = candle_flash::flash_attn_alibi(&q, &kv, &kv, &slopes, 0.25, true)?;
+/// assert_eq!(out.dims(), &[1, 8, 4, 16]);
+///
+/// // One slope per head: 3 slopes for 4 heads are refused.
+/// let bad = Tensor::new(&[0.5f32, 0.25, 0.125], &Device::Cpu)?;
+/// assert!(candle_flash::flash_attn_alibi(&q, &kv, &kv, &bad, 0.25, true).is_err());
+/// # Ok::<(), candle::Error>(())
+/// ```
 pub fn flash_attn_alibi(
     q: &Tensor,
     k: &Tensor,
@@ -68,7 +193,27 @@ pub fn flash_attn_alibi(
         .forward(q, k, v)
 }
 
-/// Flash attention with ALiBi and a sliding window.
+/// Flash attention with ALiBi (as [`flash_attn_alibi`]) and a sliding window (as
+/// [`flash_attn_windowed`]).
+///
+/// # Errors
+///
+/// As [`flash_attn_alibi`]: mismatched inputs, an unsupported head dim, a non-finite scale, bad
+/// ALiBi slopes, or a backend failure (see [the crate docs](crate#errors)).
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// let q = Tensor::randn(0f32, 1., (2, 8, 2, 16), &Device::Cpu)?;
+/// let kv = Tensor::randn(0f32, 1., (2, 8, 2, 16), &Device::Cpu)?;
+/// // Per-batch slopes, (batch, heads).
+/// let slopes = Tensor::new(&[[0.5f32, 0.25], [0.125, 0.0625]], &Device::Cpu)?;
+/// let out = candle_flash::flash_attn_alibi_windowed(&q, &kv, &kv, &slopes, 0.25, Some(3), Some(0))?;
+/// assert_eq!(out.dims(), &[2, 8, 2, 16]);
+/// # Ok::<(), candle::Error>(())
+/// ```
 pub fn flash_attn_alibi_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -84,7 +229,32 @@ pub fn flash_attn_alibi_windowed(
         .forward(q, k, v)
 }
 
-/// Flash attention with optional ALiBi, a sliding window and a softcap (`0` = off).
+/// Flash attention with optional ALiBi, a sliding window and a logit softcap: with `softcap`
+/// `c > 0` each scaled score `s` becomes `c · tanh(s / c)` (Gemma 2); `0` turns it off.
+///
+/// # Errors
+///
+/// As [`flash_attn_alibi_windowed`], and when `softcap` is negative or not finite (see
+/// [the crate docs](crate#errors)).
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// let q = Tensor::randn(0f32, 1., (1, 8, 2, 16), &Device::Cpu)?;
+/// let kv = Tensor::randn(0f32, 1., (1, 8, 2, 16), &Device::Cpu)?;
+/// let out = candle_flash::flash_attn_alibi_windowed_softcap(
+///     &q, &kv, &kv, None, 0.25, None, Some(0), 30.0,
+/// )?;
+/// assert_eq!(out.dims(), &[1, 8, 2, 16]);
+///
+/// let negative = candle_flash::flash_attn_alibi_windowed_softcap(
+///     &q, &kv, &kv, None, 0.25, None, Some(0), -1.0,
+/// );
+/// assert!(negative.is_err());
+/// # Ok::<(), candle::Error>(())
+/// ```
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_alibi_windowed_softcap(
     q: &Tensor,
@@ -105,7 +275,36 @@ pub fn flash_attn_alibi_windowed_softcap(
 
 /// Variable-length flash attention over packed sequences: q `(total_q, heads, head_dim)`, k/v
 /// `(total_k, kv_heads, head_dim)`, `seqlens_q`/`seqlens_k` cumulative u32 offsets of length
-/// `batch + 1`.
+/// `batch + 1` (sequence `b` is rows `seqlens[b]..seqlens[b + 1]`); `max_seqlen_q`/`max_seqlen_k`
+/// bound the sequence lengths. No padding and no mask between sequences: each attends only to
+/// itself, `causal` aligned bottom-right per sequence. Returns `(total_q, heads, head_dim)`.
+///
+/// # Errors
+///
+/// When the shapes, dtypes or devices of q, k and v do not fit together (rank 3 expected), the
+/// head dim is outside `1..=MAX_HEAD_DIM`, `softmax_scale` is not finite, the offsets are not u32
+/// `(batch + 1,)` tensors starting at 0, non-decreasing, ending at the packed token counts, with
+/// no sequence longer than its `max_seqlen`, or the backend fails (see
+/// [the crate docs](crate#errors)).
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// let dev = Device::Cpu;
+/// // Two sequences of 3 and 5 tokens, packed back to back.
+/// let q = Tensor::randn(0f32, 1., (8, 4, 16), &dev)?;
+/// let kv = Tensor::randn(0f32, 1., (8, 2, 16), &dev)?;
+/// let seqlens = Tensor::new(&[0u32, 3, 8], &dev)?;
+/// let out = candle_flash::flash_attn_varlen(&q, &kv, &kv, &seqlens, &seqlens, 5, 5, 0.25, true)?;
+/// assert_eq!(out.dims(), &[8, 4, 16]);
+///
+/// // Offsets must end at the number of packed tokens.
+/// let short = Tensor::new(&[0u32, 3, 7], &dev)?;
+/// assert!(candle_flash::flash_attn_varlen(&q, &kv, &kv, &short, &short, 5, 5, 0.25, true).is_err());
+/// # Ok::<(), candle::Error>(())
+/// ```
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen(
     q: &Tensor,
@@ -123,7 +322,32 @@ pub fn flash_attn_varlen(
         .forward_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
 }
 
-/// Variable-length flash attention with a sliding window.
+/// Variable-length flash attention (as [`flash_attn_varlen`]) with a sliding window (as
+/// [`flash_attn_windowed`]), aligned bottom-right within each sequence.
+///
+/// # Errors
+///
+/// When the shapes, dtypes or devices of q, k and v do not fit together (rank 3 expected), the
+/// head dim is outside `1..=MAX_HEAD_DIM`, `softmax_scale` is not finite, the offsets are not u32
+/// `(batch + 1,)` tensors starting at 0, non-decreasing, ending at the packed token counts, with
+/// no sequence longer than its `max_seqlen`, or the backend fails (see
+/// [the crate docs](crate#errors)).
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1., (8, 2, 16), &dev)?;
+/// let kv = Tensor::randn(0f32, 1., (8, 2, 16), &dev)?;
+/// let seqlens = Tensor::new(&[0u32, 3, 8], &dev)?;
+/// let out = candle_flash::flash_attn_varlen_windowed(
+///     &q, &kv, &kv, &seqlens, &seqlens, 5, 5, 0.25, Some(2), Some(0),
+/// )?;
+/// assert_eq!(out.dims(), &[8, 2, 16]);
+/// # Ok::<(), candle::Error>(())
+/// ```
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_windowed(
     q: &Tensor,
@@ -142,7 +366,34 @@ pub fn flash_attn_varlen_windowed(
         .forward_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
 }
 
-/// Variable-length flash attention with ALiBi.
+/// Variable-length flash attention (as [`flash_attn_varlen`]) with ALiBi (as
+/// [`flash_attn_alibi`]; per-batch slopes `(batch, heads)` give each sequence its own).
+///
+/// # Errors
+///
+/// When the shapes, dtypes or devices of q, k and v do not fit together (rank 3 expected), the
+/// head dim is outside `1..=MAX_HEAD_DIM`, `softmax_scale` is not finite, the offsets are not u32
+/// `(batch + 1,)` tensors starting at 0, non-decreasing, ending at the packed token counts, with
+/// no sequence longer than its `max_seqlen`, or the backend fails (see
+/// [the crate docs](crate#errors)).
+/// Also when `alibi_slopes` is not f32 of shape `(heads,)` or `(batch, heads)` on q's device.
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1., (8, 2, 16), &dev)?;
+/// let kv = Tensor::randn(0f32, 1., (8, 2, 16), &dev)?;
+/// let seqlens = Tensor::new(&[0u32, 3, 8], &dev)?;
+/// let slopes = Tensor::new(&[0.5f32, 0.25], &dev)?;
+/// let out = candle_flash::flash_attn_varlen_alibi(
+///     &q, &kv, &kv, &slopes, &seqlens, &seqlens, 5, 5, 0.25, true,
+/// )?;
+/// assert_eq!(out.dims(), &[8, 2, 16]);
+/// # Ok::<(), candle::Error>(())
+/// ```
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_alibi(
     q: &Tensor,
@@ -162,7 +413,33 @@ pub fn flash_attn_varlen_alibi(
         .forward_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
 }
 
-/// Variable-length flash attention with ALiBi and a sliding window.
+/// Variable-length flash attention (as [`flash_attn_varlen`]) with ALiBi and a sliding window.
+///
+/// # Errors
+///
+/// When the shapes, dtypes or devices of q, k and v do not fit together (rank 3 expected), the
+/// head dim is outside `1..=MAX_HEAD_DIM`, `softmax_scale` is not finite, the offsets are not u32
+/// `(batch + 1,)` tensors starting at 0, non-decreasing, ending at the packed token counts, with
+/// no sequence longer than its `max_seqlen`, or the backend fails (see
+/// [the crate docs](crate#errors)).
+/// Also when `alibi_slopes` is not f32 of shape `(heads,)` or `(batch, heads)` on q's device.
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1., (8, 2, 16), &dev)?;
+/// let kv = Tensor::randn(0f32, 1., (8, 2, 16), &dev)?;
+/// let seqlens = Tensor::new(&[0u32, 3, 8], &dev)?;
+/// let slopes = Tensor::new(&[[0.5f32, 0.25], [0.125, 0.0625]], &dev)?;
+/// let out = candle_flash::flash_attn_varlen_alibi_windowed(
+///     &q, &kv, &kv, &slopes, &seqlens, &seqlens, 5, 5, 0.25, Some(2), Some(0),
+/// )?;
+/// assert_eq!(out.dims(), &[8, 2, 16]);
+/// # Ok::<(), candle::Error>(())
+/// ```
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_alibi_windowed(
     q: &Tensor,
@@ -183,7 +460,34 @@ pub fn flash_attn_varlen_alibi_windowed(
         .forward_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
 }
 
-/// Variable-length flash attention with optional ALiBi, a sliding window and a softcap.
+/// Variable-length flash attention (as [`flash_attn_varlen`]) with optional ALiBi, a sliding
+/// window and a logit softcap (as [`flash_attn_alibi_windowed_softcap`]; `0` = off).
+///
+/// # Errors
+///
+/// When the shapes, dtypes or devices of q, k and v do not fit together (rank 3 expected), the
+/// head dim is outside `1..=MAX_HEAD_DIM`, `softmax_scale` is not finite, the offsets are not u32
+/// `(batch + 1,)` tensors starting at 0, non-decreasing, ending at the packed token counts, with
+/// no sequence longer than its `max_seqlen`, or the backend fails (see
+/// [the crate docs](crate#errors)).
+/// Also when `alibi_slopes` is not f32 of shape `(heads,)` or `(batch, heads)` on q's device, or
+/// `softcap` is negative or not finite.
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1., (8, 2, 16), &dev)?;
+/// let kv = Tensor::randn(0f32, 1., (8, 2, 16), &dev)?;
+/// let seqlens = Tensor::new(&[0u32, 3, 8], &dev)?;
+/// let out = candle_flash::flash_attn_varlen_alibi_windowed_softcap(
+///     &q, &kv, &kv, None, &seqlens, &seqlens, 5, 5, 0.25, None, Some(0), 50.0,
+/// )?;
+/// assert_eq!(out.dims(), &[8, 2, 16]);
+/// # Ok::<(), candle::Error>(())
+/// ```
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_alibi_windowed_softcap(
     q: &Tensor,

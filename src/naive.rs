@@ -8,6 +8,37 @@ use crate::FlashAttn;
 /// `(batch, heads, seq_q, seq_k)` score matrix is built (matmuls in the input dtype, mask and
 /// softmax in f32), so memory grows with `seq_q × seq_k`. It runs on any device and serves as
 /// the baseline of the examples, benchmarks and tests. Rows that see no key output 0.
+///
+/// q is `(batch, seq_q, heads, head_dim)`, k and v `(batch, seq_k, kv_heads, head_dim)`; every
+/// option of `opts` (scale, window, softcap, ALiBi) applies. Returns the output shaped and typed
+/// like q.
+///
+/// # Errors
+///
+/// The inputs are validated exactly as by [`FlashAttn::forward`], so both refuse the same
+/// calls: mismatched shapes, dtypes or devices, an unsupported head dim, a non-finite scale, a
+/// bad softcap or bad ALiBi slopes (see [the crate docs](crate#errors)). Any error of the
+/// underlying candle ops (for example running out of memory for the score matrix) is passed on.
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+/// use candle_flash::{naive_attention, FlashAttn};
+///
+/// let q = Tensor::randn(0f32, 1., (1, 12, 4, 16), &Device::Cpu)?;
+/// let kv = Tensor::randn(0f32, 1., (1, 12, 2, 16), &Device::Cpu)?;
+/// let opts = FlashAttn::new(0.25).window(Some(4), Some(0)).softcap(20.0);
+/// let reference = naive_attention(&q, &kv, &kv, &opts)?;
+/// let flash = opts.forward(&q, &kv, &kv)?;
+/// let max_diff = (reference - flash)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+/// assert!(max_diff < 1e-4);
+///
+/// // The same validation as the flash path: 3 query heads cannot share 2 kv heads.
+/// let q3 = Tensor::zeros((1, 12, 3, 16), candle::DType::F32, &Device::Cpu)?;
+/// assert!(naive_attention(&q3, &kv, &kv, &opts).is_err());
+/// # Ok::<(), candle::Error>(())
+/// ```
 pub fn naive_attention(
     q: &Tensor,
     k: &Tensor,

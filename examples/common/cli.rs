@@ -15,11 +15,18 @@ impl DeviceArg {
             DeviceArg::Cpu => Ok(Device::Cpu),
             // Checked here rather than left to candle so the user learns which flag is missing.
             DeviceArg::Cuda if !cfg!(feature = "cuda") => {
-                bail!(
-                    "--device cuda needs a build with the crate's `cuda` feature (--features cuda)"
-                )
+                bail!("--device cuda needs a build with --features models,cuda,candle-nn/cuda")
             }
-            DeviceArg::Cuda => Ok(Device::new_cuda(0)?),
+            DeviceArg::Cuda => {
+                let dev = Device::new_cuda(0)?;
+                // Norms, rotary embeddings and softmax are candle-nn kernels, present on the GPU
+                // only when candle-nn itself is built with its `cuda` feature.
+                let probe = candle::Tensor::zeros((1, 1), DType::F32, &dev)?;
+                if candle_nn::ops::softmax_last_dim(&probe).is_err() {
+                    bail!("candle-nn was built without its CUDA kernels: add --features candle-nn/cuda")
+                }
+                Ok(dev)
+            }
         }
     }
 }
