@@ -62,8 +62,7 @@ pub(super) unsafe fn block<const R: usize>(
     for (t, bt) in b[..n].iter().enumerate() {
         let bt = bt.0.as_ptr();
         // SAFETY: as above, `b[t]` holds V aligned vectors.
-        let bv: [__m512; V] =
-            std::array::from_fn(|v| unsafe { _mm512_load_ps(bt.add(16 * v)) });
+        let bv: [__m512; V] = std::array::from_fn(|v| unsafe { _mm512_load_ps(bt.add(16 * v)) });
         for (i, acc) in acc.iter_mut().enumerate() {
             // SAFETY: `i * a_is + t * a_ts <= (R - 1) * a_is + (n - 1) * a_ts < a.len()`.
             let s = _mm512_set1_ps(unsafe { *a.add(i * a_is + t * a_ts) });

@@ -51,7 +51,6 @@ impl Lanes {
     }
 }
 
-
 /// Raw output pointer shared by the work items, which write disjoint rows.
 #[derive(Clone, Copy)]
 struct SyncPtr<T>(*mut T);

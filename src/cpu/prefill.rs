@@ -5,9 +5,9 @@ use rayon::prelude::*;
 
 use super::elem::{load_rows, Elem};
 use super::exp2::exp2;
-use super::kernel::{Isa, Kernel, Portable};
 #[cfg(target_arch = "x86_64")]
 use super::kernel::{Avx512, Fused};
+use super::kernel::{Isa, Kernel, Portable};
 use super::scratch::{with_scratch, Scratch, SubTile};
 use super::{Lanes, SyncPtr, BC, BR, QSUB};
 use crate::problem::Problem;
@@ -414,4 +414,3 @@ mod tests {
         }
     }
 }
-
