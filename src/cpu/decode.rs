@@ -1,0 +1,582 @@
+//! Decode: a few query rows per sequence against a long KV cache (split-KV, GQA-packed).
+//!
+//! With one query row per head the prefill kernel fills one lane of its 64-lane tiles and reads
+//! every K/V row once per *query* head. Decode is memory-bound instead, so this kernel is built
+//! around reading the cache once:
+//!
+//! * **GQA packing**: the query rows of all heads of a KV head (`group · seq_q` rows) are folded
+//!   into the online softmax together, so each K/V row is loaded from memory once and then served
+//!   from L1 to every row that needs it.
+//! * **Head-dim elements in SIMD lanes**: a K row is used as stored (f32, contiguous head dim) or
+//!   converted one block of `BK` rows at a time into an L1 tile (f16/bf16, strided head dims);
+//!   `q·k` is a lane-wise FMA over 16-element chunks and one horizontal sum, and `P V` adds
+//!   `p · V[j]` to a row of `O` with no reduction at all. No transposed copy of anything.
+//! * **Split-KV** (the partial pass): work items are `(sequence, split of its keys)`; each walks
+//!   its keys in blocks of `BK`, all KV heads of a block in turn (for the usual `(b, s, h, d)`
+//!   cache that reads one contiguous stretch of memory), and leaves an unnormalised partial
+//!   `(m, l, O)` per query row.
+//! * **Combine**: per `(sequence, head)`, the partials of the splits are merged through their
+//!   log-sum-exp in split order, then normalised once.
+//!
+//! The split count depends only on the shape and the rayon thread count, and every item and
+//! merge runs in a fixed order, so results are bitwise identical from run to run.
+
+use std::any::TypeId;
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::elem::{load_rows, Elem};
+use super::exp2::exp2;
+#[cfg(target_arch = "x86_64")]
+use super::kernel::{Avx512, Fused};
+use super::kernel::{Isa, Kernel, Portable};
+use super::SyncPtr;
+use crate::problem::Problem;
+use crate::semantics::{alibi_bias, group_size, LOG2_E};
+
+/// Most query rows per KV head (`max_seq_q · heads / kv_heads`) that go to this kernel; above it
+/// the prefill kernel, which keeps queries in SIMD lanes, wins (see `tests::threshold_timing`).
+pub(crate) const MAX_ROWS_PER_KV_HEAD: usize = 16;
+
+/// Keys per block: the K and V rows of a block are reused from L1 by every row of a KV head.
+const BK: usize = 32;
+/// Lanes of the chunked loops (one AVX-512 vector of f32).
+const W: usize = 16;
+/// A split is never shorter than this many keys (the combine and per-item setup amortised).
+const MIN_SPLIT_KEYS: usize = 256;
+/// Work items aimed for per rayon thread, for load balance.
+const ITEMS_PER_THREAD: usize = 4;
+/// Most splits of one sequence (the combine keeps one weight per split on the stack).
+const MAX_SPLITS: usize = 64;
+
+/// `true` when `p` goes to the decode kernel: few query rows per KV head.
+pub(crate) fn is_decode(p: &Problem) -> bool {
+    rows_per_kv_head(p) <= MAX_ROWS_PER_KV_HEAD
+}
+
+fn rows_per_kv_head(p: &Problem) -> usize {
+    p.max_seq_q
+        .saturating_mul(group_size(p.heads, p.kv_heads.max(1)))
+}
+
+/// Splits of a sequence whose rows see `keys` keys, among `batch` sequences on `threads`
+/// threads: enough items to keep every thread busy, none shorter than `MIN_SPLIT_KEYS`.
+pub(crate) fn split_count(keys: usize, batch: usize, threads: usize) -> usize {
+    let want = (ITEMS_PER_THREAD * threads).div_ceil(batch.max(1));
+    want.min(keys / MIN_SPLIT_KEYS).clamp(1, MAX_SPLITS)
+}
+
+/// Keys `[lo, hi)` of split `s` of `n` over the keys `[k0, k1)`.
+#[inline]
+fn split_bounds(k0: usize, k1: usize, s: usize, n: usize) -> (usize, usize) {
+    let len = k1 - k0;
+    (k0 + len * s / n, k0 + len * (s + 1) / n)
+}
+
+/// Where each sequence's splits and partial rows live.
+struct Plan {
+    /// Per sequence: splits, and the key range the rows see (union of their windows).
+    splits: Vec<usize>,
+    keys: Vec<(usize, usize)>,
+    /// Per sequence: first partial row (a split holds `heads · seq_q` rows, head-major).
+    part_row: Vec<usize>,
+    /// `(sequence, split)` of every work item.
+    items: Vec<(usize, usize)>,
+    rows: usize,
+}
+
+impl Plan {
+    fn new(p: &Problem, threads: usize) -> Self {
+        let mut plan = Plan {
+            splits: Vec::with_capacity(p.batch),
+            keys: Vec::with_capacity(p.batch),
+            part_row: Vec::with_capacity(p.batch),
+            items: Vec::new(),
+            rows: 0,
+        };
+        for b in 0..p.batch {
+            let seq = p.seq(b);
+            let keys = p.window.key_range_rows(0..seq.seq_q, seq.seq_q, seq.seq_k);
+            let n = if seq.seq_q == 0 {
+                0
+            } else {
+                split_count(keys.1 - keys.0, p.batch, threads)
+            };
+            plan.splits.push(n);
+            plan.keys.push(keys);
+            plan.part_row.push(plan.rows);
+            plan.rows += n * p.heads * seq.seq_q;
+            plan.items.extend((0..n).map(|s| (b, s)));
+        }
+        plan
+    }
+}
+
+/// Everything a work item reads, shared by all of them.
+struct Ctx<'a, T> {
+    p: &'a Problem,
+    slopes: Option<&'a [f32]>,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    plan: &'a Plan,
+    /// Partials: unnormalised `O` (`rows × d`), running max `m` (base 2) and sum `l`.
+    po: SyncPtr<f32>,
+    pm: SyncPtr<f32>,
+    pl: SyncPtr<f32>,
+}
+
+/// Runs the whole problem; returns the contiguous output and the log-sum-exp.
+pub(crate) fn forward<T: Elem>(
+    p: &Problem,
+    slopes: Option<&[f32]>,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+) -> (Vec<T>, Vec<f32>) {
+    forward_with(
+        Isa::detect(),
+        rayon::current_num_threads(),
+        p,
+        slopes,
+        q,
+        k,
+        v,
+    )
+}
+
+/// [`forward`] with a chosen instruction set (the caller checked that the CPU has it) and the
+/// thread count the split rule plans for.
+fn forward_with<T: Elem>(
+    isa: Isa,
+    threads: usize,
+    p: &Problem,
+    slopes: Option<&[f32]>,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+) -> (Vec<T>, Vec<f32>) {
+    let d = p.head_dim;
+    let mut out = vec![T::from_f32(0.0); p.total_q * p.heads * d];
+    let mut lse = vec![f32::NEG_INFINITY; p.total_q * p.heads];
+    let plan = Plan::new(p, threads);
+    let mut po = vec![0f32; plan.rows * d];
+    let mut pm = vec![f32::NEG_INFINITY; plan.rows];
+    let mut pl = vec![0f32; plan.rows];
+    let ctx = Ctx {
+        p,
+        slopes,
+        q,
+        k,
+        v,
+        plan: &plan,
+        po: SyncPtr(po.as_mut_ptr()),
+        pm: SyncPtr(pm.as_mut_ptr()),
+        pl: SyncPtr(pl.as_mut_ptr()),
+    };
+    // The partial pass.
+    plan.items.par_iter().with_max_len(1).for_each(|&item| {
+        with_scratch(|sc| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the caller saw avx512f on this CPU.
+            Isa::Avx512 => unsafe { item_avx512(&ctx, sc, item) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the caller saw avx2 and fma on this CPU.
+            Isa::Avx2Fma => unsafe { item_avx2(&ctx, sc, item) },
+            Isa::Portable => run_item::<T, Portable>(&ctx, sc, item),
+        })
+    });
+    // The combine.
+    let (outp, lsep) = (SyncPtr(out.as_mut_ptr()), SyncPtr(lse.as_mut_ptr()));
+    (0..p.batch * p.heads)
+        .into_par_iter()
+        .for_each(|bh| combine(&ctx, bh / p.heads, bh % p.heads, outp, lsep));
+    (out, lse)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn item_avx512<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: (usize, usize)) {
+    run_item::<T, Avx512>(ctx, sc, item)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn item_avx2<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: (usize, usize)) {
+    run_item::<T, Fused>(ctx, sc, item)
+}
+
+thread_local! {
+    /// Each thread's decode scratch; it only grows, and is separate from the prefill scratch so
+    /// alternating prefill and decode calls rebuild neither.
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch::new()) };
+}
+
+fn with_scratch(f: impl FnOnce(&mut Scratch)) {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut s) => f(&mut s),
+        // Only if an item ever ran inside another on this thread; stay correct regardless.
+        Err(_) => f(&mut Scratch::new()),
+    })
+}
+
+/// Per-thread buffers of the partial pass.
+struct Scratch {
+    /// Pre-scaled query rows, `O`, `m`, `l` and visible key range of every row of a sequence.
+    q: Vec<f32>,
+    o: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    range: Vec<(usize, usize)>,
+    /// K and V blocks converted to f32 (`BK × d`), when they cannot be read in place.
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Scores, then probabilities, of one row against one block.
+    s: [f32; BK],
+}
+
+impl Scratch {
+    const fn new() -> Self {
+        Self {
+            q: Vec::new(),
+            o: Vec::new(),
+            m: Vec::new(),
+            l: Vec::new(),
+            range: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            s: [0.0; BK],
+        }
+    }
+
+    fn reserve(&mut self, rows: usize, d: usize) {
+        let grow = |v: &mut Vec<f32>, n: usize| {
+            if v.len() < n {
+                v.resize(n, 0.0);
+            }
+        };
+        grow(&mut self.q, rows * d);
+        grow(&mut self.o, rows * d);
+        grow(&mut self.m, rows);
+        grow(&mut self.l, rows);
+        grow(&mut self.k, BK * d);
+        grow(&mut self.v, BK * d);
+        if self.range.len() < rows {
+            self.range.resize(rows, (0, 0));
+        }
+    }
+}
+
+/// `src` as f32 when `T` is f32 (a K or V cache read in place).
+fn as_f32<T: Elem>(src: &[T]) -> Option<&[f32]> {
+    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| {
+        // SAFETY: `T` is `f32`, so the slice is already a valid `&[f32]` of the same length.
+        unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<f32>(), src.len()) }
+    })
+}
+
+/// One block of K or V rows for one KV head: row `c` is `src[off[c]..off[c] + d]`.
+struct Rows<'a> {
+    src: &'a [f32],
+    off: [usize; BK],
+}
+
+/// The block's rows, in place when the cache is f32 with a contiguous head dim, else converted
+/// into `buf`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn block_rows<'a, T: Elem>(
+    p: &Problem,
+    src: &'a [T],
+    strides: &crate::problem::Strides,
+    buf: &'a mut [f32],
+    b: usize,
+    row0: usize,
+    n: usize,
+    kvh: usize,
+) -> Rows<'a> {
+    let d = p.head_dim;
+    let mut off = [0usize; BK];
+    match as_f32(src) {
+        Some(f) if strides.dim == 1 => {
+            for (c, o) in off[..n].iter_mut().enumerate() {
+                *o = strides.at(b, row0 + c, kvh);
+            }
+            // Bounds checked once here, so the inner loops can slice freely.
+            assert!(n == 0 || off[n - 1] + d <= f.len());
+            Rows { src: f, off }
+        }
+        _ => {
+            load_rows(buf, src, strides, b, row0, n, kvh, d);
+            for (c, o) in off[..n].iter_mut().enumerate() {
+                *o = c * d;
+            }
+            Rows { src: buf, off }
+        }
+    }
+}
+
+/// One work item: split `s` of sequence `b`, every query row of every head.
+#[inline(always)]
+fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usize)) {
+    let p = ctx.p;
+    let d = p.head_dim;
+    let seq = p.seq(b);
+    let (sq, sk) = (seq.seq_q, seq.seq_k);
+    let group = group_size(p.heads, p.kv_heads);
+    let rows = p.heads * sq;
+    sc.reserve(rows, d);
+    let softcap = p.score.softcap > 0.0;
+    // Without softcap the scale and log2(e) fold into q once; with it, tanh needs the true score.
+    let q_scale = if softcap {
+        p.score.scale
+    } else {
+        p.score.scale * LOG2_E
+    };
+    for h in 0..p.heads {
+        for i in 0..sq {
+            let r = h * sq + i;
+            let qr = &mut sc.q[r * d..(r + 1) * d];
+            load_rows(qr, ctx.q, &p.q, b, seq.q_row + i, 1, h, d);
+            qr.iter_mut().for_each(|x| *x *= q_scale);
+            sc.o[r * d..(r + 1) * d].fill(0.0);
+            sc.m[r] = f32::NEG_INFINITY;
+            sc.l[r] = 0.0;
+            sc.range[r] = p.window.key_range(i, sq, sk);
+        }
+    }
+
+    let (k0, k1) = ctx.plan.keys[b];
+    let (k0, k1) = split_bounds(k0, k1, s, ctx.plan.splits[b]);
+    let mut j0 = k0;
+    while j0 < k1 {
+        let n = BK.min(k1 - j0);
+        for kvh in 0..p.kv_heads {
+            let kr = block_rows(p, ctx.k, &p.k, &mut sc.k, b, seq.k_row + j0, n, kvh);
+            let vr = block_rows(p, ctx.v, &p.v, &mut sc.v, b, seq.k_row + j0, n, kvh);
+            for h in kvh * group..(kvh + 1) * group {
+                let slope = ctx
+                    .slopes
+                    .map_or(0.0, |sl| sl[b * p.alibi_batch_stride + h]);
+                for i in 0..sq {
+                    let r = h * sq + i;
+                    // The part of the block this row sees.
+                    let (lo, hi) = sc.range[r];
+                    let (c0, c1) = (lo.max(j0), hi.min(j0 + n));
+                    if c0 >= c1 {
+                        continue;
+                    }
+                    let row = Row {
+                        p,
+                        q: &sc.q[r * d..(r + 1) * d],
+                        slope,
+                        i,
+                        sq,
+                        sk,
+                        j0,
+                        softcap,
+                    };
+                    update::<K>(
+                        &row,
+                        &kr,
+                        &vr,
+                        c0 - j0..c1 - j0,
+                        &mut sc.s,
+                        &mut sc.o[r * d..(r + 1) * d],
+                        &mut sc.m[r],
+                        &mut sc.l[r],
+                    );
+                }
+            }
+        }
+        j0 += n;
+    }
+
+    // Leave the partials: rows of split s follow those of splits 0..s.
+    let base = ctx.plan.part_row[b] + s * rows;
+    for r in 0..rows {
+        // SAFETY: partial rows `base .. base + rows` belong to this item alone and lie inside
+        // the buffers `forward_with` allocated (`plan.rows` rows of `d`).
+        unsafe {
+            let o = ctx.po.0.add((base + r) * d);
+            std::ptr::copy_nonoverlapping(sc.o.as_ptr().add(r * d), o, d);
+            *ctx.pm.0.add(base + r) = sc.m[r];
+            *ctx.pl.0.add(base + r) = sc.l[r];
+        }
+    }
+}
+
+/// What the update of one query row reads.
+struct Row<'a> {
+    p: &'a Problem,
+    /// The pre-scaled query row.
+    q: &'a [f32],
+    slope: f32,
+    i: usize,
+    sq: usize,
+    sk: usize,
+    /// First key of the block.
+    j0: usize,
+    softcap: bool,
+}
+
+/// Folds block keys `cols` (the ones this row sees) into one row's `(O, m, l)`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn update<K: Kernel>(
+    row: &Row,
+    kr: &Rows,
+    vr: &Rows,
+    cols: std::ops::Range<usize>,
+    s: &mut [f32; BK],
+    o: &mut [f32],
+    m: &mut f32,
+    l: &mut f32,
+) {
+    let d = row.q.len();
+    // Scores, in base 2.
+    for c in cols.clone() {
+        s[c] = dot::<K>(row.q, &kr.src[kr.off[c]..kr.off[c] + d]);
+    }
+    if row.softcap || row.slope != 0.0 {
+        for c in cols.clone() {
+            let raw = if row.softcap {
+                row.p.score.cap(s[c]) * LOG2_E
+            } else {
+                s[c]
+            };
+            let bias = if row.slope != 0.0 {
+                alibi_bias(row.slope, row.i, row.j0 + c, row.sq, row.sk) * LOG2_E
+            } else {
+                0.0
+            };
+            s[c] = raw - bias;
+        }
+    }
+    // Online softmax: m_new = max(m, max_c s), p = 2^(s - m_new), l = l · 2^(m - m_new) + Σ p.
+    // The max skips NaN, yet a NaN score still turns p, l and this row of O into NaN.
+    let mut m_new = *m;
+    for &x in &s[cols.clone()] {
+        m_new = if x > m_new { x } else { m_new };
+    }
+    // A row that has only seen masked keys subtracts 0, so its p and correction are 0, not NaN.
+    let m_sub = if m_new == f32::NEG_INFINITY {
+        0.0
+    } else {
+        m_new
+    };
+    let corr = exp2::<K>(*m - m_sub);
+    *m = m_new;
+    let mut sum = 0f32;
+    for x in &mut s[cols.clone()] {
+        *x = exp2::<K>(*x - m_sub);
+        sum += *x;
+    }
+    *l = K::fma(*l, corr, sum);
+    if corr != 1.0 {
+        o.iter_mut().for_each(|x| *x *= corr);
+    }
+    // O += P V, four keys per pass over O.
+    let mut c = cols.start;
+    while c + 4 <= cols.end {
+        let (p0, p1, p2, p3) = (s[c], s[c + 1], s[c + 2], s[c + 3]);
+        let v0 = &vr.src[vr.off[c]..vr.off[c] + d];
+        let v1 = &vr.src[vr.off[c + 1]..vr.off[c + 1] + d];
+        let v2 = &vr.src[vr.off[c + 2]..vr.off[c + 2] + d];
+        let v3 = &vr.src[vr.off[c + 3]..vr.off[c + 3] + d];
+        for x in 0..d {
+            let acc = K::fma(p0, v0[x], o[x]);
+            let acc = K::fma(p1, v1[x], acc);
+            let acc = K::fma(p2, v2[x], acc);
+            o[x] = K::fma(p3, v3[x], acc);
+        }
+        c += 4;
+    }
+    while c < cols.end {
+        let pc = s[c];
+        let vc = &vr.src[vr.off[c]..vr.off[c] + d];
+        for (o, &v) in o.iter_mut().zip(vc) {
+            *o = K::fma(pc, v, *o);
+        }
+        c += 1;
+    }
+}
+
+/// `q · k` with `W` partial sums in lanes, then one fixed-order horizontal sum.
+#[inline(always)]
+fn dot<K: Kernel>(q: &[f32], k: &[f32]) -> f32 {
+    let d = q.len();
+    let full = d - d % W;
+    let mut acc = [0f32; W];
+    for (qc, kc) in q[..full].chunks_exact(W).zip(k[..full].chunks_exact(W)) {
+        for t in 0..W {
+            acc[t] = K::fma(qc[t], kc[t], acc[t]);
+        }
+    }
+    let mut w = W / 2;
+    while w > 0 {
+        for t in 0..w {
+            acc[t] += acc[t + w];
+        }
+        w /= 2;
+    }
+    let mut sum = acc[0];
+    for x in full..d {
+        sum = K::fma(q[x], k[x], sum);
+    }
+    sum
+}
+
+/// Merges the partials of every split of sequence `b`, head `h`, in split order, and writes the
+/// normalised output rows and their log-sum-exp.
+fn combine<T: Elem>(ctx: &Ctx<T>, b: usize, h: usize, out: SyncPtr<T>, lse: SyncPtr<f32>) {
+    let p = ctx.p;
+    let d = p.head_dim;
+    let seq = p.seq(b);
+    let sq = seq.seq_q;
+    let n = ctx.plan.splits[b];
+    let rows = p.heads * sq;
+    let lse_h = p.lse_head_stride();
+    let row_stride = p.heads * d;
+    let mut w = [0f32; MAX_SPLITS];
+    for i in 0..sq {
+        let part = |s: usize| ctx.plan.part_row[b] + s * rows + h * sq + i;
+        // SAFETY (all reads below): partial rows of this sequence lie inside the buffers, and the
+        // partial pass that wrote them has finished.
+        let m = |s: usize| unsafe { *ctx.pm.0.add(part(s)) };
+        // SAFETY: as above.
+        let l = |s: usize| unsafe { *ctx.pl.0.add(part(s)) };
+        let mut mx = f32::NEG_INFINITY;
+        for s in 0..n {
+            let ms = m(s);
+            mx = if ms > mx { ms } else { mx };
+        }
+        let m_sub = if mx == f32::NEG_INFINITY { 0.0 } else { mx };
+        let mut total = 0f32;
+        for (s, w) in w[..n].iter_mut().enumerate() {
+            *w = (m(s) - m_sub).exp2();
+            total += l(s) * *w;
+        }
+        let base = (seq.out_row + i) * row_stride + h * d;
+        // A row that saw no key has l = 0 and outputs exactly 0; NaN stays NaN.
+        let (inv, row_lse) = if total == 0.0 {
+            (0.0, f32::NEG_INFINITY)
+        } else {
+            (1.0 / total, (m_sub + total.log2()) / LOG2_E)
+        };
+        for x in 0..d {
+            let mut acc = 0f32;
+            for (s, &w) in w[..n].iter().enumerate() {
+                // SAFETY: as above.
+                acc += unsafe { *ctx.po.0.add(part(s) * d + x) } * w;
+            }
+            let o = if total == 0.0 { 0.0 } else { acc * inv };
+            // SAFETY: element (row, h, x) belongs to this (sequence, head) alone and is in bounds
+            // of the output allocated by `forward_with` (total_q * heads * d elements).
+            unsafe { *out.0.add(base + x) = T::from_f32(o) };
+        }
+        // SAFETY: as above, for the row's log-sum-exp.
+        unsafe { *lse.0.add(seq.lse_base + h * lse_h + i) = row_lse };
+    }
+}
