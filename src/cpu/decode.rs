@@ -41,7 +41,8 @@ pub(crate) const MAX_ROWS_PER_KV_HEAD: usize = 16;
 
 /// Keys per block: the K and V rows of a block are reused from L1 by every row of a KV head.
 const BK: usize = 32;
-/// Lanes of the chunked loops (one AVX-512 vector of f32).
+/// Lanes of one AVX-512 vector of f32.
+#[cfg(target_arch = "x86_64")]
 const W: usize = 16;
 /// A split is never shorter than this many keys (the combine and per-item setup amortised).
 const MIN_SPLIT_KEYS: usize = 256;
@@ -319,7 +320,7 @@ fn block_rows<'a, T: Elem>(
 
 /// One work item: split `s` of sequence `b`, every query row of every head.
 #[inline(always)]
-fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usize)) {
+fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usize)) {
     let p = ctx.p;
     let d = p.head_dim;
     let seq = p.seq(b);
@@ -424,7 +425,7 @@ struct Row<'a> {
 /// Folds block keys `cols` (the ones this row sees) into one row's `(O, m, l)`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn update<K: Kernel>(
+fn update<K: Ops>(
     row: &Row,
     kr: &Rows,
     vr: &Rows,
@@ -437,7 +438,7 @@ fn update<K: Kernel>(
     let d = row.q.len();
     // Scores, in base 2.
     for c in cols.clone() {
-        s[c] = dot::<K>(row.q, &kr.src[kr.off[c]..kr.off[c] + d]);
+        s[c] = K::dot(row.q, &kr.src[kr.off[c]..kr.off[c] + d]);
     }
     if row.softcap || row.slope != 0.0 {
         for c in cols.clone() {
@@ -503,18 +504,52 @@ fn update<K: Kernel>(
     }
 }
 
-/// `q · k` with `W` partial sums in lanes, then one fixed-order horizontal sum.
+/// The dot product, per instruction set.
+trait Ops: Kernel {
+    /// `q · k[..q.len()]`, in a fixed order.
+    fn dot(q: &[f32], k: &[f32]) -> f32;
+}
+
+impl Ops for Portable {
+    #[inline(always)]
+    fn dot(q: &[f32], k: &[f32]) -> f32 {
+        portable_dot::<Self>(q, k)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Ops for Fused {
+    #[inline(always)]
+    fn dot(q: &[f32], k: &[f32]) -> f32 {
+        portable_dot::<Self>(q, k)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Ops for Avx512 {
+    #[inline(always)]
+    fn dot(q: &[f32], k: &[f32]) -> f32 {
+        assert!(k.len() >= q.len());
+        // SAFETY: only reached through `item_avx512`, i.e. with avx512f detected; `k` is at
+        // least as long as `q` (checked just above).
+        unsafe { avx512_dot(q, k) }
+    }
+}
+
+/// `q · k` with `PW` partial sums in lanes (one AVX2 vector), then one fixed-order
+/// horizontal sum.
 #[inline(always)]
-fn dot<K: Kernel>(q: &[f32], k: &[f32]) -> f32 {
+fn portable_dot<K: Kernel>(q: &[f32], k: &[f32]) -> f32 {
+    const PW: usize = 8;
     let d = q.len();
-    let full = d - d % W;
-    let mut acc = [0f32; W];
-    for (qc, kc) in q[..full].chunks_exact(W).zip(k[..full].chunks_exact(W)) {
-        for t in 0..W {
+    let full = d - d % PW;
+    let mut acc = [0f32; PW];
+    for (qc, kc) in q[..full].chunks_exact(PW).zip(k[..full].chunks_exact(PW)) {
+        for t in 0..PW {
             acc[t] = K::fma(qc[t], kc[t], acc[t]);
         }
     }
-    let mut w = W / 2;
+    let mut w = PW / 2;
     while w > 0 {
         for t in 0..w {
             acc[t] += acc[t + w];
@@ -526,6 +561,47 @@ fn dot<K: Kernel>(q: &[f32], k: &[f32]) -> f32 {
         sum = K::fma(q[x], k[x], sum);
     }
     sum
+}
+
+/// `q · k` in two AVX-512 accumulators; the tail (head dims that are not a multiple of 16)
+/// goes through a masked load, which never touches the masked-out elements.
+///
+/// # Safety
+/// avx512f must be available and `k.len() >= q.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_dot(q: &[f32], k: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let d = q.len();
+    let (qp, kp) = (q.as_ptr(), k.as_ptr());
+    let mut acc0 = _mm512_setzero_ps();
+    let mut acc1 = _mm512_setzero_ps();
+    let mut x = 0;
+    // SAFETY (all loads): `x + 16 <= d <= k.len()`, or masked to the elements below `d`.
+    unsafe {
+        while x + 2 * W <= d {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(x)), _mm512_loadu_ps(kp.add(x)), acc0);
+            acc1 = _mm512_fmadd_ps(
+                _mm512_loadu_ps(qp.add(x + W)),
+                _mm512_loadu_ps(kp.add(x + W)),
+                acc1,
+            );
+            x += 2 * W;
+        }
+        if x + W <= d {
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(x)), _mm512_loadu_ps(kp.add(x)), acc0);
+            x += W;
+        }
+        if x < d {
+            let mask: __mmask16 = (1u16 << (d - x)) - 1;
+            acc1 = _mm512_fmadd_ps(
+                _mm512_maskz_loadu_ps(mask, qp.add(x)),
+                _mm512_maskz_loadu_ps(mask, kp.add(x)),
+                acc1,
+            );
+        }
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
 }
 
 /// Merges the partials of every split of sequence `b`, head `h`, in split order, and writes the
