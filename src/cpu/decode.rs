@@ -41,9 +41,6 @@ pub(crate) const MAX_ROWS_PER_KV_HEAD: usize = 16;
 
 /// Keys per block: the K and V rows of a block are reused from L1 by every row of a KV head.
 const BK: usize = 32;
-/// Lanes of one AVX-512 vector of f32.
-#[cfg(target_arch = "x86_64")]
-const W: usize = 16;
 /// A split is never shorter than this many keys (the combine and per-item setup amortised).
 const MIN_SPLIT_KEYS: usize = 256;
 /// Work items aimed for per rayon thread, for load balance.
@@ -233,8 +230,8 @@ struct Scratch {
     /// K and V blocks converted to f32 (`BK × d`), when they cannot be read in place.
     k: Vec<f32>,
     v: Vec<f32>,
-    /// Scores, then probabilities, of one row against one block.
-    s: [f32; BK],
+    /// Scores, then probabilities, of `NR` rows against one block.
+    s: [[f32; BK]; NR],
 }
 
 impl Scratch {
@@ -247,7 +244,7 @@ impl Scratch {
             range: Vec::new(),
             k: Vec::new(),
             v: Vec::new(),
-            s: [0.0; BK],
+            s: [[0.0; BK]; NR],
         }
     }
 
@@ -264,6 +261,7 @@ impl Scratch {
         grow(&mut self.k, BK * d);
         grow(&mut self.v, BK * d);
         if self.range.len() < rows {
+            // One range per query row `i` (the heads of a row share it).
             self.range.resize(rows, (0, 0));
         }
     }
@@ -318,7 +316,14 @@ fn block_rows<'a, T: Elem>(
     }
 }
 
+/// Query rows folded together: they share every K and V load.
+const NR: usize = 4;
+
 /// One work item: split `s` of sequence `b`, every query row of every head.
+///
+/// In the scratch, rows are ordered `(kv head, query i, head within the group)`, so the rows of
+/// one KV head that see the same keys (same `i`) are consecutive and go through the kernels
+/// `NR` at a time.
 #[inline(always)]
 fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usize)) {
     let p = ctx.p;
@@ -335,17 +340,21 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
     } else {
         p.score.scale * LOG2_E
     };
+    // Scratch row of (head h, query i).
+    let row_of = |h: usize, i: usize| ((h / group) * sq + i) * group + h % group;
     for h in 0..p.heads {
         for i in 0..sq {
-            let r = h * sq + i;
+            let r = row_of(h, i);
             let qr = &mut sc.q[r * d..(r + 1) * d];
             load_rows(qr, ctx.q, &p.q, b, seq.q_row + i, 1, h, d);
             qr.iter_mut().for_each(|x| *x *= q_scale);
-            sc.o[r * d..(r + 1) * d].fill(0.0);
             sc.m[r] = f32::NEG_INFINITY;
             sc.l[r] = 0.0;
-            sc.range[r] = p.window.key_range(i, sq, sk);
         }
+    }
+    sc.o[..rows * d].fill(0.0);
+    for i in 0..sq {
+        sc.range[i] = p.window.key_range(i, sq, sk);
     }
 
     let (k0, k1) = ctx.plan.keys[b];
@@ -356,63 +365,82 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
         for kvh in 0..p.kv_heads {
             let kr = block_rows(p, ctx.k, &p.k, &mut sc.k, b, seq.k_row + j0, n, kvh);
             let vr = block_rows(p, ctx.v, &p.v, &mut sc.v, b, seq.k_row + j0, n, kvh);
-            for h in kvh * group..(kvh + 1) * group {
-                let slope = ctx
-                    .slopes
-                    .map_or(0.0, |sl| sl[b * p.alibi_batch_stride + h]);
-                for i in 0..sq {
-                    let r = h * sq + i;
-                    // The part of the block this row sees.
-                    let (lo, hi) = sc.range[r];
-                    let (c0, c1) = (lo.max(j0), hi.min(j0 + n));
-                    if c0 >= c1 {
-                        continue;
+            for i in 0..sq {
+                // The part of the block query i sees.
+                let (lo, hi) = sc.range[i];
+                let (c0, c1) = (lo.max(j0), hi.min(j0 + n));
+                if c0 >= c1 {
+                    continue;
+                }
+                let cols = c0 - j0..c1 - j0;
+                let mut g = 0;
+                while g < group {
+                    let nr = NR.min(group - g);
+                    let r0 = (kvh * sq + i) * group + g;
+                    let h0 = kvh * group + g;
+                    // Rows past `nr` repeat the last one; their results are dropped.
+                    let qs: [&[f32]; NR] = std::array::from_fn(|t| {
+                        let r = r0 + t.min(nr - 1);
+                        &sc.q[r * d..(r + 1) * d]
+                    });
+                    K::scores(qs, &kr, cols.clone(), &mut sc.s);
+                    let mut corr = [0f32; NR];
+                    for t in 0..nr {
+                        let slope = ctx
+                            .slopes
+                            .map_or(0.0, |sl| sl[b * p.alibi_batch_stride + h0 + t]);
+                        let row = Row {
+                            p,
+                            slope,
+                            i,
+                            sq,
+                            sk,
+                            j0,
+                            softcap,
+                        };
+                        corr[t] = softmax::<K>(
+                            &row,
+                            cols.clone(),
+                            &mut sc.s[t],
+                            &mut sc.m[r0 + t],
+                            &mut sc.l[r0 + t],
+                        );
                     }
-                    let row = Row {
-                        p,
-                        q: &sc.q[r * d..(r + 1) * d],
-                        slope,
-                        i,
-                        sq,
-                        sk,
-                        j0,
-                        softcap,
-                    };
-                    update::<K>(
-                        &row,
-                        &kr,
+                    K::pv(
+                        &mut sc.o[r0 * d..(r0 + nr) * d],
+                        nr,
+                        &corr,
+                        &sc.s,
                         &vr,
-                        c0 - j0..c1 - j0,
-                        &mut sc.s,
-                        &mut sc.o[r * d..(r + 1) * d],
-                        &mut sc.m[r],
-                        &mut sc.l[r],
+                        cols.clone(),
                     );
+                    g += nr;
                 }
             }
         }
         j0 += n;
     }
 
-    // Leave the partials: rows of split s follow those of splits 0..s.
+    // Leave the partials, head-major: rows of split s follow those of splits 0..s.
     let base = ctx.plan.part_row[b] + s * rows;
-    for r in 0..rows {
-        // SAFETY: partial rows `base .. base + rows` belong to this item alone and lie inside
-        // the buffers `forward_with` allocated (`plan.rows` rows of `d`).
-        unsafe {
-            let o = ctx.po.0.add((base + r) * d);
-            std::ptr::copy_nonoverlapping(sc.o.as_ptr().add(r * d), o, d);
-            *ctx.pm.0.add(base + r) = sc.m[r];
-            *ctx.pl.0.add(base + r) = sc.l[r];
+    for h in 0..p.heads {
+        for i in 0..sq {
+            let (r, pr) = (row_of(h, i), base + h * sq + i);
+            // SAFETY: partial rows `base .. base + rows` belong to this item alone and lie
+            // inside the buffers `forward_with` allocated (`plan.rows` rows of `d`).
+            unsafe {
+                let o = ctx.po.0.add(pr * d);
+                std::ptr::copy_nonoverlapping(sc.o.as_ptr().add(r * d), o, d);
+                *ctx.pm.0.add(pr) = sc.m[r];
+                *ctx.pl.0.add(pr) = sc.l[r];
+            }
         }
     }
 }
 
-/// What the update of one query row reads.
+/// What the score modifiers of one query row read.
 struct Row<'a> {
     p: &'a Problem,
-    /// The pre-scaled query row.
-    q: &'a [f32],
     slope: f32,
     i: usize,
     sq: usize,
@@ -422,24 +450,16 @@ struct Row<'a> {
     softcap: bool,
 }
 
-/// Folds block keys `cols` (the ones this row sees) into one row's `(O, m, l)`.
+/// Turns one row's raw scores `s[cols]` into probabilities and updates its running max and sum;
+/// returns the correction `2^(m_old - m_new)` its `O` must be scaled by.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn update<K: Ops>(
+fn softmax<K: Kernel>(
     row: &Row,
-    kr: &Rows,
-    vr: &Rows,
     cols: std::ops::Range<usize>,
     s: &mut [f32; BK],
-    o: &mut [f32],
     m: &mut f32,
     l: &mut f32,
-) {
-    let d = row.q.len();
-    // Scores, in base 2.
-    for c in cols.clone() {
-        s[c] = K::dot(row.q, &kr.src[kr.off[c]..kr.off[c] + d]);
-    }
+) -> f32 {
     if row.softcap || row.slope != 0.0 {
         for c in cols.clone() {
             let raw = if row.softcap {
@@ -455,7 +475,7 @@ fn update<K: Ops>(
             s[c] = raw - bias;
         }
     }
-    // Online softmax: m_new = max(m, max_c s), p = 2^(s - m_new), l = l · 2^(m - m_new) + Σ p.
+    // m_new = max(m, max_c s), p = 2^(s - m_new), l = l · 2^(m - m_new) + Σ p.
     // The max skips NaN, yet a NaN score still turns p, l and this row of O into NaN.
     let mut m_new = *m;
     for &x in &s[cols.clone()] {
@@ -470,138 +490,278 @@ fn update<K: Ops>(
     let corr = exp2::<K>(*m - m_sub);
     *m = m_new;
     let mut sum = 0f32;
-    for x in &mut s[cols.clone()] {
+    for x in &mut s[cols] {
         *x = exp2::<K>(*x - m_sub);
         sum += *x;
     }
     *l = K::fma(*l, corr, sum);
-    if corr != 1.0 {
-        o.iter_mut().for_each(|x| *x *= corr);
-    }
-    // O += P V, four keys per pass over O.
-    let mut c = cols.start;
-    while c + 4 <= cols.end {
-        let (p0, p1, p2, p3) = (s[c], s[c + 1], s[c + 2], s[c + 3]);
-        let v0 = &vr.src[vr.off[c]..vr.off[c] + d];
-        let v1 = &vr.src[vr.off[c + 1]..vr.off[c + 1] + d];
-        let v2 = &vr.src[vr.off[c + 2]..vr.off[c + 2] + d];
-        let v3 = &vr.src[vr.off[c + 3]..vr.off[c + 3] + d];
-        for x in 0..d {
-            let acc = K::fma(p0, v0[x], o[x]);
-            let acc = K::fma(p1, v1[x], acc);
-            let acc = K::fma(p2, v2[x], acc);
-            o[x] = K::fma(p3, v3[x], acc);
-        }
-        c += 4;
-    }
-    while c < cols.end {
-        let pc = s[c];
-        let vc = &vr.src[vr.off[c]..vr.off[c] + d];
-        for (o, &v) in o.iter_mut().zip(vc) {
-            *o = K::fma(pc, v, *o);
-        }
-        c += 1;
-    }
+    corr
 }
 
-/// The dot product, per instruction set.
+/// The two products, per instruction set, for `NR` query rows that see the same keys.
 trait Ops: Kernel {
-    /// `q · k[..q.len()]`, in a fixed order.
-    fn dot(q: &[f32], k: &[f32]) -> f32;
+    /// `s[t][c] = q[t] · K[c]` for `c` in `cols`.
+    fn scores(q: [&[f32]; NR], k: &Rows, cols: std::ops::Range<usize>, s: &mut [[f32; BK]; NR]);
+    /// For the first `nr` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c s[t][c] V[c]`.
+    fn pv(
+        o: &mut [f32],
+        nr: usize,
+        corr: &[f32; NR],
+        s: &[[f32; BK]; NR],
+        v: &Rows,
+        cols: std::ops::Range<usize>,
+    );
 }
 
 impl Ops for Portable {
     #[inline(always)]
-    fn dot(q: &[f32], k: &[f32]) -> f32 {
-        portable_dot::<Self>(q, k)
+    fn scores(q: [&[f32]; NR], k: &Rows, cols: std::ops::Range<usize>, s: &mut [[f32; BK]; NR]) {
+        portable_scores::<Self>(q, k, cols, s)
+    }
+    #[inline(always)]
+    fn pv(
+        o: &mut [f32],
+        nr: usize,
+        corr: &[f32; NR],
+        s: &[[f32; BK]; NR],
+        v: &Rows,
+        cols: std::ops::Range<usize>,
+    ) {
+        portable_pv::<Self>(o, nr, corr, s, v, cols)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Ops for Fused {
     #[inline(always)]
-    fn dot(q: &[f32], k: &[f32]) -> f32 {
-        portable_dot::<Self>(q, k)
+    fn scores(q: [&[f32]; NR], k: &Rows, cols: std::ops::Range<usize>, s: &mut [[f32; BK]; NR]) {
+        portable_scores::<Self>(q, k, cols, s)
+    }
+    #[inline(always)]
+    fn pv(
+        o: &mut [f32],
+        nr: usize,
+        corr: &[f32; NR],
+        s: &[[f32; BK]; NR],
+        v: &Rows,
+        cols: std::ops::Range<usize>,
+    ) {
+        portable_pv::<Self>(o, nr, corr, s, v, cols)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Ops for Avx512 {
     #[inline(always)]
-    fn dot(q: &[f32], k: &[f32]) -> f32 {
-        assert!(k.len() >= q.len());
-        // SAFETY: only reached through `item_avx512`, i.e. with avx512f detected; `k` is at
-        // least as long as `q` (checked just above).
-        unsafe { avx512_dot(q, k) }
+    fn scores(q: [&[f32]; NR], k: &Rows, cols: std::ops::Range<usize>, s: &mut [[f32; BK]; NR]) {
+        let d = q[0].len();
+        assert!(q.iter().all(|q| q.len() == d) && cols.end <= BK);
+        for c in cols {
+            let kc = &k.src[k.off[c]..k.off[c] + d];
+            // SAFETY: only reached through `item_avx512`, i.e. with avx512f detected; every
+            // row has `d` elements (checked above and by the slice).
+            let dots = unsafe { avx512::dot4(q, kc) };
+            for (s, x) in s.iter_mut().zip(dots) {
+                s[c] = x;
+            }
+        }
+    }
+    #[inline(always)]
+    fn pv(
+        o: &mut [f32],
+        nr: usize,
+        corr: &[f32; NR],
+        s: &[[f32; BK]; NR],
+        v: &Rows,
+        cols: std::ops::Range<usize>,
+    ) {
+        let d = o.len() / nr.max(1);
+        assert!(nr <= NR && o.len() == nr * d && cols.end <= BK);
+        for c in cols.clone() {
+            assert!(v.off[c] + d <= v.src.len());
+        }
+        // SAFETY: avx512f detected as above; `o` holds `nr` rows of `d` and every V row of
+        // `cols` is in bounds (checked just above).
+        unsafe { avx512::pv(o, nr, d, corr, s, v, cols) }
     }
 }
 
-/// `q · k` with `PW` partial sums in lanes (one AVX2 vector), then one fixed-order
-/// horizontal sum.
+/// `q[t] · K[c]` one row at a time, `PW` partial sums in lanes (one AVX2 vector), then one
+/// fixed-order horizontal sum.
 #[inline(always)]
-fn portable_dot<K: Kernel>(q: &[f32], k: &[f32]) -> f32 {
+fn portable_scores<K: Kernel>(
+    q: [&[f32]; NR],
+    k: &Rows,
+    cols: std::ops::Range<usize>,
+    s: &mut [[f32; BK]; NR],
+) {
     const PW: usize = 8;
-    let d = q.len();
+    let d = q[0].len();
     let full = d - d % PW;
-    let mut acc = [0f32; PW];
-    for (qc, kc) in q[..full].chunks_exact(PW).zip(k[..full].chunks_exact(PW)) {
-        for t in 0..PW {
-            acc[t] = K::fma(qc[t], kc[t], acc[t]);
+    for c in cols {
+        let kc = &k.src[k.off[c]..k.off[c] + d];
+        for (q, s) in q.iter().zip(s.iter_mut()) {
+            let mut acc = [0f32; PW];
+            for (qc, kc) in q[..full].chunks_exact(PW).zip(kc[..full].chunks_exact(PW)) {
+                for t in 0..PW {
+                    acc[t] = K::fma(qc[t], kc[t], acc[t]);
+                }
+            }
+            let mut w = PW / 2;
+            while w > 0 {
+                for t in 0..w {
+                    acc[t] += acc[t + w];
+                }
+                w /= 2;
+            }
+            let mut sum = acc[0];
+            for x in full..d {
+                sum = K::fma(q[x], kc[x], sum);
+            }
+            s[c] = sum;
         }
     }
-    let mut w = PW / 2;
-    while w > 0 {
-        for t in 0..w {
-            acc[t] += acc[t + w];
-        }
-        w /= 2;
-    }
-    let mut sum = acc[0];
-    for x in full..d {
-        sum = K::fma(q[x], k[x], sum);
-    }
-    sum
 }
 
-/// `q · k` in two AVX-512 accumulators; the tail (head dims that are not a multiple of 16)
-/// goes through a masked load, which never touches the masked-out elements.
-///
-/// # Safety
-/// avx512f must be available and `k.len() >= q.len()`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn avx512_dot(q: &[f32], k: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let d = q.len();
-    let (qp, kp) = (q.as_ptr(), k.as_ptr());
-    let mut acc0 = _mm512_setzero_ps();
-    let mut acc1 = _mm512_setzero_ps();
-    let mut x = 0;
-    // SAFETY (all loads): `x + 16 <= d <= k.len()`, or masked to the elements below `d`.
-    unsafe {
-        while x + 2 * W <= d {
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(x)), _mm512_loadu_ps(kp.add(x)), acc0);
-            acc1 = _mm512_fmadd_ps(
-                _mm512_loadu_ps(qp.add(x + W)),
-                _mm512_loadu_ps(kp.add(x + W)),
-                acc1,
-            );
-            x += 2 * W;
+/// `O += P V` one row at a time, four keys per pass over the row.
+#[inline(always)]
+fn portable_pv<K: Kernel>(
+    o: &mut [f32],
+    nr: usize,
+    corr: &[f32; NR],
+    s: &[[f32; BK]; NR],
+    vr: &Rows,
+    cols: std::ops::Range<usize>,
+) {
+    let d = o.len() / nr.max(1);
+    for ((o, &corr), s) in o.chunks_exact_mut(d).zip(corr).zip(s) {
+        if corr != 1.0 {
+            o.iter_mut().for_each(|x| *x *= corr);
         }
+        let v = |c: usize| &vr.src[vr.off[c]..vr.off[c] + d];
+        let mut c = cols.start;
+        while c + 4 <= cols.end {
+            let (v0, v1, v2, v3) = (v(c), v(c + 1), v(c + 2), v(c + 3));
+            for x in 0..d {
+                let acc = K::fma(s[c], v0[x], o[x]);
+                let acc = K::fma(s[c + 1], v1[x], acc);
+                let acc = K::fma(s[c + 2], v2[x], acc);
+                o[x] = K::fma(s[c + 3], v3[x], acc);
+            }
+            c += 4;
+        }
+        while c < cols.end {
+            for (o, &vx) in o.iter_mut().zip(v(c)) {
+                *o = K::fma(s[c], vx, *o);
+            }
+            c += 1;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    //! The AVX-512 kernels: head-dim elements in lanes, 16 at a time; head dims that are not a
+    //! multiple of 16 end in a masked load, which never touches the masked-out elements.
+
+    use super::{Rows, BK, NR};
+    use std::arch::x86_64::*;
+
+    const W: usize = 16;
+
+    /// The lanes `x..x + 16` that exist below `d`.
+    #[inline(always)]
+    fn mask(x: usize, d: usize) -> __mmask16 {
         if x + W <= d {
-            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(x)), _mm512_loadu_ps(kp.add(x)), acc0);
+            !0
+        } else {
+            (1u16 << (d - x)) - 1
+        }
+    }
+
+    /// `q[t] · k` for the four rows: one load of each K chunk serves all of them, and the four
+    /// horizontal sums share one shuffle tree.
+    ///
+    /// # Safety
+    /// avx512f must be available; every `q[t]` and `k` have the same length.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn dot4(q: [&[f32]; NR], k: &[f32]) -> [f32; NR] {
+        let d = k.len();
+        let mut acc = [_mm512_setzero_ps(); NR];
+        let mut x = 0;
+        while x < d {
+            let m = mask(x, d);
+            // SAFETY: lanes at or past `d` are masked off; the rest are inside every row.
+            unsafe {
+                let kv = _mm512_maskz_loadu_ps(m, k.as_ptr().add(x));
+                for (acc, q) in acc.iter_mut().zip(&q) {
+                    *acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q.as_ptr().add(x)), kv, *acc);
+                }
+            }
             x += W;
         }
-        if x < d {
-            let mask: __mmask16 = (1u16 << (d - x)) - 1;
-            acc1 = _mm512_fmadd_ps(
-                _mm512_maskz_loadu_ps(mask, qp.add(x)),
-                _mm512_maskz_loadu_ps(mask, kp.add(x)),
-                acc1,
-            );
+        // Pairwise sums within each 128-bit lane: [a0 a1 a2 a3] per lane, then across lanes.
+        let a01 = _mm512_add_ps(
+            _mm512_unpacklo_ps(acc[0], acc[1]),
+            _mm512_unpackhi_ps(acc[0], acc[1]),
+        );
+        let a23 = _mm512_add_ps(
+            _mm512_unpacklo_ps(acc[2], acc[3]),
+            _mm512_unpackhi_ps(acc[2], acc[3]),
+        );
+        let t = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(a01, a23),
+            _mm512_shuffle_ps::<0xEE>(a01, a23),
+        );
+        let t = _mm512_add_ps(t, _mm512_shuffle_f32x4::<0b01_00_11_10>(t, t));
+        let t = _mm512_add_ps(t, _mm512_shuffle_f32x4::<0b10_11_00_01>(t, t));
+        let mut out = [0f32; NR];
+        // SAFETY: `out` holds four floats.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps128(t)) };
+        out
+    }
+
+    /// `o[t] = o[t] · corr[t] + Σ_c s[t][c] V[c]` for the first `nr` rows, 16 head dims at a
+    /// time: each V chunk is loaded once for all rows.
+    ///
+    /// # Safety
+    /// avx512f must be available; `o` holds `nr <= NR` rows of `d`; every V row of `cols` has
+    /// `d` elements in bounds.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn pv(
+        o: &mut [f32],
+        nr: usize,
+        d: usize,
+        corr: &[f32; NR],
+        s: &[[f32; BK]; NR],
+        v: &Rows,
+        cols: std::ops::Range<usize>,
+    ) {
+        let op = o.as_mut_ptr();
+        let vp = v.src.as_ptr();
+        let mut x = 0;
+        while x < d {
+            let m = mask(x, d);
+            let mut acc = [_mm512_setzero_ps(); NR];
+            for (t, acc) in acc.iter_mut().enumerate().take(nr) {
+                // SAFETY: row t < nr of `o`, lanes below `d`.
+                let ot = unsafe { _mm512_maskz_loadu_ps(m, op.add(t * d + x)) };
+                *acc = _mm512_mul_ps(ot, _mm512_set1_ps(corr[t]));
+            }
+            for c in cols.clone() {
+                // SAFETY: the V row of key c is in bounds (caller), lanes below `d`.
+                let vv = unsafe { _mm512_maskz_loadu_ps(m, vp.add(v.off[c] + x)) };
+                for (acc, s) in acc.iter_mut().zip(s) {
+                    *acc = _mm512_fmadd_ps(_mm512_set1_ps(s[c]), vv, *acc);
+                }
+            }
+            for (t, acc) in acc.iter().enumerate().take(nr) {
+                // SAFETY: as for the load.
+                unsafe { _mm512_mask_storeu_ps(op.add(t * d + x), m, *acc) };
+            }
+            x += W;
         }
     }
-    _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
 }
 
 /// Merges the partials of every split of sequence `b`, head `h`, in split order, and writes the
