@@ -19,13 +19,28 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod decode;
 mod elem;
 mod exp2;
 mod kernel;
 mod prefill;
 mod scratch;
 
-pub(crate) use prefill::forward;
+/// Runs the whole problem with the kernel that suits it: [`decode`] when there are few query rows
+/// per KV head (one or a few new tokens against a cache), else [`prefill`].
+pub(crate) fn forward<T: elem::Elem>(
+    p: &crate::problem::Problem,
+    slopes: Option<&[f32]>,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+) -> (Vec<T>, Vec<f32>) {
+    if decode::is_decode(p) {
+        decode::forward(p, slopes, q, k, v)
+    } else {
+        prefill::forward(p, slopes, q, k, v)
+    }
+}
 
 /// Query rows per work item: the lanes of every tile (four AVX-512 vectors).
 const BR: usize = 64;
