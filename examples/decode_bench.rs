@@ -187,11 +187,14 @@ fn main() -> Result<()> {
                 Ok(())
             })?;
             // The naive path's inputs, built outside the clock (which flatters it: a model also
-            // pays for `repeat_kv` every step): (b, h, 1, d) and K/V repeated with
-            // candle-transformers' `repeat_kv` to contiguous (b, h, s, d).
+            // pays for `repeat_kv` every step): (b, h, 1, d) and K/V repeated to the query heads
+            // as candle-transformers' `repeat_kv` does, contiguous (b, h, s, d).
             let rep = |t: &Tensor| -> Result<Tensor> {
-                let t = t.transpose(1, 2)?.contiguous()?;
-                Ok(candle_transformers::utils::repeat_kv(t, h / hk)?.contiguous()?)
+                let (b, s, _, d) = t.dims4()?;
+                let t = t.transpose(1, 2)?.contiguous()?; // (b, hk, s, d)
+                Ok(t.unsqueeze(2)?
+                    .expand((b, hk, h / hk, s, d))?
+                    .reshape((b, h, s, d))?)
             };
             let (qt, kt, vt) = (q.transpose(1, 2)?.contiguous()?, rep(&k)?, rep(&v)?);
             let base = time(&dev, args.reps, &mut || {

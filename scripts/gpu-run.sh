@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What runs on the GPU machine (carry .gpu/, made by scripts/pack-gpu.sh):
-#   GPU tests, compute-sanitizer (racecheck, synccheck, initcheck) on small ragged shapes, the
+#   GPU tests, compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on small ragged shapes, the
 #   candle-flash benchmark, PyTorch SDPA (flash and cuDNN) on the same shapes, and a
 #   side-by-side table with ratios. Logs, and the benchmarks' CSV (prefill-candle.csv,
 #   prefill-torch.csv: plot them with scripts/plot.py), go to $OUT when it is set.
@@ -28,7 +28,7 @@ if [ $TESTS = 1 ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ $SAN = 1 ]; then
-    for tool in racecheck synccheck initcheck; do
+    for tool in memcheck racecheck synccheck initcheck; do
         echo "== compute-sanitizer --tool $tool (small ragged shapes)"
         CANDLE_FLASH_GPU_SMALL=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 \
             ./.gpu/gpu_tests --test-threads=1 sanitizer_ varlen 2>&1 \
