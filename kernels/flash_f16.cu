@@ -1,8 +1,12 @@
 // The f16 module: tensor-core forward instances (forward/mma.cuh; tiles from
-// src/cuda/instances.rs via the generated instances.cuh) and the row-wise fallback.
+// src/cuda/instances.rs via the generated instances.cuh), the split-KV decode kernels
+// (decode/split_kv.cuh) and the row-wise fallback.
+#include "decode/split_kv.cuh"
 #include "forward/mma.cuh"
 #include "forward/rowwise.cuh"
 #include "instances.cuh"
 
 FLASH_MMA_INSTANCES(flash_fwd_f16, __half)
 FLASH_ROWWISE_INSTANCE(flash_rowwise_f16, __half)
+FLASH_DECODE_INSTANCES(flash_decode_f16, __half)
+FLASH_DECODE_COMBINE(flash_decode_combine_f16, __half)

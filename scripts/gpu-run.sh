@@ -4,22 +4,25 @@
 #   candle-flash benchmark, PyTorch SDPA (flash and cuDNN) on the same shapes, and a
 #   side-by-side table with ratios. Logs, and the benchmarks' CSV (prefill-candle.csv,
 #   prefill-torch.csv: plot them with scripts/plot.py), go to $OUT when it is set.
-#   scripts/gpu-run.sh [--quick] [--no-tests] [--no-sanitizer] [--no-bench]
+#   The decode benchmark (decode_bench and scripts/sdpa_decode.py, bf16, 32/8 heads, d 128) writes
+#   decode-candle.csv and decode-torch.csv.
+#   scripts/gpu-run.sh [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-decode]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-QUICK=""; TESTS=1; SAN=1; BENCH=1
+QUICK=""; TESTS=1; SAN=1; BENCH=1; DECODE=1
 for a in "$@"; do
     case "$a" in
         --quick) QUICK=--quick ;;
         --no-tests) TESTS=0 ;;
         --no-sanitizer) SAN=0 ;;
         --no-bench) BENCH=0 ;;
+        --no-decode) DECODE=0 ;;
     esac
 done
 LOG=${OUT:-/tmp}
 export LD_LIBRARY_PATH=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))'):${LD_LIBRARY_PATH:-}
 for f in .gpu/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
-chmod +x .gpu/gpu_tests .gpu/gpu_bench
+chmod +x .gpu/gpu_tests .gpu/gpu_bench .gpu/decode_bench
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 status=0
 if [ $TESTS = 1 ]; then
@@ -31,7 +34,7 @@ if [ $SAN = 1 ]; then
     for tool in memcheck racecheck synccheck initcheck; do
         echo "== compute-sanitizer --tool $tool (small ragged shapes)"
         CANDLE_FLASH_GPU_SMALL=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 \
-            ./.gpu/gpu_tests --test-threads=1 sanitizer_ varlen 2>&1 \
+            ./.gpu/gpu_tests --test-threads=1 sanitizer_ 2>&1 \
             | tee "$LOG/sanitizer-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Error|error" | head -20
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done
@@ -58,5 +61,11 @@ for k in keys:
     rat = lambda a, b: f"{a / b:.2f}" if a and b else "-"
     print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {fmt(c)} | {fmt(f)} | {fmt(n)} | {rat(c, f)} | {rat(c, n)} |")
 ' | tee "$LOG/table.md"
+fi
+if [ $DECODE = 1 ]; then
+    echo "== decode: candle-flash (flash_attn) vs candle naive, bf16, 32/8 heads, d 128"
+    ./.gpu/decode_bench --device cuda --dtype bf16 --batch 1,8 --kv 4096,32768 --csv "$LOG/decode-candle.csv" 2>&1 | tee "$LOG/decode.log"
+    echo "== decode: PyTorch SDPA (flash, cuDNN), same shapes"
+    python3 .gpu/sdpa_decode.py --csv "$LOG/decode-torch.csv" 2>&1 | tee "$LOG/decode-torch.log"
 fi
 exit $status

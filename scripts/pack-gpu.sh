@@ -14,7 +14,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
 # they share every compiled crate.
 features=cuda,candle-nn/cuda
 mkdir -p .gpu
-rm -f .gpu/gpu_tests .gpu/gpu_tests.gz .gpu/gpu_bench .gpu/gpu_bench.gz .gpu/sdpa_bench.py
+rm -f .gpu/*
 # The test binary's path is only known from cargo's JSON messages.
 test_bin=$(cargo test --release --features "$features" --test gpu --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
@@ -22,10 +22,11 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
         print(m["executable"])')
-cargo build --release --features "$features" --example gpu_bench
+cargo build --release --features "$features" --example gpu_bench --example decode_bench
 cp "$test_bin" .gpu/gpu_tests
 cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .gpu/gpu_bench
-cp scripts/sdpa_bench.py .gpu/
-strip .gpu/gpu_tests .gpu/gpu_bench
-gzip -9 .gpu/gpu_tests .gpu/gpu_bench
+cp "$CARGO_TARGET_DIR/release/examples/decode_bench" .gpu/decode_bench
+cp scripts/sdpa_bench.py scripts/sdpa_decode.py .gpu/
+strip .gpu/gpu_tests .gpu/gpu_bench .gpu/decode_bench
+gzip -9 .gpu/gpu_tests .gpu/gpu_bench .gpu/decode_bench
 ls -l .gpu

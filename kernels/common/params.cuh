@@ -16,6 +16,8 @@ struct FlashParams {
     const float* alibi;    // slopes or null
     const uint32_t* cu_q;  // varlen cumulative lengths (batch + 1) or null for dense
     const uint32_t* cu_k;
+    float* o_part;         // split-KV decode: f32 partial O (splits, total_q, heads, d) or null
+    float* lse_part;       // split-KV decode: base-2 partial lse (splits, heads, total_q) or null
     // Element strides (64-bit: large tensors overflow 32-bit offsets).
     int64_t q_batch, q_seq, q_head, q_dim;
     int64_t k_batch, k_seq, k_head, k_dim;
@@ -35,6 +37,10 @@ struct FlashParams {
     float cap_log2;         // softcap * log2(e)
     int32_t alibi_batch;    // batch stride of the slopes (0 = per head)
     int32_t dv_splits;      // blocks splitting the V/O columns of one query tile (>= 1)
+    int32_t num_splits;     // split-KV decode: slices of the key range (1 = write O directly)
+    int32_t split_keys;     // split-KV decode: keys per slice
+    int32_t m_tiles;        // split-KV decode: 16-row packed tiles per KV head
+    int32_t total_q;        // rows of the output
 };
 
 

@@ -114,3 +114,57 @@ pub const F32_INSTANCES: &[F32Instance] = &[
 pub const ROWWISE_MAX_D: usize = 512;
 /// Query rows (one per warp) per block of the row-wise kernel.
 pub const ROWWISE_WARPS: usize = 4;
+
+/// One instance of the split-KV decode kernel (`kernels/decode/split_kv.cuh`): 16 packed query
+/// rows per block, `16 * warps` keys per K/V tile, a `stages`-deep cp.async ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeInstance {
+    pub d: usize,
+    pub warps: usize,
+    pub stages: usize,
+}
+
+/// Packed query rows (query heads of one K/V head times their query rows) per decode block.
+pub const DECODE_ROWS: usize = 16;
+
+impl DecodeInstance {
+    /// Keys per K/V tile (Bc): 16 per warp.
+    pub const fn bc(&self) -> usize {
+        16 * self.warps
+    }
+    pub const fn threads(&self) -> usize {
+        32 * self.warps
+    }
+    /// The Q tile plus `stages` K and V tiles, 2-byte elements.
+    pub const fn smem(&self) -> usize {
+        (DECODE_ROWS * self.d + self.stages * 2 * self.bc() * self.d) * 2
+    }
+    pub fn suffix(&self) -> String {
+        format!("d{}_w{}_s{}", self.d, self.warps, self.stages)
+    }
+}
+
+/// Decode instances, ordered by width, the fastest tiles of a width first (the planner takes the
+/// first that is wide enough and fits the device).
+pub const DECODE_INSTANCES: &[DecodeInstance] = &[
+    DecodeInstance {
+        d: 64,
+        warps: 4,
+        stages: 3,
+    },
+    DecodeInstance {
+        d: 128,
+        warps: 4,
+        stages: 2,
+    },
+    DecodeInstance {
+        d: 256,
+        warps: 4,
+        stages: 2,
+    },
+    DecodeInstance {
+        d: 256,
+        warps: 2,
+        stages: 2,
+    },
+];

@@ -171,6 +171,23 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         },
     };
 
+    // Split-KV decode: f32 partial outputs and base-2 log-sum-exps of every split.
+    let split = plan.decode.as_ref().filter(|s| s.splits > 1);
+    let parts = match split {
+        None => None,
+        Some(s) => {
+            // SAFETY: every partial of every (split, row, head) is written by the partial pass
+            // before the combine pass reads it (blocks of a split with no key write zeros and
+            // -inf).
+            let o = unsafe { dev.alloc::<f32>(s.splits * p.total_q * p.heads * d)? };
+            // SAFETY: as above.
+            let l = unsafe { dev.alloc::<f32>(s.splits * p.heads * p.total_q)? };
+            Some((o, l))
+        }
+    };
+    let part_guards = parts
+        .as_ref()
+        .map(|(o, l)| (o.device_ptr(&stream), l.device_ptr(&stream)));
     let (o_guard, lse_guard) = (out.device_ptr_mut(&stream), lse.device_ptr_mut(&stream));
     let cu_guards = cu
         .as_ref()
@@ -190,6 +207,8 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             .map_or(0, |(g, off)| g.0 + (*off * 4) as u64),
         cu_q: cu_guards.as_ref().map_or(0, |(a, _)| a.0),
         cu_k: cu_guards.as_ref().map_or(0, |(_, b)| b.0),
+        o_part: part_guards.as_ref().map_or(0, |(o, _)| o.0),
+        lse_part: part_guards.as_ref().map_or(0, |(_, l)| l.0),
         q_batch: qo.s.batch as i64,
         q_seq: qo.s.seq as i64,
         q_head: qo.s.head as i64,
@@ -223,8 +242,31 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         cap_log2: softcap * LOG2_E,
         alibi_batch: to_i32(p.alibi_batch_stride, "alibi stride")?,
         dv_splits: to_i32(plan.dv_splits, "dv splits")?,
+        num_splits: plan.decode.as_ref().map_or(1, |s| s.splits) as i32,
+        split_keys: to_i32(
+            plan.decode.as_ref().map_or(0, |s| s.split_keys),
+            "split keys",
+        )?,
+        m_tiles: plan.decode.as_ref().map_or(1, |s| s.m_tiles) as i32,
+        total_q: to_i32(p.total_q, "total_q")?,
     };
     launch(dev, &plan, &params)?;
+    if let Some(combine) = split.and_then(|s| s.combine.as_deref()) {
+        let cfg = LaunchConfig {
+            grid_dim: (p.total_q as u32, p.heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (module, text) = ptx(plan.module);
+        let func = dev.get_or_load_custom_func(combine, module, text)?;
+        let mut builder = func.builder();
+        builder.arg(&params);
+        // SAFETY: as for the partial pass; the combine kernel reads the partials the partial
+        // pass wrote on the same stream and writes each (row, head) of out and lse once.
+        unsafe { builder.launch(cfg) }.w()?;
+    }
+    drop(part_guards);
+    drop(parts);
     drop((
         o_guard,
         lse_guard,

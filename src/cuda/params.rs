@@ -17,6 +17,10 @@ pub struct Params {
     pub alibi: u64,
     pub cu_q: u64,
     pub cu_k: u64,
+    /// Split-KV decode: f32 partial outputs `(splits, total_q, heads, d)` and base-2 partial
+    /// log-sum-exps `(splits, heads, total_q)`; 0 elsewhere.
+    pub o_part: u64,
+    pub lse_part: u64,
     pub q_batch: i64,
     pub q_seq: i64,
     pub q_head: i64,
@@ -46,8 +50,14 @@ pub struct Params {
     pub cap_log2: f32,
     pub alibi_batch: i32,
     pub dv_splits: i32,
+    /// Split-KV decode: splits of the key range, keys per split, 16-row packed tiles per KV head,
+    /// and the rows of the output.
+    pub num_splits: i32,
+    pub split_keys: i32,
+    pub m_tiles: i32,
+    pub total_q: i32,
 }
 
 /// The size both sides agree on (also asserted in C by the generated header).
-pub const PARAMS_SIZE: usize = 8 * 25 + 4 * 12;
+pub const PARAMS_SIZE: usize = 8 * 27 + 4 * 16;
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);

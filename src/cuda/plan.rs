@@ -7,8 +7,8 @@
 use candle::{bail, DType, Result};
 
 use super::instances::{
-    F32Instance, MmaInstance, F32_INSTANCES, F32_ROWS, F32_THREADS, MMA_INSTANCES, ROWWISE_MAX_D,
-    ROWWISE_WARPS,
+    DecodeInstance, F32Instance, MmaInstance, DECODE_INSTANCES, DECODE_ROWS, F32_INSTANCES,
+    F32_ROWS, F32_THREADS, MMA_INSTANCES, ROWWISE_MAX_D, ROWWISE_WARPS,
 };
 use crate::problem::{Problem, Strides};
 
@@ -50,7 +50,7 @@ impl DeviceCaps {
 
 /// Shared memory the plan keeps free for the kernels' static `__shared__` values (a few
 /// block-uniform pointers); the launch code checks the compiled kernels stay within it.
-pub(crate) const STATIC_SMEM_RESERVE: usize = 256;
+pub(crate) const STATIC_SMEM_RESERVE: usize = 1024;
 
 /// The PTX module a kernel lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,7 +69,29 @@ pub(crate) enum Kernel {
     F32(F32Instance),
     /// One query row per warp, no shared memory: what no tiled instance fits.
     Rowwise,
+    /// Split-KV decode with GQA packing (f16/bf16), then a combine kernel when split.
+    Decode(DecodeInstance),
 }
+
+/// The split-KV geometry of a decode plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct DecodeSplit {
+    /// Slices of the key range, each its own block; 1 writes the output directly.
+    pub splits: usize,
+    /// Keys per slice (a whole number of K/V tiles).
+    pub split_keys: usize,
+    /// 16-row packed tiles per K/V head.
+    pub m_tiles: usize,
+    /// The combine kernel's entry point (only with `splits > 1`).
+    pub combine: Option<String>,
+}
+
+/// The decode path is taken when one K/V head has at most this many packed query rows
+/// (`heads / kv_heads * seq_q`): beyond it the prefill kernel's 64-128-row tiles are as full.
+pub(crate) const DECODE_MAX_ROWS: usize = 4 * DECODE_ROWS;
+
+/// Most key-range splits of one decode call (the combine kernel's limit).
+pub(crate) const MAX_SPLITS: usize = 128;
 
 /// Everything the launch code needs to run one forward call.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,6 +110,8 @@ pub(crate) struct LaunchPlan {
     pub dv_splits: usize,
     /// Operands (q, k, v) that must first be packed into a contiguous copy.
     pub pack: [bool; 3],
+    /// Split-KV geometry, for [`Kernel::Decode`] plans.
+    pub decode: Option<DecodeSplit>,
 }
 
 /// Longest sequence the kernels index with `int` diagonals.
@@ -115,7 +139,17 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
         dt => bail!("flash-attn: no CUDA kernel for dtype {dt:?}"),
     };
     let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0;
-    let tiled = if dtype == DType::F32 {
+    let group = p.heads / p.kv_heads;
+    let decode = (dtype != DType::F32 && group * p.max_seq_q <= DECODE_MAX_ROWS)
+        .then(|| {
+            DECODE_INSTANCES
+                .iter()
+                .find(|i| i.d >= d.next_multiple_of(8) && fits(i.smem()))
+        })
+        .flatten();
+    let tiled = if let Some(&i) = decode {
+        Some(Kernel::Decode(i))
+    } else if dtype == DType::F32 {
         F32_INSTANCES
             .iter()
             .find(|i| i.d >= d && fits(i.smem()))
@@ -135,7 +169,24 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
         None if d <= ROWWISE_MAX_D => Kernel::Rowwise,
         None => bail!("flash-attn: head_dim {d} is unsupported by the CUDA kernels"),
     };
+    let dname = match module {
+        Module::Bf16 => "bf16",
+        Module::F16 => "f16",
+        Module::F32 => "f32",
+    };
     let (rows, threads, smem, d_load, dv_splits, function) = match kernel {
+        Kernel::Decode(i) => (
+            DECODE_ROWS,
+            i.threads(),
+            i.smem(),
+            d.next_multiple_of(8),
+            1,
+            format!(
+                "flash_decode_{dname}_{}{}",
+                i.suffix(),
+                if mods { "_mods" } else { "" }
+            ),
+        ),
         Kernel::Mma(i) => {
             let suffix = if mods { "_mods" } else { "" };
             (
@@ -155,19 +206,19 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
             1,
             format!("{prefix}_{}", i.suffix()),
         ),
-        Kernel::Rowwise => {
-            let name = match module {
-                Module::Bf16 => "flash_rowwise_bf16",
-                Module::F16 => "flash_rowwise_f16",
-                Module::F32 => "flash_rowwise_f32",
-            };
-            (ROWWISE_WARPS, 32 * ROWWISE_WARPS, 0, d, 1, name.to_string())
-        }
+        Kernel::Rowwise => (
+            ROWWISE_WARPS,
+            32 * ROWWISE_WARPS,
+            0,
+            d,
+            1,
+            format!("flash_rowwise_{dname}"),
+        ),
     };
     // Operands the kernel cannot read in place: the tensor-core kernels copy 16-byte chunks of
     // rows; the f32 and row-wise kernels read through any strides.
     let pack = match kernel {
-        Kernel::Mma(_) => {
+        Kernel::Mma(_) | Kernel::Decode(_) => {
             let (q_rows, k_rows) = p.storage_rows();
             [
                 !fits_fast_path(p, &p.q, q_rows, p.heads),
@@ -177,6 +228,9 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
         }
         _ => [false; 3],
     };
+    if let Kernel::Decode(i) = kernel {
+        return decode_plan(p, caps, i, module, function, smem, d_load, pack, dname);
+    }
     let q_tiles = p.max_seq_q.div_ceil(rows) * dv_splits;
     if p.heads > 65535 || p.batch > 65535 || q_tiles > i32::MAX as usize {
         bail!(
@@ -196,6 +250,57 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
         d_load,
         dv_splits,
         pack,
+        decode: None,
+    })
+}
+
+/// Grid and key splits of a decode call: enough blocks for about two waves over the SMs, each
+/// split at least two K/V tiles long. Fixed for a given shape and device, so results are
+/// bitwise reproducible.
+#[allow(clippy::too_many_arguments)]
+fn decode_plan(
+    p: &Problem,
+    caps: &DeviceCaps,
+    i: DecodeInstance,
+    module: Module,
+    function: String,
+    smem: usize,
+    d_load: usize,
+    pack: [bool; 3],
+    dname: &str,
+) -> Result<LaunchPlan> {
+    let group = p.heads / p.kv_heads;
+    let m_tiles = (group * p.max_seq_q).div_ceil(DECODE_ROWS);
+    let blocks = p.batch * p.kv_heads * m_tiles;
+    let bc = i.bc();
+    let want = (2 * caps.sms as usize).div_ceil(blocks.max(1));
+    let most = p.max_seq_k.div_ceil(2 * bc).clamp(1, MAX_SPLITS);
+    let splits = want.clamp(1, most);
+    let split_keys = p.max_seq_k.div_ceil(splits).next_multiple_of(bc).max(bc);
+    let splits = p.max_seq_k.div_ceil(split_keys).max(1);
+    if p.kv_heads * m_tiles > 65535 || p.batch > 65535 || p.heads > 65535 {
+        bail!(
+            "flash-attn: decode grid ({splits}, {}, {}) exceeds the CUDA limits",
+            p.kv_heads * m_tiles,
+            p.batch
+        )
+    }
+    Ok(LaunchPlan {
+        kernel: Kernel::Decode(i),
+        module,
+        function,
+        grid: (splits as u32, (p.kv_heads * m_tiles) as u32, p.batch as u32),
+        threads: i.threads() as u32,
+        smem,
+        d_load,
+        dv_splits: 1,
+        pack,
+        decode: Some(DecodeSplit {
+            splits,
+            split_keys,
+            m_tiles,
+            combine: (splits > 1).then(|| format!("flash_decode_combine_{dname}")),
+        }),
     })
 }
 
@@ -262,7 +367,7 @@ mod tests {
                         match pl.kernel {
                             Kernel::Mma(i) => {
                                 assert_ne!(dtype, DType::F32, "{what}");
-                                assert!(i.d >= pl.d_load && pl.d_load % 8 == 0, "{what}");
+                                assert!(i.d >= pl.d_load && pl.d_load.is_multiple_of(8), "{what}");
                                 assert!(pl.dv_splits * i.dv >= d, "{what}");
                                 assert!((pl.dv_splits - 1) * i.dv < d, "{what}");
                                 let mods = opts.softcap.is_some()
@@ -275,6 +380,14 @@ mod tests {
                                 assert!(i.d >= d && pl.dv_splits == 1, "{what}");
                             }
                             Kernel::Rowwise => assert!(d <= ROWWISE_MAX_D, "{what}"),
+                            Kernel::Decode(i) => {
+                                assert_ne!(dtype, DType::F32, "{what}");
+                                assert!(i.d >= pl.d_load && pl.d_load.is_multiple_of(8), "{what}");
+                                let s = pl.decode.as_ref().unwrap();
+                                assert_eq!(pl.grid, (s.splits as u32, 2, 2), "{what}");
+                                assert!(s.splits * s.split_keys >= 5, "{what}");
+                                continue;
+                            }
                         }
                         let rows = pl.grid.0 as usize / pl.dv_splits;
                         assert!(rows * pl_rows(&pl) >= 3, "{what}");
@@ -290,7 +403,40 @@ mod tests {
             Kernel::Mma(i) => i.rows(),
             Kernel::F32(_) => F32_ROWS,
             Kernel::Rowwise => ROWWISE_WARPS,
+            Kernel::Decode(_) => DECODE_ROWS,
         }
+    }
+
+    /// Few packed rows per K/V head take the split-KV decode kernel, split so that a small batch
+    /// still fills the GPU; many rows (or f32) take the prefill kernels.
+    #[test]
+    fn decode_is_split_to_fill_the_gpu() {
+        let dev = Device::Cpu;
+        let mk = |b: usize, sq: usize, sk: usize| {
+            let q = Tensor::zeros((b, sq, 32, 128), DType::BF16, &dev).unwrap();
+            let k = Tensor::zeros((b, sk, 8, 128), DType::BF16, &dev).unwrap();
+            FlashAttn::new(0.1)
+                .causal()
+                .problem(&q, &k, &k, None)
+                .unwrap()
+        };
+        let caps = DeviceCaps::SM90;
+        let split = |p: &Problem| plan(p, DType::BF16, &caps).unwrap().decode;
+        // batch 1, 32k keys: 8 blocks of one tile of rows, split about 33 ways.
+        let s = split(&mk(1, 1, 32768)).unwrap();
+        assert_eq!(s.m_tiles, 1);
+        assert!((30..=40).contains(&s.splits), "{s:?}");
+        assert!(s.splits * s.split_keys >= 32768 && (s.splits - 1) * s.split_keys < 32768);
+        assert!(s.combine.is_some());
+        // Many sequences fill the GPU alone: no split, no combine pass.
+        let s = split(&mk(64, 1, 4096)).unwrap();
+        assert_eq!((s.splits, s.combine), (1, None));
+        // 16 query rows of 4 heads: 64 packed rows, 4 tiles; 17 rows: the prefill kernel.
+        assert_eq!(split(&mk(2, 16, 1000)).unwrap().m_tiles, 4);
+        assert!(split(&mk(2, 17, 1000)).is_none());
+        // Short caches are not split below two tiles per split.
+        let s = split(&mk(1, 1, 100)).unwrap();
+        assert_eq!(s.splits, 1);
     }
 
     /// The big tiles where they fit, smaller ones (not the row-wise fallback) where they do not.
