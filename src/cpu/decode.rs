@@ -26,14 +26,14 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::elem::{load_rows, Elem};
+use super::elem::{load_keys, load_rows, Elem};
 use super::exp2::exp2;
 #[cfg(target_arch = "x86_64")]
 use super::kernel::{Avx512, Fused};
 use super::kernel::{Isa, Kernel, Portable};
 use super::SyncPtr;
-use crate::problem::Problem;
-use crate::semantics::{alibi_bias, group_size, LOG2_E};
+use crate::problem::{KeyRows, Problem};
+use crate::semantics::{alibi_bias, group_size, SeqMask, LOG2_E};
 
 /// Decode is chosen while the row groups of a KV head (`max_seq_q · ⌈group / NR⌉`, the work
 /// of the partial pass per K/V row) are at most this many per query head of the group (the
@@ -99,7 +99,7 @@ impl Plan {
         };
         for b in 0..p.batch {
             let seq = p.seq(b);
-            let keys = p.window.key_range_rows(0..seq.seq_q, seq.seq_q, seq.seq_k);
+            let keys = p.mask(b, &seq).key_range_rows(0..seq.seq_q);
             let n = if seq.seq_q == 0 {
                 0
             } else {
@@ -285,8 +285,8 @@ struct Rows<'a> {
     off: [usize; BK],
 }
 
-/// The block's rows, in place when the cache is f32 with a contiguous head dim, else converted
-/// into `buf`.
+/// The block's keys `j0 .. j0 + n`, in place when the cache is f32 with a contiguous head dim,
+/// else converted into `buf`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn block_rows<'a, T: Elem>(
@@ -294,8 +294,8 @@ fn block_rows<'a, T: Elem>(
     src: &'a [T],
     strides: &crate::problem::Strides,
     buf: &'a mut [f32],
-    b: usize,
-    row0: usize,
+    keys: &KeyRows,
+    j0: usize,
     n: usize,
     kvh: usize,
 ) -> Rows<'a> {
@@ -303,15 +303,23 @@ fn block_rows<'a, T: Elem>(
     let mut off = [0usize; BK];
     match as_f32(src) {
         Some(f) if strides.dim == 1 => {
-            for (c, o) in off[..n].iter_mut().enumerate() {
-                *o = strides.at(b, row0 + c, kvh);
+            // One address per run of consecutive rows (the block, or its part in one page).
+            let mut c = 0;
+            while c < n {
+                let run = keys.run(j0 + c, n - c);
+                let (b, row) = keys.at(j0 + c);
+                let base = strides.at(b, row, kvh);
+                for (r, o) in off[c..c + run].iter_mut().enumerate() {
+                    *o = base + r * strides.seq;
+                }
+                c += run;
             }
-            // Bounds checked once here, so the inner loops can slice freely.
-            assert!(n == 0 || off[n - 1] + d <= f.len());
+            // Bounds checked here, so the inner loops can slice freely.
+            assert!(off[..n].iter().all(|&o| o + d <= f.len()));
             Rows { src: f, off }
         }
         _ => {
-            load_rows(buf, src, strides, b, row0, n, kvh, d);
+            load_keys(buf, src, strides, keys, j0, n, kvh, d);
             for (c, o) in off[..n].iter_mut().enumerate() {
                 *o = c * d;
             }
@@ -357,9 +365,13 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
         }
     }
     sc.o[..rows * d].fill(0.0);
+    let mask = p.mask(b, &seq);
+    // With prefix ranges a row's range only bounds its keys; the softmax masks per element.
+    let prefix = mask.has_prefix().then_some(&mask);
     for i in 0..sq {
-        sc.range[i] = p.window.key_range(i, sq, sk);
+        sc.range[i] = mask.row_range(i);
     }
+    let keys = p.key_rows(b, &seq);
 
     let (k0, k1) = ctx.plan.keys[b];
     let (k0, k1) = split_bounds(k0, k1, s, ctx.plan.splits[b]);
@@ -367,8 +379,8 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
     while j0 < k1 {
         let n = BK.min(k1 - j0);
         for kvh in 0..p.kv_heads {
-            let kr = block_rows(p, ctx.k, &p.k, &mut sc.k, b, seq.k_row + j0, n, kvh);
-            let vr = block_rows(p, ctx.v, &p.v, &mut sc.v, b, seq.k_row + j0, n, kvh);
+            let kr = block_rows(p, ctx.k, &p.k, &mut sc.k, &keys, j0, n, kvh);
+            let vr = block_rows(p, ctx.v, &p.v, &mut sc.v, &keys, j0, n, kvh);
             for i in 0..sq {
                 // The part of the block query i sees.
                 let (lo, hi) = sc.range[i];
@@ -401,6 +413,7 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
                             sk,
                             j0,
                             softcap,
+                            prefix,
                         };
                         corr[t] = softmax::<K>(
                             &row,
@@ -452,6 +465,8 @@ struct Row<'a> {
     /// First key of the block.
     j0: usize,
     softcap: bool,
+    /// The sequence's mask when it has prefix ranges (then applied per element).
+    prefix: Option<&'a SeqMask<'a>>,
 }
 
 /// Turns one row's raw scores `s[cols]` into probabilities and updates its running max and sum;
@@ -477,6 +492,13 @@ fn softmax<K: Kernel>(
                 0.0
             };
             s[c] = raw - bias;
+        }
+    }
+    if let Some(mask) = row.prefix {
+        for c in cols.clone() {
+            if !mask.visible(row.i, row.j0 + c) {
+                s[c] = f32::NEG_INFINITY;
+            }
         }
     }
     // m_new = max(m, max_c s), p = 2^(s - m_new), l = l · 2^(m - m_new) + Σ p.
