@@ -28,6 +28,12 @@ impl FlashAttn {
         varlen: Option<VarLen>,
         paged: Option<Paged>,
     ) -> Result<Problem> {
+        if paged.is_none() && self.block_table.is_some() {
+            bail!(
+                "flash-attn: a block table (paged K/V) needs forward_varlen or forward_kvcache, \
+                 not forward"
+            )
+        }
         let rank = if varlen.is_some() { 3 } else { 4 };
         let expect = if varlen.is_some() {
             "(total_tokens, heads, head_dim)"
@@ -144,11 +150,6 @@ impl FlashAttn {
                     pg.num_blocks
                 )
             }
-        } else if self.block_table.is_some() {
-            bail!(
-                "flash-attn: a block table (paged K/V) needs forward_varlen or forward_kvcache, \
-                 not forward"
-            )
         }
         let prefix = match &self.mm_prefix_ranges {
             None => None,
