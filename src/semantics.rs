@@ -123,10 +123,12 @@ impl Window {
 
 /// The mask of one sequence pair: its window plus its multimodal prefix ranges (module docs).
 ///
-/// With prefix ranges a row's visible keys are no longer one interval; [`row_range`]
-/// (Self::row_range) and [`key_range_rows`](Self::key_range_rows) then return bounding
-/// intervals, and kernels test [`visible`](Self::visible) per element wherever
-/// [`covers`](Self::covers) does not vouch for a whole tile.
+/// One row still sees one interval of keys, [`row_range`](Self::row_range): every range that
+/// applies to row `i` holds `diag(i)`, and so does the window when `0 <= diag(i) < seq_k`, so
+/// their union is an interval; when `diag(i) < 0` all of them that reach a key start at key 0.
+/// What changes is that the ranges are no longer monotone in `i`, so
+/// [`key_range_rows`](Self::key_range_rows) and [`covers`](Self::covers) take the ranges into
+/// account instead of looking at the first and last row only.
 #[derive(Clone, Copy, Debug)]
 pub struct SeqMask<'a> {
     pub window: Window,
@@ -174,10 +176,15 @@ impl<'a> SeqMask<'a> {
             .any(|(s, e)| s <= j && j < e && s <= diag && diag < e)
     }
 
-    /// Smallest interval `[lo, hi)` holding every key row `i` sees (`lo == hi`: none).
+    /// The keys `[lo, hi)` row `i` sees (`lo == hi`: none); exactly those `j` for which
+    /// [`visible`](Self::visible) holds (see the type's docs).
     #[inline]
     pub fn row_range(&self, i: usize) -> (usize, usize) {
-        self.key_range_rows(i..i + 1)
+        if self.prefix.is_empty() {
+            self.window.key_range(i, self.seq_q, self.seq_k)
+        } else {
+            self.key_range_rows(i..i + 1)
+        }
     }
 
     /// Smallest interval `[lo, hi)` holding every key any row of `rows` sees.
@@ -341,6 +348,7 @@ mod tests {
             seq_q: 6,
             seq_k: 6,
         };
+        assert_eq!(m.prefix.len(), 2);
         assert!(m.has_prefix());
         // Row 1 sees keys 0..=1 causally, and 1..4 through the range.
         assert!(m.visible(1, 3) && m.visible(1, 0) && !m.visible(1, 4));
@@ -369,6 +377,64 @@ mod tests {
         };
         assert_eq!(f.key_range_rows(0..6), (0, 6));
         assert!(!f.visible(0, 1));
+    }
+
+    /// `row_range` is exactly the visible set and `key_range_rows`/`covers` are sound, for
+    /// every small shape, window and pair of ranges.
+    #[test]
+    fn prefix_row_ranges_are_exact() {
+        let sizes = [None, Some(0), Some(1), Some(3)];
+        let bounds = [-3i64, -1, 0, 1, 2, 4, 6, 9];
+        for (sq, sk) in [(1, 1), (3, 6), (6, 6), (7, 3), (5, 9)] {
+            for left in sizes {
+                for right in sizes {
+                    for &a in &bounds {
+                        for &b in &bounds {
+                            for &c in &[-1i64, 2, 5] {
+                                let ranges = [[a, b], [c, c + 3]];
+                                let m = SeqMask {
+                                    window: Window::new(left, right),
+                                    prefix: &ranges,
+                                    seq_q: sq,
+                                    seq_k: sk,
+                                };
+                                check_exact(&m);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_exact(m: &SeqMask) {
+        let (sq, sk) = (m.seq_q, m.seq_k);
+        for i in 0..sq {
+            let (lo, hi) = m.row_range(i);
+            for j in 0..sk {
+                assert_eq!(m.visible(i, j), lo <= j && j < hi, "{m:?} row {i} key {j}");
+            }
+        }
+        for r0 in 0..sq {
+            for r1 in r0 + 1..=sq {
+                let (lo, hi) = m.key_range_rows(r0..r1);
+                for i in r0..r1 {
+                    for j in 0..sk {
+                        assert!(
+                            !m.visible(i, j) || (lo <= j && j < hi),
+                            "{m:?} rows {r0}..{r1}"
+                        );
+                    }
+                }
+                for k0 in 0..sk {
+                    for k1 in k0 + 1..=sk {
+                        if m.covers(r0..r1, k0..k1) {
+                            assert!((r0..r1).all(|i| (k0..k1).all(|j| m.visible(i, j))));
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

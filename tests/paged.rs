@@ -256,7 +256,6 @@ fn block_table_dtypes_agree() {
 /// Multimodal prefix ranges, paged and packed, against the spec's reference.
 #[test]
 fn mm_prefix_ranges_match_reference() {
-    let dev = Device::Cpu;
     let (h, hk, d) = (4, 2, 24);
     let s = scale(d);
     // Per sequence: ranges (an empty one is padding), prefix queries and keys.
@@ -266,10 +265,27 @@ fn mm_prefix_ranges_match_reference() {
         [[10, 200], [0, 0], [0, 0]],
         [[0, 0], [0, 0], [0, 0]],
     ];
-    let lens_q = [60usize, 4, 1, 7];
     let lens_k = [60usize, 32, 150, 7];
-    let (cu_q, cu_k) = (cumulative(&lens_q), cumulative(&lens_k));
+    // Many query rows (the prefill kernel), then a few (the decode kernel).
+    for lens_q in [[60usize, 4, 1, 7], [1, 4, 2, 3]] {
+        check_prefix(&lens_q, &lens_k, &ranges, h, hk, d, s);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_prefix(
+    lens_q: &[usize],
+    lens_k: &[usize],
+    ranges: &[[[i64; 2]; 3]],
+    h: usize,
+    hk: usize,
+    d: usize,
+    s: f32,
+) {
+    let dev = Device::Cpu;
+    let (cu_q, cu_k) = (cumulative(lens_q), cumulative(lens_k));
     let (tq, tk) = (cu_q[4] as usize, cu_k[4] as usize);
+    let (mq, mk) = (*lens_q.iter().max().unwrap(), 150);
     let q = randn(&[tq, h, d], DType::F32, 11, &dev).unwrap();
     let k = randn(&[tk, hk, d], DType::F32, 12, &dev).unwrap();
     let v = randn(&[tk, hk, d], DType::F32, 13, &dev).unwrap();
@@ -305,7 +321,7 @@ fn mm_prefix_ranges_match_reference() {
         let paged = with
             .clone()
             .paged(&table, 16)
-            .forward_varlen(&q, &pk.k, &pk.v, &sq, &sk, 60, 150)
+            .forward_varlen(&q, &pk.k, &pk.v, &sq, &sk, mq, mk)
             .unwrap();
         let what = format!(
             "window {:?}/{:?}",
@@ -319,7 +335,7 @@ fn mm_prefix_ranges_match_reference() {
             );
         }
         // The prefix ranges matter: without them the outputs differ.
-        let plain = opts.forward_varlen(&q, &k, &v, &sq, &sk, 60, 150).unwrap();
+        let plain = opts.forward_varlen(&q, &k, &v, &sq, &sk, mq, mk).unwrap();
         assert!(max_abs_err(&plain, &want).unwrap().is_none_or(|e| e > 1e-2));
     }
 }

@@ -33,7 +33,7 @@ use super::kernel::{Avx512, Fused};
 use super::kernel::{Isa, Kernel, Portable};
 use super::SyncPtr;
 use crate::problem::{KeyRows, Problem};
-use crate::semantics::{alibi_bias, group_size, SeqMask, LOG2_E};
+use crate::semantics::{alibi_bias, group_size, LOG2_E};
 
 /// Decode is chosen while the row groups of a KV head (`max_seq_q · ⌈group / NR⌉`, the work
 /// of the partial pass per K/V row) are at most this many per query head of the group (the
@@ -365,9 +365,8 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
         }
     }
     sc.o[..rows * d].fill(0.0);
+    // Each row sees one interval of keys, prefix ranges or not (`SeqMask::row_range`).
     let mask = p.mask(b, &seq);
-    // With prefix ranges a row's range only bounds its keys; the softmax masks per element.
-    let prefix = mask.has_prefix().then_some(&mask);
     for i in 0..sq {
         sc.range[i] = mask.row_range(i);
     }
@@ -413,7 +412,6 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
                             sk,
                             j0,
                             softcap,
-                            prefix,
                         };
                         corr[t] = softmax::<K>(
                             &row,
@@ -465,8 +463,6 @@ struct Row<'a> {
     /// First key of the block.
     j0: usize,
     softcap: bool,
-    /// The sequence's mask when it has prefix ranges (then applied per element).
-    prefix: Option<&'a SeqMask<'a>>,
 }
 
 /// Turns one row's raw scores `s[cols]` into probabilities and updates its running max and sum;
@@ -492,13 +488,6 @@ fn softmax<K: Kernel>(
                 0.0
             };
             s[c] = raw - bias;
-        }
-    }
-    if let Some(mask) = row.prefix {
-        for c in cols.clone() {
-            if !mask.visible(row.i, row.j0 + c) {
-                s[c] = f32::NEG_INFINITY;
-            }
         }
     }
     // m_new = max(m, max_c s), p = 2^(s - m_new), l = l · 2^(m - m_new) + Σ p.

@@ -259,24 +259,14 @@ fn update<K: Kernel>(
         }
     }
     // Only tiles the band cuts through need a per-element mask.
-    if it.mask.has_prefix() {
-        // Prefix ranges: the visible keys of a row need not be one interval.
-        if !it.mask.covers(r0..r0 + rows, j0..j0 + cols) {
-            for (c, s) in s.iter_mut().enumerate() {
-                for (r, x) in s.0[..rows].iter_mut().enumerate() {
-                    if !it.mask.visible(r0 + r, j0 + c) {
-                        *x = f32::NEG_INFINITY;
-                    }
-                }
-            }
-        }
-    } else if !p.window.covers(r0..r0 + rows, j0..j0 + cols, sq, sk) {
-        // Per-lane bounds, then one lane-wise compare per key: the loop over lanes vectorises,
-        // where a loop over keys per row was a scalar store per score.
+    if !it.mask.covers(r0..r0 + rows, j0..j0 + cols) {
+        // Per-lane bounds (each row sees one interval, prefix ranges or not), then one
+        // lane-wise compare per key: the loop over lanes vectorises, where a loop over keys per
+        // row was a scalar store per score.
         let mut lo = [0usize; BR];
         let mut hi = [usize::MAX; BR];
         for (r, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).take(rows).enumerate() {
-            (*lo, *hi) = p.window.key_range(r0 + r, sq, sk);
+            (*lo, *hi) = it.mask.row_range(r0 + r);
         }
         for (c, s) in s.iter_mut().enumerate() {
             let j = j0 + c;
