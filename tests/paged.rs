@@ -260,14 +260,14 @@ fn mm_prefix_ranges_match_reference() {
     let s = scale(d);
     // Per sequence: ranges (an empty one is padding), prefix queries and keys.
     let ranges: [[[i64; 2]; 3]; 4] = [
-        [[0, 40], [0, 0], [50, 45]],
+        [[0, 40], [50, 150], [170, 165]],
         [[3, 9], [20, 30], [-1, -1]],
         [[10, 200], [0, 0], [0, 0]],
         [[0, 0], [0, 0], [0, 0]],
     ];
-    let lens_k = [60usize, 32, 150, 7];
+    let lens_k = [200usize, 32, 150, 7];
     // Many query rows (the prefill kernel), then a few (the decode kernel).
-    for lens_q in [[60usize, 4, 1, 7], [1, 4, 2, 3]] {
+    for lens_q in [[200usize, 4, 1, 7], [1, 4, 2, 3]] {
         check_prefix(&lens_q, &lens_k, &ranges, h, hk, d, s);
     }
 }
@@ -285,7 +285,7 @@ fn check_prefix(
     let dev = Device::Cpu;
     let (cu_q, cu_k) = (cumulative(lens_q), cumulative(lens_k));
     let (tq, tk) = (cu_q[4] as usize, cu_k[4] as usize);
-    let (mq, mk) = (*lens_q.iter().max().unwrap(), 150);
+    let (mq, mk) = (*lens_q.iter().max().unwrap(), 200);
     let q = randn(&[tq, h, d], DType::F32, 11, &dev).unwrap();
     let k = randn(&[tk, hk, d], DType::F32, 12, &dev).unwrap();
     let v = randn(&[tk, hk, d], DType::F32, 13, &dev).unwrap();
@@ -315,7 +315,7 @@ fn check_prefix(
             want[seq.q0 * h * d..seq.q1 * h * d].copy_from_slice(&o);
         }
         let with = opts.clone().mm_prefix_ranges(&rt);
-        let packed = with.forward_varlen(&q, &k, &v, &sq, &sk, 60, 150).unwrap();
+        let packed = with.forward_varlen(&q, &k, &v, &sq, &sk, mq, mk).unwrap();
         let pk = paged_kv(&k, &v, &lens_k, 16, 2, 5);
         let table = table_tensor(&pk.table, DType::U32);
         let paged = with
