@@ -61,8 +61,12 @@
 //! - varlen offsets are not u32 of shape `(batch + 1,)`, do not start at 0, decrease, hold a
 //!   sequence longer than `max_seqlen_q`/`max_seqlen_k`, do not end at the packed tensor's token
 //!   count, or q's and k's offsets differ in length;
-//! - the device has no implementation (a CUDA tensor without the `cuda` feature, Metal), or a
-//!   CUDA allocation or kernel launch fails.
+//! - a paged call's block table is not an integer `(batch, max_blocks)` tensor, names a block
+//!   out of range or too few pages for a sequence, or its page size does not match k; a KV
+//!   cache append would outgrow the cache; prefix ranges are not `(batch, max_ranges, 2)`;
+//! - the device has no implementation (a CUDA tensor without the `cuda` feature, Metal; paged
+//!   caches, prefix ranges and the KV cache append on CUDA for now), or a CUDA allocation or
+//!   kernel launch fails.
 
 mod cpu;
 mod cuda;
@@ -508,4 +512,134 @@ pub fn flash_attn_varlen_alibi_windowed_softcap(
         .softcap(softcap);
     op.alibi_slopes = alibi_slopes.cloned();
     op.forward_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
+}
+
+/// Variable-length flash attention over a paged K/V cache, with the signature of
+/// `candle-flash-attn` 0.11's function of the same name. q: `(total_q, heads, head_dim)`;
+/// k, v: `(num_blocks, page_block_size, kv_heads, head_dim)`; `seqlens_q`/`seqlens_k`:
+/// cumulative u32 offsets of `batch + 1` entries (`seqlens_k` gives the logical key lengths);
+/// `block_table`: integer `(batch, max_blocks)` (u32, i32 or i64), row `b` naming the blocks
+/// that hold sequence `b`'s keys in order (key `j` is row `j % page_block_size` of block
+/// `block_table[b][j / page_block_size]`); `mm_prefix_ranges`: optional integer
+/// `(batch, max_ranges, 2)` `[start, end)` ranges of absolute positions inside which queries
+/// and keys see each other whatever the window says (see [`FlashAttn::mm_prefix_ranges`]).
+/// The window is aligned bottom-right per sequence; `softcap` `Some(c)`, `c > 0`, caps the
+/// scores. Keys are read in place: cache rows past each sequence's length and blocks the table
+/// does not name are never read (they may hold NaN). Returns `(total_q, heads, head_dim)`.
+///
+/// # Errors
+///
+/// As [`flash_attn_varlen`] (except that k and v are rank 4 and `seqlens_k` need not end at a
+/// packed token count), and when `block_table` is not an integer `(batch, max_blocks)` tensor,
+/// names a block out of range, holds fewer pages than a sequence needs, `page_block_size` is 0
+/// or differs from k's second dimension, `mm_prefix_ranges` is not `(batch, max_ranges, 2)`,
+/// or the tensors are on CUDA (not implemented yet there).
+///
+/// # Example
+///
+/// ```
+/// use candle::{Device, Tensor};
+///
+/// let dev = Device::Cpu;
+/// // 8 blocks of 4 rows; sequence 0 has 6 keys in blocks 5, 2; sequence 1 has 3 keys in block 7.
+/// let k = Tensor::randn(0f32, 1., (8, 4, 2, 16), &dev)?;
+/// let v = Tensor::randn(0f32, 1., (8, 4, 2, 16), &dev)?;
+/// let table = Tensor::new(&[[5i32, 2], [7, 0]], &dev)?;
+/// let q = Tensor::randn(0f32, 1., (3, 4, 16), &dev)?; // 2 + 1 queries
+/// let cu_q = Tensor::new(&[0u32, 2, 3], &dev)?;
+/// let cu_k = Tensor::new(&[0u32, 6, 9], &dev)?;
+/// let out = candle_flash::flash_attn_varlen_paged_windowed(
+///     &q, &k, &v, &cu_q, &cu_k, &table, None, 2, 6, 0.25, None, Some(0), 4, None,
+/// )?;
+/// assert_eq!(out.dims(), &[3, 4, 16]);
+/// # Ok::<(), candle::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_varlen_paged_windowed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    block_table: &Tensor,
+    mm_prefix_ranges: Option<&Tensor>,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    page_block_size: usize,
+    softcap: Option<f32>,
+) -> Result<Tensor> {
+    let mut op = FlashAttn::new(softmax_scale)
+        .window(window_size_left, window_size_right)
+        .paged(block_table, page_block_size);
+    op.softcap = softcap;
+    op.mm_prefix_ranges = mm_prefix_ranges.cloned();
+    op.forward_varlen(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)
+}
+
+/// One decode step (or chunk of a chunked prefill) against a KV cache, as FlashAttention-2's
+/// `flash_attn_with_kvcache`: appends `k_new`/`v_new` `(batch, seq_new, kv_heads, head_dim)`
+/// in place at each sequence's current length `cache_seqlens[b]` (u32 `(batch,)`, the lengths
+/// *before* the call), then attends q `(batch, seq_q, heads, head_dim)` over each sequence's
+/// `cache_seqlens[b] + seq_new` keys. The caches are `(batch, max_len, kv_heads, head_dim)`,
+/// or paged `(num_blocks, page_block_size, kv_heads, head_dim)` with a `block_table`
+/// `(batch, max_blocks)` (the page size is the caches' second dimension). `causal` aligns the
+/// mask bottom-right. Windows, softcap and ALiBi: [`FlashAttn::forward_kvcache`]. Returns
+/// `(batch, seq_q, heads, head_dim)`.
+///
+/// # Errors
+///
+/// As [`FlashAttn::forward_kvcache`]: bad shapes, dtypes or devices, a sequence outgrowing
+/// the cache, a bad block table; the caches are left untouched then. The append is not yet
+/// implemented on CUDA.
+///
+/// # Example
+///
+/// ```
+/// use candle::{DType, Device, Tensor};
+///
+/// let dev = Device::Cpu;
+/// let (k_cache, v_cache) = (
+///     Tensor::zeros((1, 32, 2, 16), DType::F32, &dev)?,
+///     Tensor::zeros((1, 32, 2, 16), DType::F32, &dev)?,
+/// );
+/// // Prefill 5 tokens, then decode one.
+/// let mut len = 0u32;
+/// for n in [5, 1] {
+///     let q = Tensor::randn(0f32, 1., (1, n, 4, 16), &dev)?;
+///     let k = Tensor::randn(0f32, 1., (1, n, 2, 16), &dev)?;
+///     let v = Tensor::randn(0f32, 1., (1, n, 2, 16), &dev)?;
+///     let lens = Tensor::new(&[len], &dev)?;
+///     let out = candle_flash::flash_attn_with_kvcache(
+///         &q, &k_cache, &v_cache, Some(&k), Some(&v), &lens, None, 0.25, true,
+///     )?;
+///     assert_eq!(out.dims(), &[1, n, 4, 16]);
+///     len += n as u32;
+/// }
+/// # Ok::<(), candle::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_with_kvcache(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    k_new: Option<&Tensor>,
+    v_new: Option<&Tensor>,
+    cache_seqlens: &Tensor,
+    block_table: Option<&Tensor>,
+    softmax_scale: f32,
+    causal: bool,
+) -> Result<Tensor> {
+    let mut op = FlashAttn::new(softmax_scale).window(None, causal_window(causal));
+    if let Some(table) = block_table {
+        op = op.paged(table, k_cache.dim(1)?);
+    }
+    let new_kv = match (k_new, v_new) {
+        (Some(k), Some(v)) => Some((k, v)),
+        (None, None) => None,
+        _ => candle::bail!("flash-attn: k_new and v_new must be given together"),
+    };
+    op.forward_kvcache(q, k_cache, v_cache, cache_seqlens, new_kv)
 }

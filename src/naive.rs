@@ -45,6 +45,9 @@ pub fn naive_attention(
     v: &Tensor,
     opts: &FlashAttn,
 ) -> candle::Result<Tensor> {
+    if opts.block_table.is_some() || opts.mm_prefix_ranges.is_some() {
+        candle::bail!("naive_attention: paged K/V and mm_prefix_ranges are not supported")
+    }
     // Validation is shared with the flash path, so both accept and refuse the same inputs.
     let p = opts.problem(q, k, v, None)?;
     let (b, sq, h, d) = (p.batch, p.max_seq_q, p.heads, p.head_dim);

@@ -6,7 +6,7 @@
 
 use candle::{bail, Layout, Result};
 
-use crate::semantics::{ScoreMod, Window};
+use crate::semantics::{ScoreMod, SeqMask, Window};
 
 /// Element strides of a rank-4 `(batch, seq, head, dim)` view plus its start offset.
 /// For varlen inputs `batch` is 0 and sequences start at their cumulative row.
@@ -74,6 +74,63 @@ pub(crate) struct VarLen {
     pub max_seqlen_k: usize,
 }
 
+/// A paged K/V cache: k and v are `(num_blocks, page, kv_heads, head_dim)` (their [`Strides`]
+/// are dense, with `batch` the block stride and `seq` the row-in-page stride) and key `j` of
+/// sequence `b` is row `j % page` of block `table[b * max_blocks + j / page]`.
+///
+/// A contiguous `(batch, max_len, kv_heads, head_dim)` cache with per-sequence lengths is the
+/// same thing with `page = max_len` and block `b` for sequence `b`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Paged {
+    pub page: usize,
+    pub num_blocks: usize,
+    pub max_blocks: usize,
+    /// `batch × max_blocks` physical block indices, row-major. The entries a sequence's keys
+    /// use (the first `⌈seq_k / page⌉` of its row) are checked to be `< num_blocks`; the rest
+    /// are never read.
+    pub table: Vec<u32>,
+}
+
+/// Multimodal prefix ranges, `batch × max_ranges` `[start, end)` pairs (see
+/// [`SeqMask`]); ranges with `start >= end` are kept and ignored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Prefix {
+    pub max_ranges: usize,
+    pub ranges: Vec<[i64; 2]>,
+}
+
+/// Where the keys of one sequence live: the one key-row addressing scheme of the CPU kernels.
+/// [`at`](Self::at) gives the `(batch, row)` to pass to [`Strides::at`] for key `j`;
+/// [`run`](Self::run) how many keys from `j` on follow each other along the seq axis, so dense
+/// caches are addressed once per tile and paged ones once per page.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KeyRows<'a> {
+    b: usize,
+    row0: usize,
+    /// The sequence's block-table row and the page size, for paged caches.
+    paged: Option<(&'a [u32], usize)>,
+}
+
+impl KeyRows<'_> {
+    /// `(batch, row)` of key `j` for [`Strides::at`].
+    #[inline(always)]
+    pub fn at(&self, j: usize) -> (usize, usize) {
+        match self.paged {
+            None => (self.b, self.row0 + j),
+            Some((table, page)) => (table[j / page] as usize, j % page),
+        }
+    }
+
+    /// Keys `j .. j + run(j, n)` (at most `n`) are consecutive rows of one block.
+    #[inline(always)]
+    pub fn run(&self, j: usize, n: usize) -> usize {
+        match self.paged {
+            None => n,
+            Some((_, page)) => n.min(page - j % page),
+        }
+    }
+}
+
 /// Everything a backend needs to run one call.
 #[derive(Clone, Debug)]
 pub(crate) struct Problem {
@@ -90,6 +147,10 @@ pub(crate) struct Problem {
     pub k: Strides,
     pub v: Strides,
     pub varlen: Option<VarLen>,
+    /// K and V read through a block table (varlen calls only); `None`: packed or dense.
+    pub paged: Option<Paged>,
+    /// Multimodal prefix ranges; `None` when the call has none.
+    pub prefix: Option<Prefix>,
     pub window: Window,
     pub score: ScoreMod,
     /// Whether ALiBi slopes come with the call.
@@ -124,6 +185,50 @@ impl Problem {
                     lse_base: q0,
                 }
             }
+        }
+    }
+
+    /// Where the keys of the `b`-th sequence pair (`seq = self.seq(b)`) live.
+    #[inline]
+    pub fn key_rows(&self, b: usize, seq: &Seq) -> KeyRows<'_> {
+        match &self.paged {
+            Some(pg) => KeyRows {
+                b: 0,
+                row0: 0,
+                paged: Some((
+                    &pg.table[b * pg.max_blocks..(b + 1) * pg.max_blocks],
+                    pg.page,
+                )),
+            },
+            None => KeyRows {
+                b,
+                row0: seq.k_row,
+                paged: None,
+            },
+        }
+    }
+
+    /// The mask of the `b`-th sequence pair: the window plus its prefix ranges.
+    #[inline]
+    pub fn mask(&self, b: usize, seq: &Seq) -> SeqMask<'_> {
+        let prefix = match &self.prefix {
+            Some(pr) => &pr.ranges[b * pr.max_ranges..(b + 1) * pr.max_ranges],
+            None => &[],
+        };
+        SeqMask {
+            window: self.window,
+            prefix,
+            seq_q: seq.seq_q,
+            seq_k: seq.seq_k,
+        }
+    }
+
+    /// Strides of a k or v layout: dense for dense and paged calls, packed for varlen.
+    pub fn kv_strides(&self, l: &Layout) -> Strides {
+        if self.varlen.is_none() || self.paged.is_some() {
+            Strides::dense(l)
+        } else {
+            Strides::packed(l)
         }
     }
 
@@ -166,11 +271,11 @@ impl Problem {
 
     /// The layouts a backend receives must be the ones this problem was built from.
     pub fn check_layouts(&self, q: &Layout, k: &Layout, v: &Layout) -> Result<()> {
-        let strides = |l: &Layout| match self.varlen {
-            None => Strides::dense(l),
-            Some(_) => Strides::packed(l),
+        let q_strides = match self.varlen {
+            None => Strides::dense(q),
+            Some(_) => Strides::packed(q),
         };
-        if strides(q) != self.q || strides(k) != self.k || strides(v) != self.v {
+        if q_strides != self.q || self.kv_strides(k) != self.k || self.kv_strides(v) != self.v {
             bail!("flash-attn: operand layouts changed after validation")
         }
         Ok(())
@@ -179,20 +284,37 @@ impl Problem {
     /// Elements of q/k/v addressed by this problem must lie inside their storages; candle's
     /// layouts guarantee it, this double-checks before any unchecked kernel touches memory.
     pub fn check_bounds(&self, q_len: usize, k_len: usize, v_len: usize) -> Result<()> {
-        let last = |s: &Strides, rows: usize, heads: usize| -> usize {
-            let b = if self.varlen.is_some() {
-                0
-            } else {
-                self.batch.saturating_sub(1)
-            };
+        let last_at = |s: &Strides, b: usize, rows: usize, heads: usize| -> usize {
             s.offset
                 + b * s.batch
                 + rows.saturating_sub(1) * s.seq
                 + heads.saturating_sub(1) * s.head
                 + self.head_dim.saturating_sub(1) * s.dim
         };
+        let b_last = if self.varlen.is_some() {
+            0
+        } else {
+            self.batch.saturating_sub(1)
+        };
+        let last = |s: &Strides, rows: usize, heads: usize| last_at(s, b_last, rows, heads);
         let (rows_q, rows_k) = self.storage_rows();
         if self.total_q == 0 || self.batch == 0 {
+            return Ok(());
+        }
+        if let Some(pg) = &self.paged {
+            // Every block the table may name (all were checked `< num_blocks`), every row.
+            if rows_q > 0 && last(&self.q, rows_q, self.heads) >= q_len {
+                bail!("flash-attn: q storage is smaller than its layout claims")
+            }
+            if pg.num_blocks > 0 && pg.page > 0 {
+                let (nb, page) = (pg.num_blocks - 1, pg.page);
+                if last_at(&self.k, nb, page, self.kv_heads) >= k_len {
+                    bail!("flash-attn: k storage is smaller than its layout claims")
+                }
+                if last_at(&self.v, nb, page, self.kv_heads) >= v_len {
+                    bail!("flash-attn: v storage is smaller than its layout claims")
+                }
+            }
             return Ok(());
         }
         if rows_q > 0 && last(&self.q, rows_q, self.heads) >= q_len {

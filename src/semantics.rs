@@ -13,6 +13,12 @@
 //! * `s = scale * q·k`; with a softcap `c > 0`: `s = c * tanh(s / c)`; with ALiBi:
 //!   `s -= slope[h] * |diag(i) - j|`;
 //! * a row that sees no key outputs exactly 0 and its log-sum-exp is `-inf`.
+//!
+//! Multimodal prefix ranges (upstream's `mm_prefix_ranges`, per sequence): inside each range
+//! `[start, end)` of absolute positions, queries and keys see each other whatever the window
+//! says: key `j` is also visible to row `i` when `start <= j < end` and
+//! `start <= diag(i) < end` for one range with `start < end` (ranges with `start >= end` are
+//! ignored). [`SeqMask`] applies both rules; with no range it is exactly the window.
 
 /// `log2(e)`: kernels work in base 2 (`exp2`), with scores pre-multiplied by this.
 pub const LOG2_E: f32 = std::f32::consts::LOG2_E;
@@ -112,6 +118,121 @@ impl Window {
     pub fn as_i64(&self) -> (i64, i64) {
         let f = |w: Option<usize>| w.map_or(-1, |w| to_i64(w).min(WINDOW_CAP));
         (f(self.left), f(self.right))
+    }
+}
+
+/// The mask of one sequence pair: its window plus its multimodal prefix ranges (module docs).
+///
+/// One row still sees one interval of keys, [`row_range`](Self::row_range): every range that
+/// applies to row `i` holds `diag(i)`, and so does the window when `0 <= diag(i) < seq_k`, so
+/// their union is an interval; when `diag(i) < 0` all of them that reach a key start at key 0.
+/// What changes is that the ranges are no longer monotone in `i`, so
+/// [`key_range_rows`](Self::key_range_rows) and [`covers`](Self::covers) take the ranges into
+/// account instead of looking at the first and last row only.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqMask<'a> {
+    pub window: Window,
+    /// `[start, end)` ranges of absolute positions; ranges with `start >= end` are ignored.
+    pub prefix: &'a [[i64; 2]],
+    pub seq_q: usize,
+    pub seq_k: usize,
+}
+
+impl<'a> SeqMask<'a> {
+    /// The mask of a pair with no prefix ranges: the window alone.
+    pub fn window(window: Window, seq_q: usize, seq_k: usize) -> Self {
+        Self {
+            window,
+            prefix: &[],
+            seq_q,
+            seq_k,
+        }
+    }
+
+    /// The ranges that count (`start < end`).
+    #[inline(always)]
+    fn ranges(&self) -> impl Iterator<Item = (i64, i64)> + 'a {
+        self.prefix
+            .iter()
+            .filter(|r| r[0] < r[1])
+            .map(|r| (r[0], r[1]))
+    }
+
+    /// `true` when some prefix range applies (the mask may then not be a band).
+    #[inline(always)]
+    pub fn has_prefix(&self) -> bool {
+        self.ranges().next().is_some()
+    }
+
+    /// Whether query row `i` sees key `j`.
+    #[inline(always)]
+    pub fn visible(&self, i: usize, j: usize) -> bool {
+        let (lo, hi) = self.window.key_range(i, self.seq_q, self.seq_k);
+        if lo <= j && j < hi {
+            return true;
+        }
+        let (diag, j) = (diagonal(i, self.seq_q, self.seq_k), j as i64);
+        self.ranges()
+            .any(|(s, e)| s <= j && j < e && s <= diag && diag < e)
+    }
+
+    /// The keys `[lo, hi)` row `i` sees (`lo == hi`: none); exactly those `j` for which
+    /// [`visible`](Self::visible) holds (see the type's docs).
+    #[inline]
+    pub fn row_range(&self, i: usize) -> (usize, usize) {
+        if self.prefix.is_empty() {
+            self.window.key_range(i, self.seq_q, self.seq_k)
+        } else {
+            self.key_range_rows(i..i + 1)
+        }
+    }
+
+    /// Smallest interval `[lo, hi)` holding every key any row of `rows` sees.
+    pub fn key_range_rows(&self, rows: std::ops::Range<usize>) -> (usize, usize) {
+        let (sq, sk) = (self.seq_q, self.seq_k);
+        let (mut lo, mut hi) = self.window.key_range_rows(rows.clone(), sq, sk);
+        if rows.is_empty() {
+            return (lo, hi);
+        }
+        let (d0, d1) = (diagonal(rows.start, sq, sk), diagonal(rows.end - 1, sq, sk));
+        for (s, e) in self.ranges() {
+            // A range counts for these rows when one of their diagonals lies inside it.
+            if s.max(d0) > (e - 1).min(d1) {
+                continue;
+            }
+            let (a, b) = (
+                s.clamp(0, sk as i64) as usize,
+                e.clamp(0, sk as i64) as usize,
+            );
+            if a >= b {
+                continue;
+            }
+            if lo >= hi {
+                (lo, hi) = (a, b);
+            } else {
+                (lo, hi) = (lo.min(a), hi.max(b));
+            }
+        }
+        (lo, hi.max(lo))
+    }
+
+    /// `true` when every key in `keys` is visible to every row in `rows` (no per-element mask
+    /// needed): the window covers the tile, or one prefix range holds all its rows' diagonals
+    /// and all its keys.
+    pub fn covers(&self, rows: std::ops::Range<usize>, keys: std::ops::Range<usize>) -> bool {
+        if self
+            .window
+            .covers(rows.clone(), keys.clone(), self.seq_q, self.seq_k)
+        {
+            return true;
+        }
+        let (d0, d1) = (
+            diagonal(rows.start, self.seq_q, self.seq_k),
+            diagonal(rows.end - 1, self.seq_q, self.seq_k),
+        );
+        let (k0, k1) = (keys.start as i64, keys.end as i64 - 1);
+        self.ranges()
+            .any(|(s, e)| s <= d0.min(k0) && d1.max(k1) < e)
     }
 }
 
@@ -215,6 +336,105 @@ mod tests {
         assert!(huge.covers(0..3, 0..7, 3, 7));
         assert!(!Window::CAUSAL.covers(0..2, 0..4, 4, 4));
         assert!(Window::CAUSAL.covers(2..4, 0..3, 4, 4));
+    }
+
+    #[test]
+    fn prefix_ranges_open_the_mask() {
+        // Causal, 6 queries over 6 keys; a prefix range [1, 4) (and an ignored empty one).
+        let ranges = [[1, 4], [5, 5]];
+        let m = SeqMask {
+            window: Window::CAUSAL,
+            prefix: &ranges,
+            seq_q: 6,
+            seq_k: 6,
+        };
+        assert_eq!(m.prefix.len(), 2);
+        assert!(m.has_prefix());
+        // Row 1 sees keys 0..=1 causally, and 1..4 through the range.
+        assert!(m.visible(1, 3) && m.visible(1, 0) && !m.visible(1, 4));
+        assert_eq!(m.row_range(1), (0, 4));
+        // Row 0 lies outside the range: causal only.
+        assert!(!m.visible(0, 1));
+        assert_eq!(m.row_range(0), (0, 1));
+        // Sliding window of 0 keys left: row 3 sees 1..=3 through the range, not key 0.
+        let w = SeqMask {
+            window: Window::new(Some(0), Some(0)),
+            ..m
+        };
+        assert_eq!(w.row_range(3), (1, 4));
+        assert!(!w.visible(3, 0) && w.visible(3, 1));
+        assert_eq!(w.key_range_rows(0..6), (0, 6));
+        assert!(w.covers(1..4, 1..4) && !w.covers(0..4, 1..4) && !w.covers(1..4, 1..5));
+        // No range: exactly the window.
+        let plain = SeqMask::window(Window::CAUSAL, 6, 6);
+        assert!(!plain.has_prefix());
+        assert_eq!(plain.row_range(2), Window::CAUSAL.key_range(2, 6, 6));
+        // A range no diagonal reaches changes nothing.
+        let far = [[-5i64, 0]];
+        let f = SeqMask {
+            prefix: &far,
+            ..plain
+        };
+        assert_eq!(f.key_range_rows(0..6), (0, 6));
+        assert!(!f.visible(0, 1));
+    }
+
+    /// `row_range` is exactly the visible set and `key_range_rows`/`covers` are sound, for
+    /// every small shape, window and pair of ranges.
+    #[test]
+    fn prefix_row_ranges_are_exact() {
+        let sizes = [None, Some(0), Some(1), Some(3)];
+        let bounds = [-3i64, -1, 0, 1, 2, 4, 6, 9];
+        for (sq, sk) in [(1, 1), (3, 6), (6, 6), (7, 3), (5, 9)] {
+            for left in sizes {
+                for right in sizes {
+                    for &a in &bounds {
+                        for &b in &bounds {
+                            for &c in &[-1i64, 2, 5] {
+                                let ranges = [[a, b], [c, c + 3]];
+                                let m = SeqMask {
+                                    window: Window::new(left, right),
+                                    prefix: &ranges,
+                                    seq_q: sq,
+                                    seq_k: sk,
+                                };
+                                check_exact(&m);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_exact(m: &SeqMask) {
+        let (sq, sk) = (m.seq_q, m.seq_k);
+        for i in 0..sq {
+            let (lo, hi) = m.row_range(i);
+            for j in 0..sk {
+                assert_eq!(m.visible(i, j), lo <= j && j < hi, "{m:?} row {i} key {j}");
+            }
+        }
+        for r0 in 0..sq {
+            for r1 in r0 + 1..=sq {
+                let (lo, hi) = m.key_range_rows(r0..r1);
+                for i in r0..r1 {
+                    for j in 0..sk {
+                        assert!(
+                            !m.visible(i, j) || (lo <= j && j < hi),
+                            "{m:?} rows {r0}..{r1}"
+                        );
+                    }
+                }
+                for k0 in 0..sk {
+                    for k1 in k0 + 1..=sk {
+                        if m.covers(r0..r1, k0..k1) {
+                            assert!((r0..r1).all(|i| (k0..k1).all(|j| m.visible(i, j))));
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

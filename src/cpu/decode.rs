@@ -26,13 +26,13 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::elem::{load_rows, Elem};
+use super::elem::{load_keys, load_rows, Elem};
 use super::exp2::exp2;
 #[cfg(target_arch = "x86_64")]
 use super::kernel::{Avx512, Fused};
 use super::kernel::{Isa, Kernel, Portable};
 use super::SyncPtr;
-use crate::problem::Problem;
+use crate::problem::{KeyRows, Problem};
 use crate::semantics::{alibi_bias, group_size, LOG2_E};
 
 /// Decode is chosen while the row groups of a KV head (`max_seq_q · ⌈group / NR⌉`, the work
@@ -99,7 +99,7 @@ impl Plan {
         };
         for b in 0..p.batch {
             let seq = p.seq(b);
-            let keys = p.window.key_range_rows(0..seq.seq_q, seq.seq_q, seq.seq_k);
+            let keys = p.mask(b, &seq).key_range_rows(0..seq.seq_q);
             let n = if seq.seq_q == 0 {
                 0
             } else {
@@ -285,8 +285,8 @@ struct Rows<'a> {
     off: [usize; BK],
 }
 
-/// The block's rows, in place when the cache is f32 with a contiguous head dim, else converted
-/// into `buf`.
+/// The block's keys `j0 .. j0 + n`, in place when the cache is f32 with a contiguous head dim,
+/// else converted into `buf`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn block_rows<'a, T: Elem>(
@@ -294,8 +294,8 @@ fn block_rows<'a, T: Elem>(
     src: &'a [T],
     strides: &crate::problem::Strides,
     buf: &'a mut [f32],
-    b: usize,
-    row0: usize,
+    keys: &KeyRows,
+    j0: usize,
     n: usize,
     kvh: usize,
 ) -> Rows<'a> {
@@ -303,15 +303,23 @@ fn block_rows<'a, T: Elem>(
     let mut off = [0usize; BK];
     match as_f32(src) {
         Some(f) if strides.dim == 1 => {
-            for (c, o) in off[..n].iter_mut().enumerate() {
-                *o = strides.at(b, row0 + c, kvh);
+            // One address per run of consecutive rows (the block, or its part in one page).
+            let mut c = 0;
+            while c < n {
+                let run = keys.run(j0 + c, n - c);
+                let (b, row) = keys.at(j0 + c);
+                let base = strides.at(b, row, kvh);
+                for (r, o) in off[c..c + run].iter_mut().enumerate() {
+                    *o = base + r * strides.seq;
+                }
+                c += run;
             }
-            // Bounds checked once here, so the inner loops can slice freely.
-            assert!(n == 0 || off[n - 1] + d <= f.len());
+            // Bounds checked here, so the inner loops can slice freely.
+            assert!(off[..n].iter().all(|&o| o + d <= f.len()));
             Rows { src: f, off }
         }
         _ => {
-            load_rows(buf, src, strides, b, row0, n, kvh, d);
+            load_keys(buf, src, strides, keys, j0, n, kvh, d);
             for (c, o) in off[..n].iter_mut().enumerate() {
                 *o = c * d;
             }
@@ -357,9 +365,12 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
         }
     }
     sc.o[..rows * d].fill(0.0);
+    // Each row sees one interval of keys, prefix ranges or not (`SeqMask::row_range`).
+    let mask = p.mask(b, &seq);
     for i in 0..sq {
-        sc.range[i] = p.window.key_range(i, sq, sk);
+        sc.range[i] = mask.row_range(i);
     }
+    let keys = p.key_rows(b, &seq);
 
     let (k0, k1) = ctx.plan.keys[b];
     let (k0, k1) = split_bounds(k0, k1, s, ctx.plan.splits[b]);
@@ -367,8 +378,8 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
     while j0 < k1 {
         let n = BK.min(k1 - j0);
         for kvh in 0..p.kv_heads {
-            let kr = block_rows(p, ctx.k, &p.k, &mut sc.k, b, seq.k_row + j0, n, kvh);
-            let vr = block_rows(p, ctx.v, &p.v, &mut sc.v, b, seq.k_row + j0, n, kvh);
+            let kr = block_rows(p, ctx.k, &p.k, &mut sc.k, &keys, j0, n, kvh);
+            let vr = block_rows(p, ctx.v, &p.v, &mut sc.v, &keys, j0, n, kvh);
             for i in 0..sq {
                 // The part of the block query i sees.
                 let (lo, hi) = sc.range[i];

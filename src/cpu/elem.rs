@@ -4,7 +4,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use crate::problem::Strides;
+use crate::problem::{KeyRows, Strides};
 
 /// Element types the CPU path reads and writes; all arithmetic is f32.
 pub(crate) trait Elem: Copy + Send + Sync + 'static {
@@ -93,5 +93,29 @@ pub(super) fn load_rows<T: Elem>(
                 *o = src[base + x * s.dim].to_f32();
             }
         }
+    }
+}
+
+/// Copies keys `j0 .. j0 + n` of one head, addressed through `keys`, into a dense f32 `n × d`
+/// block: one [`load_rows`] per run of consecutive rows (the whole tile when dense, each page's
+/// part when paged).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_keys<T: Elem>(
+    dst: &mut [f32],
+    src: &[T],
+    s: &Strides,
+    keys: &KeyRows,
+    j0: usize,
+    n: usize,
+    head: usize,
+    d: usize,
+) {
+    let mut c = 0;
+    while c < n {
+        let run = keys.run(j0 + c, n - c);
+        let (b, row) = keys.at(j0 + c);
+        load_rows(&mut dst[c * d..], src, s, b, row, run, head, d);
+        c += run;
     }
 }

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::elem::{load_rows, Elem};
+use super::elem::{load_keys, load_rows, Elem};
 use super::exp2::exp2;
 #[cfg(target_arch = "x86_64")]
 use super::kernel::{Avx512, Fused};
@@ -11,7 +11,7 @@ use super::kernel::{Isa, Kernel, Portable};
 use super::scratch::{with_scratch, Scratch, SubTile};
 use super::{Lanes, SyncPtr, BC, BR, QSUB};
 use crate::problem::Problem;
-use crate::semantics::{alibi_bias, kv_head, LOG2_E};
+use crate::semantics::{alibi_bias, kv_head, SeqMask, LOG2_E};
 
 /// Everything a work item reads, shared by all of them.
 struct Ctx<'a, T> {
@@ -104,6 +104,7 @@ fn item_avx2<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: (usize, usize, usize
 /// What every sub-tile update of one work item shares.
 struct ItemCtx<'a> {
     p: &'a Problem,
+    mask: SeqMask<'a>,
     d: usize,
     sq: usize,
     sk: usize,
@@ -124,8 +125,11 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
     let nsub = rows.div_ceil(BR);
     let kvh = kv_head(h, p.heads, p.kv_heads);
     let softcap = p.score.softcap > 0.0;
+    let mask = p.mask(b, &seq);
+    let keys = p.key_rows(b, &seq);
     let it = ItemCtx {
         p,
+        mask,
         d,
         sq,
         sk,
@@ -146,7 +150,7 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
         let r0 = i0 + u * BR;
         let n = BR.min(i0 + rows - r0);
         sub_rows[u] = (r0, n);
-        sub_keys[u] = p.window.key_range_rows(r0..r0 + n, sq, sk);
+        sub_keys[u] = mask.key_range_rows(r0..r0 + n);
         let st = &mut sc.sub[u];
         // Qᵀ; lanes past the last row stay 0, which keeps their (unused) scores finite.
         if n < BR {
@@ -164,12 +168,12 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
     }
 
     // Key tiles outside the union of the rows' ranges are skipped by these bounds.
-    let (lo, hi) = p.window.key_range_rows(i0..i0 + rows, sq, sk);
+    let (lo, hi) = mask.key_range_rows(i0..i0 + rows);
     let mut j0 = lo;
     while j0 < hi {
         let cols = BC.min(hi - j0);
-        load_rows(&mut sc.k, ctx.k, &p.k, b, seq.k_row + j0, cols, kvh, d);
-        load_rows(&mut sc.v, ctx.v, &p.v, b, seq.k_row + j0, cols, kvh, d);
+        load_keys(&mut sc.k, ctx.k, &p.k, &keys, j0, cols, kvh, d);
+        load_keys(&mut sc.v, ctx.v, &p.v, &keys, j0, cols, kvh, d);
         for u in 0..nsub {
             // The part of this key tile the sub-tile sees (under a causal mask the first
             // sub-tile sees fewer keys than the last).
@@ -255,13 +259,14 @@ fn update<K: Kernel>(
         }
     }
     // Only tiles the band cuts through need a per-element mask.
-    if !p.window.covers(r0..r0 + rows, j0..j0 + cols, sq, sk) {
-        // Per-lane bounds, then one lane-wise compare per key: the loop over lanes vectorises,
-        // where a loop over keys per row was a scalar store per score.
+    if !it.mask.covers(r0..r0 + rows, j0..j0 + cols) {
+        // Per-lane bounds (each row sees one interval, prefix ranges or not), then one
+        // lane-wise compare per key: the loop over lanes vectorises, where a loop over keys per
+        // row was a scalar store per score.
         let mut lo = [0usize; BR];
         let mut hi = [usize::MAX; BR];
         for (r, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).take(rows).enumerate() {
-            (*lo, *hi) = p.window.key_range(r0 + r, sq, sk);
+            (*lo, *hi) = it.mask.row_range(r0 + r);
         }
         for (c, s) in s.iter_mut().enumerate() {
             let j = j0 + c;

@@ -1,7 +1,9 @@
 //! The public op struct and its builder; validation lives in `validate`, the `CustomOp3` that
 //! dispatches to a backend in `custom`.
 
+mod append;
 mod custom;
+mod kvcache;
 mod validate;
 
 use candle::op::BackpropOp;
@@ -10,7 +12,7 @@ use candle::{bail, DType, Result, Tensor};
 use crate::problem::Problem;
 use crate::semantics::Window;
 use custom::FlashAttnOp;
-use validate::read_seqlens;
+use validate::{read_paged, read_seqlens};
 
 /// Largest supported head dimension (every size from 1 up to it works on every backend).
 pub const MAX_HEAD_DIM: usize = 512;
@@ -42,6 +44,13 @@ pub struct FlashAttn {
     pub softcap: Option<f32>,
     /// ALiBi slopes, f32 of shape `(heads,)` or `(batch, heads)`.
     pub alibi_slopes: Option<Tensor>,
+    /// Paged K/V: integer `(batch, max_blocks)` block table (see [`paged`](Self::paged)).
+    pub block_table: Option<Tensor>,
+    /// Rows per block of a paged K/V cache (with `block_table`).
+    pub page_block_size: usize,
+    /// Multimodal prefix ranges, integer `(batch, max_ranges, 2)` (see
+    /// [`mm_prefix_ranges`](Self::mm_prefix_ranges)).
+    pub mm_prefix_ranges: Option<Tensor>,
 }
 
 impl FlashAttn {
@@ -53,6 +62,9 @@ impl FlashAttn {
             window_size_right: None,
             softcap: None,
             alibi_slopes: None,
+            block_table: None,
+            page_block_size: 0,
+            mm_prefix_ranges: None,
         }
     }
 
@@ -77,6 +89,91 @@ impl FlashAttn {
     /// ALiBi with the given f32 slopes, `(heads,)` or `(batch, heads)`.
     pub fn alibi(mut self, slopes: &Tensor) -> Self {
         self.alibi_slopes = Some(slopes.clone());
+        self
+    }
+
+    /// Reads K and V from a paged cache: with [`forward_varlen`](Self::forward_varlen), k and v
+    /// are `(num_blocks, page_block_size, kv_heads, head_dim)` and key `j` of sequence `b` is
+    /// row `j % page_block_size` of block `block_table[b][j / page_block_size]`; `seqlens_k`
+    /// then holds the logical key lengths (cumulative, u32). Any page size `>= 1` works.
+    ///
+    /// `block_table` is an integer tensor `(batch, max_blocks)` (u32, i32 or i64, as callers of
+    /// upstream pass them) on q's device; only the `⌈len / page⌉` entries a sequence uses are
+    /// read. Cache rows past a sequence's length and blocks the table does not name are never
+    /// read, so they may hold anything, NaN included. With
+    /// [`forward_kvcache`](Self::forward_kvcache) the same table makes its cache paged.
+    ///
+    /// # Errors
+    ///
+    /// The forward call fails, naming the argument, when `block_table` is not an integer
+    /// `(batch, max_blocks)` tensor on q's device, names a block `>= num_blocks` (or negative),
+    /// holds fewer than `⌈seqlens_k[b] / page⌉` entries per row, `page_block_size` is 0 or
+    /// differs from k's second dimension, or the call is a dense [`forward`](Self::forward).
+    /// CUDA tensors are refused for now (the paged CUDA kernels are not written yet).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use candle::{Device, Tensor};
+    /// use candle_flash::FlashAttn;
+    ///
+    /// let dev = Device::Cpu;
+    /// // Two sequences of 3 and 5 keys in pages of 2 rows; block 0 is unused and holds NaN.
+    /// let kv = Tensor::randn(0f32, 1., (6, 2, 1, 8), &dev)?;
+    /// let kv = kv.slice_assign(&[0..1, 0..2, 0..1, 0..8], &Tensor::full(f32::NAN, (1, 2, 1, 8), &dev)?)?;
+    /// let table = Tensor::new(&[[4u32, 1, 0], [2, 5, 3]], &dev)?;
+    /// let q = Tensor::randn(0f32, 1., (2, 2, 8), &dev)?; // one query per sequence
+    /// let cu_q = Tensor::new(&[0u32, 1, 2], &dev)?;
+    /// let cu_k = Tensor::new(&[0u32, 3, 8], &dev)?;
+    /// let out = FlashAttn::new(0.35)
+    ///     .causal()
+    ///     .paged(&table, 2)
+    ///     .forward_varlen(&q, &kv, &kv, &cu_q, &cu_k, 1, 5)?;
+    /// assert_eq!(out.dims(), &[2, 2, 8]);
+    /// assert!(out.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| x.is_finite()));
+    ///
+    /// // A table naming a block the cache does not have is an error.
+    /// let bad = Tensor::new(&[[4u32, 9, 0], [2, 5, 3]], &dev)?;
+    /// let err = FlashAttn::new(0.35).paged(&bad, 2).forward_varlen(&q, &kv, &kv, &cu_q, &cu_k, 1, 5);
+    /// assert!(err.unwrap_err().to_string().contains("block_table"));
+    /// # Ok::<(), candle::Error>(())
+    /// ```
+    pub fn paged(mut self, block_table: &Tensor, page_block_size: usize) -> Self {
+        self.block_table = Some(block_table.clone());
+        self.page_block_size = page_block_size;
+        self
+    }
+
+    /// Multimodal prefix ranges (upstream's `mm_prefix_ranges`): an integer (i32)
+    /// `(batch, max_ranges, 2)` tensor of `[start, end)` ranges of absolute positions per
+    /// sequence. Inside a range queries and keys see each other whatever the causal or window
+    /// mask says: key `j` is visible to query `i` also when `start <= j < end` and
+    /// `start <= i + seq_k - seq_q < end`. Ranges with `start >= end` are ignored (padding).
+    /// See [`semantics::SeqMask`](crate::semantics::SeqMask).
+    ///
+    /// # Errors
+    ///
+    /// The forward call fails when the tensor is not an integer `(batch, max_ranges, 2)` tensor
+    /// on q's device, and on CUDA for now. [`naive_attention`](crate::naive_attention) refuses
+    /// options with prefix ranges.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use candle::{Device, Tensor};
+    /// use candle_flash::FlashAttn;
+    ///
+    /// let dev = Device::Cpu;
+    /// // 6 tokens whose first 4 (an image) attend to each other bidirectionally, causal after.
+    /// let q = Tensor::randn(0f32, 1., (1, 6, 2, 8), &dev)?;
+    /// let kv = Tensor::randn(0f32, 1., (1, 6, 2, 8), &dev)?;
+    /// let ranges = Tensor::new(&[[[0i32, 4]]], &dev)?;
+    /// let out = FlashAttn::new(0.35).causal().mm_prefix_ranges(&ranges).forward(&q, &kv, &kv)?;
+    /// assert_eq!(out.dims(), &[1, 6, 2, 8]);
+    /// # Ok::<(), candle::Error>(())
+    /// ```
+    pub fn mm_prefix_ranges(mut self, ranges: &Tensor) -> Self {
+        self.mm_prefix_ranges = Some(ranges.clone());
         self
     }
 
@@ -129,8 +226,23 @@ impl FlashAttn {
         max_seqlen_q: usize,
         max_seqlen_k: usize,
     ) -> Result<(Tensor, Tensor)> {
-        let vl = read_seqlens(q, k, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k)?;
-        let problem = self.problem(q, k, v, Some(vl))?;
+        let vl = read_seqlens(
+            q,
+            k,
+            seqlens_q,
+            seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            self.block_table.is_some(),
+        )?;
+        let paged = match &self.block_table {
+            None => None,
+            Some(table) => {
+                let lens: Vec<usize> = vl.cu_k.windows(2).map(|w| (w[1] - w[0]) as usize).collect();
+                Some(read_paged(table, self.page_block_size, k, &lens)?)
+            }
+        };
+        let problem = self.problem_with(q, k, v, Some(vl), paged)?;
         self.run(problem, q, k, v)
     }
 

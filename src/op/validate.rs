@@ -4,7 +4,7 @@
 use candle::{bail, DType, Result, Tensor};
 
 use super::{FlashAttn, MAX_HEAD_DIM};
-use crate::problem::{Problem, Strides, VarLen};
+use crate::problem::{Paged, Prefix, Problem, Strides, VarLen};
 use crate::semantics::ScoreMod;
 
 impl FlashAttn {
@@ -16,13 +16,40 @@ impl FlashAttn {
         v: &Tensor,
         varlen: Option<VarLen>,
     ) -> Result<Problem> {
+        self.problem_with(q, k, v, varlen, None)
+    }
+
+    /// [`problem`](Self::problem) for any K/V source: packed/dense, or paged (varlen only).
+    pub(crate) fn problem_with(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        varlen: Option<VarLen>,
+        paged: Option<Paged>,
+    ) -> Result<Problem> {
+        if paged.is_none() && self.block_table.is_some() {
+            bail!(
+                "flash-attn: a block table (paged K/V) needs forward_varlen or forward_kvcache, \
+                 not forward"
+            )
+        }
         let rank = if varlen.is_some() { 3 } else { 4 };
         let expect = if varlen.is_some() {
             "(total_tokens, heads, head_dim)"
         } else {
             "(batch, seq, heads, head_dim)"
         };
-        for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        let (rank_kv, expect_kv) = if paged.is_some() {
+            (4, "(num_blocks, page_block_size, kv_heads, head_dim)")
+        } else {
+            (rank, expect)
+        };
+        for (name, t, rank, expect) in [
+            ("q", q, rank, expect),
+            ("k", k, rank_kv, expect_kv),
+            ("v", v, rank_kv, expect_kv),
+        ] {
             if t.rank() != rank {
                 bail!(
                     "flash-attn: {name} must have rank {rank} {expect}, got shape {:?}",
@@ -48,7 +75,7 @@ impl FlashAttn {
             None => (qd[0], qd[1], qd[2], qd[3]),
             Some(ref vl) => (vl.cu_q.len() - 1, vl.max_seqlen_q, qd[1], qd[2]),
         };
-        let (kv_heads, seq_k) = (kd[rank - 2], if varlen.is_some() { 0 } else { kd[1] });
+        let (kv_heads, seq_k) = (kd[rank_kv - 2], if varlen.is_some() { 0 } else { kd[1] });
         if kd != vd {
             bail!("flash-attn: k has shape {kd:?} but v has shape {vd:?}")
         }
@@ -58,10 +85,10 @@ impl FlashAttn {
                 kd[0]
             )
         }
-        if kd[rank - 1] != head_dim {
+        if kd[rank_kv - 1] != head_dim {
             bail!(
                 "flash-attn: q has head_dim {head_dim} but k and v have head_dim {}",
-                kd[rank - 1]
+                kd[rank_kv - 1]
             )
         }
         if head_dim == 0 || head_dim > MAX_HEAD_DIM {
@@ -99,6 +126,13 @@ impl FlashAttn {
                 batch * seq_q,
                 seq_k,
             ),
+            Some(vl) if paged.is_some() => (
+                Strides::packed(q.layout()),
+                Strides::dense(k.layout()),
+                Strides::dense(v.layout()),
+                qd[0],
+                vl.max_seqlen_k,
+            ),
             Some(vl) => (
                 Strides::packed(q.layout()),
                 Strides::packed(k.layout()),
@@ -106,6 +140,20 @@ impl FlashAttn {
                 qd[0],
                 vl.max_seqlen_k,
             ),
+        };
+        if let Some(pg) = &paged {
+            if kd[0] != pg.num_blocks || kd[1] != pg.page {
+                bail!(
+                    "flash-attn: page_block_size {} and the block table's {} blocks do not match \
+                     the paged k/v shape {kd:?}",
+                    pg.page,
+                    pg.num_blocks
+                )
+            }
+        }
+        let prefix = match &self.mm_prefix_ranges {
+            None => None,
+            Some(t) => Some(read_prefix(t, q, batch)?),
         };
         Ok(Problem {
             batch,
@@ -119,6 +167,8 @@ impl FlashAttn {
             k: k_s,
             v: v_s,
             varlen,
+            paged,
+            prefix,
             window: self.mask(),
             score: ScoreMod {
                 scale: self.softmax_scale,
@@ -165,6 +215,7 @@ pub(super) fn read_seqlens(
     seqlens_k: &Tensor,
     max_seqlen_q: usize,
     max_seqlen_k: usize,
+    paged: bool,
 ) -> Result<VarLen> {
     let read = |name: &str, t: &Tensor, total: Option<usize>, max: usize| -> Result<Vec<u32>> {
         if t.dtype() != DType::U32 {
@@ -206,13 +257,19 @@ pub(super) fn read_seqlens(
         }
         Ok(cu)
     };
-    for (name, t) in [("q", q), ("k", k)] {
+    let mut packed = vec![("q", q)];
+    if !paged {
+        packed.push(("k", k));
+    }
+    for (name, t) in packed {
         if t.rank() != 3 {
             bail!("flash-attn: varlen {name} must have rank 3 (total_tokens, heads, head_dim), got {:?}", t.dims())
         }
     }
     let cu_q = read("seqlens_q", seqlens_q, Some(q.dim(0)?), max_seqlen_q)?;
-    let cu_k = read("seqlens_k", seqlens_k, Some(k.dim(0)?), max_seqlen_k)?;
+    // Paged keys: the offsets only give each sequence's logical length.
+    let total_k = if paged { None } else { Some(k.dim(0)?) };
+    let cu_k = read("seqlens_k", seqlens_k, total_k, max_seqlen_k)?;
     if cu_q.len() != cu_k.len() {
         bail!(
             "flash-attn: seqlens_q has {} entries but seqlens_k has {}: both must be batch + 1",
@@ -232,5 +289,98 @@ pub(super) fn read_seqlens(
         max_seqlen_k: longest(&cu_k),
         cu_q,
         cu_k,
+    })
+}
+
+/// Reads and checks a block table: integer (u32, i32, i64, …) `(batch, max_blocks)` on q's
+/// device, naming `⌈len_b / page⌉` blocks `< num_blocks` for every sequence `b` of `lens`.
+pub(super) fn read_paged(
+    block_table: &Tensor,
+    page_block_size: usize,
+    k: &Tensor,
+    lens: &[usize],
+) -> Result<Paged> {
+    if !block_table.dtype().is_int() {
+        bail!(
+            "flash-attn: block_table must be an integer tensor (u32, i32 or i64), got {:?}",
+            block_table.dtype()
+        )
+    }
+    check_device("block_table", block_table, k)?;
+    let (batch, max_blocks) = match block_table.dims() {
+        &[b, m] => (b, m),
+        d => bail!("flash-attn: block_table must have shape (batch, max_blocks), got {d:?}"),
+    };
+    if batch != lens.len() {
+        bail!(
+            "flash-attn: block_table has {batch} rows but the call has {} sequences",
+            lens.len()
+        )
+    }
+    let (num_blocks, page) = match k.dims() {
+        &[n, p, _, _] => (n, p),
+        d => bail!(
+            "flash-attn: paged k must be (num_blocks, page_block_size, kv_heads, head_dim), got {d:?}"
+        ),
+    };
+    if page_block_size == 0 || page_block_size != page {
+        bail!(
+            "flash-attn: page_block_size {page_block_size} does not match the page size {page} of \
+             k's shape {:?} (num_blocks, page_block_size, kv_heads, head_dim)",
+            k.dims()
+        )
+    }
+    let raw = block_table
+        .to_dtype(DType::I64)?
+        .flatten_all()?
+        .to_vec1::<i64>()?;
+    let mut table = vec![0u32; batch * max_blocks];
+    for (b, &len) in lens.iter().enumerate() {
+        let used = len.div_ceil(page);
+        if used > max_blocks {
+            bail!(
+                "flash-attn: sequence {b} has {len} keys (seqlens_k) but block_table holds {max_blocks} \
+                 pages of {page} = {} keys per sequence",
+                max_blocks * page
+            )
+        }
+        for (t, &blk) in raw[b * max_blocks..][..used].iter().enumerate() {
+            if blk < 0 || blk as u64 >= num_blocks as u64 {
+                bail!(
+                    "flash-attn: block_table[{b}][{t}] = {blk} is out of range: k and v have \
+                     {num_blocks} blocks"
+                )
+            }
+            table[b * max_blocks + t] = blk as u32;
+        }
+    }
+    Ok(Paged {
+        page,
+        num_blocks,
+        max_blocks,
+        table,
+    })
+}
+
+/// Reads and checks multimodal prefix ranges: i32 (or another integer type) of shape
+/// `(batch, max_ranges, 2)` on q's device.
+fn read_prefix(t: &Tensor, q: &Tensor, batch: usize) -> Result<Prefix> {
+    if !t.dtype().is_int() {
+        bail!(
+            "flash-attn: mm_prefix_ranges must be an integer tensor (i32), got {:?}",
+            t.dtype()
+        )
+    }
+    check_device("mm_prefix_ranges", t, q)?;
+    let max_ranges = match t.dims() {
+        &[b, m, 2] if b == batch => m,
+        d => bail!(
+            "flash-attn: mm_prefix_ranges must have shape ({batch}, max_ranges, 2), got {d:?}"
+        ),
+    };
+    let flat = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
+    Ok(Prefix {
+        max_ranges,
+        ranges: flat.chunks_exact(2).map(|r| [r[0], r[1]]).collect(),
     })
 }

@@ -547,3 +547,66 @@ pub fn view_in_nan_buffer(t: &Tensor) -> Result<Tensor> {
     }
     Ok(view)
 }
+
+/// Golden attention with multimodal prefix ranges, from the spec: as [`reference`] for a batch
+/// of 1, except that key `j` is also visible to row `i` when one range `[s, e)` with `s < e`
+/// holds both `j` and the row's absolute position `i + sk - sq` (scale and window only: no
+/// softcap, no ALiBi). Returns the output
+/// `(1, sq, h, d)` and the lse `(1, h, sq)`, flattened.
+pub fn reference_prefix(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &FlashAttn,
+    ranges: &[[i64; 2]],
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (_, sq, h, d) = q.dims4()?;
+    let (_, sk, hk, _) = k.dims4()?;
+    let f = |t: &Tensor| t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>();
+    let (qv, kv, vv) = (f(q)?, f(k)?, f(v)?);
+    let mut out = vec![0f64; sq * h * d];
+    let mut lse = vec![f64::NEG_INFINITY; h * sq];
+    for hi in 0..h {
+        let kh = hi / (h / hk);
+        for i in 0..sq {
+            let pos = i as i64 + sk as i64 - sq as i64;
+            let sees = |j: usize| {
+                visible(i, j, sq, sk, opts.window_size_left, opts.window_size_right)
+                    || ranges.iter().any(|&[s, e]| {
+                        s < e && s <= j as i64 && (j as i64) < e && s <= pos && pos < e
+                    })
+            };
+            let scores: Vec<Option<f64>> = (0..sk)
+                .map(|j| {
+                    sees(j).then(|| {
+                        let dot: f64 = (0..d)
+                            .map(|x| qv[(i * h + hi) * d + x] * kv[(j * hk + kh) * d + x])
+                            .sum();
+                        dot * opts.softmax_scale as f64
+                    })
+                })
+                .collect();
+            let m = scores
+                .iter()
+                .flatten()
+                .fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+            if m == f64::NEG_INFINITY {
+                continue;
+            }
+            let mut l = 0f64;
+            let o = &mut out[(i * h + hi) * d..][..d];
+            for (j, s) in scores.iter().enumerate() {
+                if let Some(s) = s {
+                    let p = (s - m).exp();
+                    l += p;
+                    for (x, ox) in o.iter_mut().enumerate() {
+                        *ox += p * vv[(j * hk + kh) * d + x];
+                    }
+                }
+            }
+            o.iter_mut().for_each(|x| *x /= l);
+            lse[hi * sq + i] = m + l.ln();
+        }
+    }
+    Ok((out, lse))
+}

@@ -11,9 +11,10 @@
 //!
 //! Differences from upstream, all in the direction of accepting more:
 //! - any head dim from 1 to 256 (upstream: multiples of 8), and CPU tensors as well as CUDA ones;
-//! - `flash_attn_varlen_paged_windowed` gathers the paged keys and values into packed tensors and
-//!   runs the varlen kernel (a copy of the visible keys, O(total_k)); any `page_block_size` is
-//!   accepted, and `mm_prefix_ranges` is refused with an error.
+//! - `flash_attn_varlen_paged_windowed` accepts any `page_block_size`. On the CPU it reads the
+//!   pages in place (candle-flash's own paged kernel, `mm_prefix_ranges` included); on CUDA it
+//!   still gathers the paged keys and values into packed tensors and runs the varlen kernel (a
+//!   copy of the visible keys, O(total_k)), and refuses `mm_prefix_ranges` with an error.
 //!
 //! Not provided: the `FlashAttn` struct that upstream exposes as a `CustomOp3` (models call the
 //! functions, not the struct; candle-flash's own `FlashAttn` builder has the same fields and a
@@ -33,6 +34,9 @@ pub use candle_flash::{
 /// `block_table`: integer `(batch, max_blocks)`, row `b` listing the physical blocks that hold
 /// sequence `b`'s keys in order; `seqlens_q`/`seqlens_k`: cumulative u32 lengths of `batch + 1`
 /// entries (the logical key lengths). Returns `(total_q, heads, head_dim)`.
+///
+/// On the CPU this is [`candle_flash::flash_attn_varlen_paged_windowed`]; CUDA tensors take the
+/// gather path until candle-flash's CUDA kernels read pages.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_paged_windowed(
     q: &Tensor,
@@ -50,6 +54,24 @@ pub fn flash_attn_varlen_paged_windowed(
     page_block_size: usize,
     softcap: Option<f32>,
 ) -> Result<Tensor> {
+    if !q.device().is_cuda() {
+        return candle_flash::flash_attn_varlen_paged_windowed(
+            q,
+            k,
+            v,
+            seqlens_q,
+            seqlens_k,
+            block_table,
+            mm_prefix_ranges,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            window_size_left,
+            window_size_right,
+            page_block_size,
+            softcap,
+        );
+    }
     if mm_prefix_ranges.is_some() {
         bail!("flash-attn (candle-flash shim): mm_prefix_ranges is not supported")
     }
@@ -316,7 +338,7 @@ mod tests {
         );
         assert!(
             call(&[0, 4], &bt, 4, Some(&bt)).is_err(),
-            "mm_prefix_ranges"
+            "mm_prefix_ranges of the wrong shape"
         );
         assert!(call(&[0, 8], &bt, 4, None).is_ok());
         Ok(())

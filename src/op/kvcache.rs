@@ -1,0 +1,229 @@
+//! One call per decode step: append the new keys and values to a KV cache in place, then attend
+//! over each sequence's cache (FlashAttention-2's `flash_attn_with_kvcache`).
+
+use candle::{bail, DType, Result, Tensor};
+
+use super::append::AppendKv;
+use super::validate::read_paged;
+use super::FlashAttn;
+use crate::problem::{Paged, VarLen};
+
+impl FlashAttn {
+    /// Attention against a KV cache, appending to it first: the whole of one decode step (or of
+    /// one chunk of a chunked prefill).
+    ///
+    /// * q: `(batch, seq_q, heads, head_dim)`.
+    /// * `k_cache`, `v_cache`: contiguous-per-sequence `(batch, max_len, kv_heads, head_dim)`,
+    ///   or paged `(num_blocks, page_block_size, kv_heads, head_dim)` when the op has a block
+    ///   table ([`paged`](Self::paged)).
+    /// * `cache_seqlens`: integer `(batch,)` (u32; i32/i64 accepted), each sequence's length
+    ///   *before* this call.
+    /// * `new_kv`: optional `(k_new, v_new)`, `(batch, seq_new, kv_heads, head_dim)`, written
+    ///   into the caches in place at positions `cache_seqlens[b] ..` of each sequence.
+    ///
+    /// Sequence `b` then attends over its `cache_seqlens[b] + seq_new` keys with every option of
+    /// the op (mask aligned bottom-right: the queries are the last `seq_q` positions).
+    /// Sequences of different lengths need no padding; cache rows past a sequence's length are
+    /// never read. Returns `(batch, seq_q, heads, head_dim)` in q's dtype. The caller advances
+    /// `cache_seqlens` by `seq_new` for the next step.
+    ///
+    /// # Errors
+    ///
+    /// Every input is checked before the caches are written, and an error names the argument:
+    /// `cache_seqlens` not an integer `(batch,)` tensor or negative; `k_new`/`v_new` of another
+    /// shape, dtype or device than the cache rows; a sequence whose new length exceeds the
+    /// cache (`max_len`, or `max_blocks · page_block_size` paged); a bad block table (as
+    /// [`paged`](Self::paged)); and everything [`forward`](Self::forward) refuses. On CUDA the
+    /// append is not implemented yet and returns an error.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use candle::{DType, Device, Tensor};
+    /// use candle_flash::FlashAttn;
+    ///
+    /// let dev = Device::Cpu;
+    /// // Two sequences of 3 and 5 cached tokens in a cache of 16 positions.
+    /// let k_cache = Tensor::zeros((2, 16, 2, 8), DType::F32, &dev)?;
+    /// let v_cache = Tensor::zeros((2, 16, 2, 8), DType::F32, &dev)?;
+    /// let mut lens = vec![3u32, 5];
+    /// for _step in 0..4 {
+    ///     let q = Tensor::randn(0f32, 1., (2, 1, 4, 8), &dev)?;
+    ///     let k = Tensor::randn(0f32, 1., (2, 1, 2, 8), &dev)?;
+    ///     let v = Tensor::randn(0f32, 1., (2, 1, 2, 8), &dev)?;
+    ///     let seqlens = Tensor::new(lens.as_slice(), &dev)?;
+    ///     let out = FlashAttn::new(0.35)
+    ///         .causal()
+    ///         .forward_kvcache(&q, &k_cache, &v_cache, &seqlens, Some((&k, &v)))?;
+    ///     assert_eq!(out.dims(), &[2, 1, 4, 8]);
+    ///     lens.iter_mut().for_each(|l| *l += 1);
+    /// }
+    /// // The cache is full at 16: appending past it is an error, not an overflow.
+    /// let q = Tensor::zeros((2, 1, 4, 8), DType::F32, &dev)?;
+    /// let kv = Tensor::zeros((2, 1, 2, 8), DType::F32, &dev)?;
+    /// let full = Tensor::new(&[16u32, 9], &dev)?;
+    /// let err = FlashAttn::new(0.35).forward_kvcache(&q, &k_cache, &v_cache, &full, Some((&kv, &kv)));
+    /// assert!(err.unwrap_err().to_string().contains("cache_seqlens"));
+    /// # Ok::<(), candle::Error>(())
+    /// ```
+    pub fn forward_kvcache(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        cache_seqlens: &Tensor,
+        new_kv: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor> {
+        let (batch, seq_q, heads, head_dim) = match q.dims() {
+            &[b, s, h, d] => (b, s, h, d),
+            d => bail!("flash-attn: q must have rank 4 (batch, seq_q, heads, head_dim), got {d:?}"),
+        };
+        let cache_dims = match k_cache.dims() {
+            &[a, b, c, d] => [a, b, c, d],
+            d => bail!(
+                "flash-attn: k_cache must have rank 4 (batch, max_len, kv_heads, head_dim) or \
+                 (num_blocks, page_block_size, kv_heads, head_dim), got {d:?}"
+            ),
+        };
+        if v_cache.dims() != k_cache.dims() {
+            bail!(
+                "flash-attn: k_cache has shape {:?} but v_cache has shape {:?}",
+                k_cache.dims(),
+                v_cache.dims()
+            )
+        }
+        let start = read_cache_seqlens(cache_seqlens, q, batch)?;
+        let seq_new = match new_kv {
+            None => 0,
+            Some((k_new, v_new)) => check_new(k_new, v_new, k_cache, batch, cache_dims)?,
+        };
+        let lens: Vec<usize> = start.iter().map(|&s| s + seq_new).collect();
+        let paged = match &self.block_table {
+            Some(table) => read_paged(table, self.page_block_size, k_cache, &lens)?,
+            None => {
+                let [cache_batch, max_len, ..] = cache_dims;
+                if cache_batch != batch {
+                    bail!(
+                        "flash-attn: q has batch {batch} but k_cache has batch {cache_batch} (pass \
+                         a block table for a paged cache)"
+                    )
+                }
+                if let Some(b) = lens.iter().position(|&l| l > max_len) {
+                    bail!(
+                        "flash-attn: cache_seqlens[{b}] = {} plus {seq_new} new keys exceeds the \
+                         cache's {max_len} positions",
+                        start[b]
+                    )
+                }
+                Paged {
+                    page: max_len,
+                    num_blocks: batch,
+                    max_blocks: 1,
+                    table: (0..batch as u32).collect(),
+                }
+            }
+        };
+        if let Some(b) = lens.iter().position(|&l| l > u32::MAX as usize) {
+            bail!("flash-attn: cache_seqlens[{b}] plus {seq_new} new keys overflows u32")
+        }
+        let mut cu_k = vec![0u32; batch + 1];
+        for (b, &len) in lens.iter().enumerate() {
+            cu_k[b + 1] = u32::try_from(cu_k[b] as usize + len).map_err(|_| {
+                candle::Error::Msg("flash-attn: the total cache length overflows u32".into())
+            })?;
+        }
+        let cu_q = (0..=batch)
+            .map(|b| u32::try_from(b * seq_q))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|_| candle::Error::Msg("flash-attn: batch * seq_q overflows u32".into()))?;
+        let vl = VarLen {
+            max_seqlen_q: if batch == 0 { 0 } else { seq_q },
+            max_seqlen_k: lens.iter().copied().max().unwrap_or(0),
+            cu_q,
+            cu_k,
+        };
+        let q3 = q.reshape((batch * seq_q, heads, head_dim))?;
+        // Everything is validated before the caches are written.
+        let problem = self.problem_with(&q3, k_cache, v_cache, Some(vl), Some(paged))?;
+        if let Some((k_new, v_new)) = new_kv {
+            let paged = problem.paged.as_ref().expect("paged problem");
+            let append = AppendKv {
+                paged,
+                start: &start,
+            };
+            k_cache.inplace_op2(k_new, &append)?;
+            v_cache.inplace_op2(v_new, &append)?;
+        }
+        let (out, _) = self.run(problem, &q3, k_cache, v_cache)?;
+        out.reshape((batch, seq_q, heads, head_dim))
+    }
+}
+
+/// Reads the cache lengths: an integer `(batch,)` tensor on q's device, none negative.
+fn read_cache_seqlens(t: &Tensor, q: &Tensor, batch: usize) -> Result<Vec<usize>> {
+    if !t.dtype().is_int() {
+        bail!(
+            "flash-attn: cache_seqlens must be an integer tensor (u32), got {:?}",
+            t.dtype()
+        )
+    }
+    if t.dims() != [batch] {
+        bail!(
+            "flash-attn: cache_seqlens must have shape ({batch},) (one length per sequence of q), \
+             got {:?}",
+            t.dims()
+        )
+    }
+    if !t.device().same_device(q.device()) {
+        bail!("flash-attn: cache_seqlens is on another device than q")
+    }
+    t.to_dtype(DType::I64)?
+        .to_vec1::<i64>()?
+        .into_iter()
+        .enumerate()
+        .map(|(b, l)| {
+            usize::try_from(l).map_err(|_| {
+                candle::Error::Msg(format!("flash-attn: cache_seqlens[{b}] = {l} is negative"))
+            })
+        })
+        .collect()
+}
+
+/// Checks `k_new`/`v_new` against the cache; returns `seq_new`.
+fn check_new(
+    k_new: &Tensor,
+    v_new: &Tensor,
+    k_cache: &Tensor,
+    batch: usize,
+    cache_dims: [usize; 4],
+) -> Result<usize> {
+    for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
+        match t.dims() {
+            &[b, _, h, d] if b == batch && h == cache_dims[2] && d == cache_dims[3] => {}
+            d => bail!(
+                "flash-attn: {name} must have shape ({batch}, seq_new, {}, {}) (batch of q, kv \
+                 heads and head dim of the cache), got {d:?}",
+                cache_dims[2],
+                cache_dims[3]
+            ),
+        }
+        if t.dtype() != k_cache.dtype() {
+            bail!(
+                "flash-attn: {name} has dtype {:?} but the cache has {:?}",
+                t.dtype(),
+                k_cache.dtype()
+            )
+        }
+        if !t.device().same_device(k_cache.device()) {
+            bail!("flash-attn: {name} is on another device than the cache")
+        }
+    }
+    if k_new.dim(1)? != v_new.dim(1)? {
+        bail!(
+            "flash-attn: k_new has {} new positions but v_new has {}",
+            k_new.dim(1)?,
+            v_new.dim(1)?
+        )
+    }
+    k_new.dim(1)
+}
