@@ -70,6 +70,9 @@ struct Args {
     /// Also write the results as CSV to this path.
     #[arg(long)]
     csv: Option<String>,
+    /// Also time the same cache in pages of this many rows over a shuffled block table.
+    #[arg(long)]
+    page: Option<usize>,
 }
 
 fn device(arg: DeviceArg) -> Result<Device> {
@@ -168,8 +171,19 @@ fn main() -> Result<()> {
     );
     println!("copy bandwidth (read + write): {copy:.1} GB/s");
     println!();
-    println!("| batch | kv | ours us | GB/s | % of copy | naive us | naive / ours |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    match args.page {
+        None => {
+            println!("| batch | kv | ours us | GB/s | % of copy | naive us | naive / ours |");
+            println!("|---:|---:|---:|---:|---:|---:|---:|");
+        }
+        Some(page) => {
+            println!(
+                "| batch | kv | ours us | GB/s | % of copy | naive us | naive / ours | paged \
+                 ({page}-row pages, shuffled) us | paged / contiguous |"
+            );
+            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        }
+    }
     let mut csv = match &args.csv {
         Some(path) => {
             let mut f = std::fs::File::create(path)?;
@@ -205,18 +219,96 @@ fn main() -> Result<()> {
                 naive(&qt, &kt, &vt, scale)?;
                 Ok(())
             })?;
+            // The same cache in pages of `--page` rows over a shuffled block table, read in the
+            // kernel through `flash_attn_varlen_paged_windowed`.
+            let paged = match args.page {
+                None => None,
+                Some(page) => {
+                    let blocks = s.div_ceil(page);
+                    let pad = blocks * page - s;
+                    let to_pages = |t: &Tensor| -> Result<Tensor> {
+                        let t = if pad > 0 {
+                            t.pad_with_zeros(1, 0, pad)?
+                        } else {
+                            t.clone()
+                        };
+                        Ok(t.reshape((b * blocks, page, hk, d))?)
+                    };
+                    let (kp, vp) = (to_pages(&k)?, to_pages(&v)?);
+                    // Physical block p holds logical block (b, j) = order[p]: a fixed shuffle.
+                    let n = b * blocks;
+                    let mut order: Vec<usize> = (0..n).collect();
+                    let mut state = 0x9E37_79B9u64;
+                    for i in (1..n).rev() {
+                        state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+                        order.swap(i, (state >> 33) as usize % (i + 1));
+                    }
+                    let shuffle = Tensor::new(
+                        order
+                            .iter()
+                            .map(|&x| x as u32)
+                            .collect::<Vec<_>>()
+                            .as_slice(),
+                        &dev,
+                    )?;
+                    let (kp, vp) = (kp.index_select(&shuffle, 0)?, vp.index_select(&shuffle, 0)?);
+                    let mut table = vec![0u32; n];
+                    for (phys, &logical) in order.iter().enumerate() {
+                        table[logical] = phys as u32;
+                    }
+                    let table = Tensor::from_vec(table, (b, blocks), &dev)?;
+                    let cu_q = Tensor::new((0..=b as u32).collect::<Vec<_>>().as_slice(), &dev)?;
+                    let cu_k = Tensor::new(
+                        (0..=b as u32)
+                            .map(|i| i * s as u32)
+                            .collect::<Vec<_>>()
+                            .as_slice(),
+                        &dev,
+                    )?;
+                    let qp = q.reshape((b, h, d))?;
+                    let t = time(&dev, args.reps, &mut || {
+                        candle_flash::flash_attn_varlen_paged_windowed(
+                            &qp,
+                            &kp,
+                            &vp,
+                            &cu_q,
+                            &cu_k,
+                            &table,
+                            None,
+                            1,
+                            s,
+                            scale as f32,
+                            None,
+                            Some(0),
+                            page,
+                            None,
+                        )?;
+                        Ok(())
+                    })?;
+                    Some(t)
+                }
+            };
             let bytes = (2 * b * s * hk * d + 2 * b * h * d) * esize;
             let gbps = |t: f64| bytes as f64 / t / 1e9;
             println!(
-                "| {b} | {s} | {:.0} | {:.1} | {:.0}% | {:.0} | {:.2}x |",
+                "| {b} | {s} | {:.0} | {:.1} | {:.0}% | {:.0} | {:.2}x |{}",
                 ours * 1e6,
                 gbps(ours),
                 100.0 * gbps(ours) / copy,
                 base * 1e6,
                 base / ours,
+                paged.map_or(String::new(), |t| format!(
+                    " {:.0} | {:.3} |",
+                    t * 1e6,
+                    t / ours
+                )),
             );
             if let Some(f) = csv.as_mut() {
-                for (name, t) in [("flash", ours), ("naive", base)] {
+                let paged_row = paged.map(|t| ("flash_paged", t));
+                for (name, t) in [("flash", ours), ("naive", base)]
+                    .into_iter()
+                    .chain(paged_row)
+                {
                     writeln!(
                         f,
                         "{name},{dtype:?},{b},{h},{hk},{d},{s},{:.1},{:.2},{copy:.2}",

@@ -22,15 +22,23 @@ done
 LOG=${OUT:-/tmp}
 export LD_LIBRARY_PATH=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))'):${LD_LIBRARY_PATH:-}
 for f in .gpu/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
-chmod +x .gpu/gpu_tests .gpu/gpu_bench .gpu/decode_bench
+chmod +x .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_bench .gpu/decode_bench
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 status=0
 if [ $TESTS = 1 ]; then
     echo "== GPU tests"
     ./.gpu/gpu_tests --test-threads=1 2>&1 | tee "$LOG/tests.log" | grep -E "^test |test result|passed|panicked|error" || true
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    echo "== paged KV cache, prefix ranges and KV-cache append tests (tests/paged.rs on the GPU)"
+    CANDLE_FLASH_TEST_DEVICE=cuda ./.gpu/paged_tests --test-threads=1 2>&1 | tee "$LOG/paged.log" | grep -E "^test |test result|panicked" || true
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ $SAN = 1 ]; then
+    echo "== compute-sanitizer --tool memcheck on the paged / append tests"
+    CANDLE_FLASH_TEST_DEVICE=cuda timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        ./.gpu/paged_tests --test-threads=1 paged_matches kvcache 2>&1 \
+        | tee "$LOG/sanitizer-paged.log" | grep -E "ERROR SUMMARY|test result" | head -5
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
     for tool in memcheck racecheck synccheck initcheck; do
         echo "== compute-sanitizer --tool $tool (small ragged shapes)"
         CANDLE_FLASH_GPU_SMALL=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 \
@@ -64,7 +72,7 @@ for k in keys:
 fi
 if [ $DECODE = 1 ]; then
     echo "== decode: candle-flash (flash_attn) vs candle naive, bf16, 32/8 heads, d 128"
-    ./.gpu/decode_bench --device cuda --dtype bf16 --batch 1,8 --kv 4096,32768 --csv "$LOG/decode-candle.csv" 2>&1 | tee "$LOG/decode.log"
+    ./.gpu/decode_bench --device cuda --dtype bf16 --batch 1,8 --kv 4096,32768 --page 16 --csv "$LOG/decode-candle.csv" 2>&1 | tee "$LOG/decode.log"
     echo "== decode: PyTorch SDPA (flash, cuDNN), same shapes"
     python3 .gpu/sdpa_decode.py --csv "$LOG/decode-torch.csv" 2>&1 | tee "$LOG/decode-torch.log"
 fi

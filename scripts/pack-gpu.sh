@@ -22,11 +22,18 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
         print(m["executable"])')
+paged_bin=$(cargo test --release --features "$features" --test paged --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "paged" and m.get("executable"):
+        print(m["executable"])')
 cargo build --release --features "$features" --example gpu_bench --example decode_bench
 cp "$test_bin" .gpu/gpu_tests
+cp "$paged_bin" .gpu/paged_tests
 cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .gpu/gpu_bench
 cp "$CARGO_TARGET_DIR/release/examples/decode_bench" .gpu/decode_bench
 cp scripts/sdpa_bench.py scripts/sdpa_decode.py .gpu/
-strip .gpu/gpu_tests .gpu/gpu_bench .gpu/decode_bench
-gzip -9 .gpu/gpu_tests .gpu/gpu_bench .gpu/decode_bench
+strip .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_bench .gpu/decode_bench
+gzip -9 .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_bench .gpu/decode_bench
 ls -l .gpu

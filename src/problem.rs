@@ -64,14 +64,30 @@ pub(crate) struct Seq {
     pub lse_base: usize,
 }
 
-/// Cumulative sequence lengths of a varlen call, read to the host and checked.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Cumulative sequence lengths of a varlen call: read to the host and checked for the CPU, or
+/// left on the GPU (`device`) for the CUDA kernels, which read and clamp them there, so a CUDA
+/// call makes no host round trip.
+#[derive(Clone, Debug)]
 pub(crate) struct VarLen {
+    /// Sequences of the call.
+    pub batch: usize,
+    /// Host copies (empty when `device` is set).
     pub cu_q: Vec<u32>,
     pub cu_k: Vec<u32>,
-    /// Longest sequence of each side (at most the caller's `max_seqlen_*`, which is checked).
+    /// Longest sequence of each side: the actual maxima on the host, the caller's
+    /// `max_seqlen_*` bounds on the GPU (which size the grid; kernels clamp to them).
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
+    /// Rows of the packed k and v (unused for paged caches).
+    pub total_k: usize,
+    pub device: Option<OnDevice>,
+}
+
+/// Lengths left on the GPU: u32 cumulative `cu_q` / `cu_k` (batch + 1).
+#[derive(Clone, Debug)]
+pub(crate) struct OnDevice {
+    pub cu_q: candle::Tensor,
+    pub cu_k: candle::Tensor,
 }
 
 /// A paged K/V cache: k and v are `(num_blocks, page, kv_heads, head_dim)` (their [`Strides`]
@@ -80,7 +96,7 @@ pub(crate) struct VarLen {
 ///
 /// A contiguous `(batch, max_len, kv_heads, head_dim)` cache with per-sequence lengths is the
 /// same thing with `page = max_len` and block `b` for sequence `b`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub(crate) struct Paged {
     pub page: usize,
     pub num_blocks: usize,
@@ -89,14 +105,20 @@ pub(crate) struct Paged {
     /// use (the first `⌈seq_k / page⌉` of its row) are checked to be `< num_blocks`; the rest
     /// are never read.
     pub table: Vec<u32>,
+    /// On the GPU instead (then `table` is empty): i32 or u32 `(batch, max_blocks)`, never read
+    /// on the host; kernels treat an index outside `[0, num_blocks)` as a block of zeros.
+    pub device_table: Option<candle::Tensor>,
 }
 
 /// Multimodal prefix ranges, `batch × max_ranges` `[start, end)` pairs (see
 /// [`SeqMask`]); ranges with `start >= end` are kept and ignored.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub(crate) struct Prefix {
     pub max_ranges: usize,
+    /// Host copy (empty when `device` is set).
     pub ranges: Vec<[i64; 2]>,
+    /// On the GPU instead: i32 `(batch, max_ranges, 2)`.
+    pub device: Option<candle::Tensor>,
 }
 
 /// Where the keys of one sequence live: the one key-row addressing scheme of the CPU kernels.
@@ -260,13 +282,18 @@ impl Problem {
     /// Rows of q and of k/v along their storage's seq axis: per batch entry for dense calls,
     /// all packed tokens for varlen.
     pub fn storage_rows(&self) -> (usize, usize) {
-        match &self.varlen {
-            None => (self.max_seq_q, self.max_seq_k),
-            Some(vl) => (
-                *vl.cu_q.last().unwrap_or(&0) as usize,
-                *vl.cu_k.last().unwrap_or(&0) as usize,
-            ),
+        match (&self.varlen, &self.paged) {
+            (_, Some(pg)) => (self.total_q, pg.page),
+            (None, None) => (self.max_seq_q, self.max_seq_k),
+            (Some(vl), None) => (self.total_q, vl.total_k),
         }
+    }
+
+    /// Batch entries along the storage's batch axis of q and of k/v (blocks for paged caches,
+    /// one packed run for varlen).
+    pub fn storage_batches(&self) -> (usize, usize) {
+        let q = if self.varlen.is_some() { 1 } else { self.batch };
+        (q, self.paged.as_ref().map_or(q, |pg| pg.num_blocks))
     }
 
     /// The layouts a backend receives must be the ones this problem was built from.

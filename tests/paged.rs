@@ -12,6 +12,34 @@ use common::*;
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
+/// The device the flash calls of these tests run on: the CPU, or the GPU when
+/// `CANDLE_FLASH_TEST_DEVICE=cuda` (scripts/gpu-run.sh runs this binary that way). Inputs and the
+/// f64 reference stay on the host either way.
+fn test_device() -> Device {
+    // One device for the whole binary: candle tells devices apart by instance, not ordinal.
+    static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    DEVICE
+        .get_or_init(|| match std::env::var("CANDLE_FLASH_TEST_DEVICE").as_deref() {
+            Ok("cuda") => {
+                Device::new_cuda(0).expect("CANDLE_FLASH_TEST_DEVICE=cuda: no CUDA device")
+            }
+            _ => Device::Cpu,
+        })
+        .clone()
+}
+
+/// `t` on the test device.
+fn td(t: &Tensor) -> Tensor {
+    t.to_device(&test_device()).unwrap()
+}
+
+/// `opts` with its ALiBi slopes on the test device.
+fn opts_td(opts: &FlashAttn) -> FlashAttn {
+    let mut o = opts.clone();
+    o.alibi_slopes = o.alibi_slopes.as_ref().map(td);
+    o
+}
+
 fn scale(d: usize) -> f32 {
     1.0 / (d as f32).sqrt()
 }
@@ -135,10 +163,9 @@ fn check_paged(what: &str, c: &Case, page: usize, dtype: DType, opts: &FlashAttn
         *c.lens_q.iter().max().unwrap(),
         *c.lens_k.iter().max().unwrap(),
     );
-    let got = opts
-        .clone()
-        .paged(&table, page)
-        .forward_varlen(&q, &pk.k, &pk.v, &sq, &sk, mq, mk)
+    let got = opts_td(opts)
+        .paged(&td(&table), page)
+        .forward_varlen(&td(&q), &td(&pk.k), &td(&pk.v), &td(&sq), &td(&sk), mq, mk)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     let (want, _) = reference_varlen(&q, &k, &v, &cu_q, &cu_k, opts).unwrap();
     let naive = naive_varlen(&q, &k, &v, &cu_q, &cu_k, opts).unwrap();
@@ -314,14 +341,17 @@ fn check_prefix(
             let (o, _) = reference_prefix(&seq.q, &seq.k, &seq.v, &opts, &ranges[b]).unwrap();
             want[seq.q0 * h * d..seq.q1 * h * d].copy_from_slice(&o);
         }
-        let with = opts.clone().mm_prefix_ranges(&rt);
-        let packed = with.forward_varlen(&q, &k, &v, &sq, &sk, mq, mk).unwrap();
-        let pk = paged_kv(&k, &v, &lens_k, 16, 2, 5);
+        let with = opts_td(&opts).mm_prefix_ranges(&td(&rt));
+        let (qd, sqd, skd) = (td(&q), td(&sq), td(&sk));
+        let packed = with
+            .forward_varlen(&qd, &td(&k), &td(&v), &sqd, &skd, mq, mk)
+            .unwrap();
+        let pk = paged_kv(&k, &v, lens_k, 16, 2, 5);
         let table = table_tensor(&pk.table, DType::U32);
         let paged = with
             .clone()
-            .paged(&table, 16)
-            .forward_varlen(&q, &pk.k, &pk.v, &sq, &sk, mq, mk)
+            .paged(&td(&table), 16)
+            .forward_varlen(&qd, &td(&pk.k), &td(&pk.v), &sqd, &skd, mq, mk)
             .unwrap();
         let what = format!(
             "window {:?}/{:?}",
@@ -414,6 +444,12 @@ fn kvcache_chunked_prefill_and_decode_match_full_attention() {
             let k = randn(&[batch, cap, hk, d], dtype, 22, &dev).unwrap();
             let v = randn(&[batch, cap, hk, d], dtype, 23, &dev).unwrap();
             let cache = new_cache(paged, cap, &k, &v, &prompt);
+            let cache = Cache {
+                k: td(&cache.k),
+                v: td(&cache.v),
+                table: cache.table.as_ref().map(td),
+                page: cache.page,
+            };
             let opts = FlashAttn::new(scale(d)).causal();
             let op = match &cache.table {
                 Some(table) => opts.clone().paged(table, cache.page),
@@ -430,10 +466,10 @@ fn kvcache_chunked_prefill_and_decode_match_full_attention() {
                         .collect();
                     Tensor::cat(&rows, 0).unwrap()
                 };
-                let (kn, vn) = (part(&k), part(&v));
-                let qn = q.narrow(1, done, n).unwrap();
+                let (kn, vn) = (td(&part(&k)), td(&part(&v)));
+                let qn = td(&q.narrow(1, done, n).unwrap());
                 let seqlens: Vec<u32> = lens.iter().map(|&x| x as u32).collect();
-                let seqlens = Tensor::new(seqlens.as_slice(), &dev).unwrap();
+                let seqlens = td(&Tensor::new(seqlens.as_slice(), &dev).unwrap());
                 let out = op
                     .forward_kvcache(&qn, &cache.k, &cache.v, &seqlens, Some((&kn, &vn)))
                     .unwrap();
@@ -441,7 +477,7 @@ fn kvcache_chunked_prefill_and_decode_match_full_attention() {
                 done += n;
                 // Append-then-attend equals attending over the appended cache.
                 let after: Vec<u32> = lens.iter().map(|&x| x as u32).collect();
-                let after = Tensor::new(after.as_slice(), &dev).unwrap();
+                let after = td(&Tensor::new(after.as_slice(), &dev).unwrap());
                 let again = op
                     .forward_kvcache(&qn, &cache.k, &cache.v, &after, None)
                     .unwrap();

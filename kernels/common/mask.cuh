@@ -17,25 +17,52 @@ struct BlockGeom {
     int slope_idx;       // index into alibi
 };
 
-// Returns false when the tile lies past the end of its (varlen) sequence.
-__device__ __forceinline__ bool block_geom(const FlashParams& p, int m_block, int tile_rows, int h,
-                                           int b, BlockGeom& g) {
+// Lengths come from the device (cu_q / cu_k / seqused_k are never read on the host), so they
+// are clamped here: a sequence's rows stay inside the packed tensors (total_q, total_k) and its
+// lengths inside the caller's max_seqlen bounds (seq_q, seq_k; for paged caches also the table's
+// capacity). Bad lengths thus never read or write out of bounds; the rows of such a sequence get
+// unspecified values. CACHE: the kernel also serves KV caches (per-sequence key counts, paged
+// blocks); the prefill kernels never see those and skip their branches.
+template <bool CACHE>
+__device__ __forceinline__ void seq_lengths(const FlashParams& p, int b, BlockGeom& g) {
     if (p.cu_q) {
-        const int64_t q0 = p.cu_q[b], k0 = p.cu_k[b];
-        g.sq = (int)(p.cu_q[b + 1] - q0);
-        g.sk = (int)(p.cu_k[b + 1] - k0);
+        const int64_t q0 = min((int64_t)p.cu_q[b], (int64_t)p.total_q);
+        const int64_t q1 = max(q0, min((int64_t)p.cu_q[b + 1], (int64_t)p.total_q));
+        g.sq = (int)min(q1 - q0, (int64_t)p.seq_q);
         g.q_row0 = q0;
-        g.k_row0 = k0;
         g.out_row0 = q0;
-        g.lse0 = (int64_t)h * p.lse_head + q0;
     } else {
         g.sq = p.seq_q;
-        g.sk = p.seq_k;
         g.q_row0 = 0;
-        g.k_row0 = 0;
         g.out_row0 = (int64_t)b * p.seq_q;
-        g.lse0 = ((int64_t)b * p.heads + h) * p.seq_q;
     }
+    if (CACHE && p.seqused_k) {
+        // Per-sequence key counts (a KV cache), plus rows appended by this call.
+        const int64_t n = (int64_t)p.seqused_k[b] + p.k_add;
+        g.sk = (int)max((int64_t)0, min(n, (int64_t)p.seq_k));
+        g.k_row0 = 0;
+    } else if (p.cu_k) {
+        // Paged caches find their rows through the table (only the length counts, bounded by
+        // the table's capacity in seq_k); packed keys must stay inside total_k.
+        const bool paged = CACHE && p.block_table;
+        const int64_t cap = paged ? INT64_MAX : (int64_t)p.total_k;
+        const int64_t k0 = min((int64_t)p.cu_k[b], cap);
+        const int64_t k1 = max(k0, min((int64_t)p.cu_k[b + 1], cap));
+        g.sk = (int)min(k1 - k0, (int64_t)p.seq_k);
+        g.k_row0 = paged ? 0 : k0;
+    } else {
+        g.sk = p.seq_k;
+        g.k_row0 = 0;
+    }
+}
+
+// Returns false when the tile lies past the end of its (varlen) sequence.
+template <bool CACHE = false>
+__device__ __forceinline__ bool block_geom(const FlashParams& p, int m_block, int tile_rows, int h,
+                                           int b, BlockGeom& g) {
+    seq_lengths<CACHE>(p, b, g);
+    g.lse0 = p.cu_q ? (int64_t)h * p.lse_head + g.q_row0
+                    : ((int64_t)b * p.heads + h) * p.seq_q;
     g.m0 = m_block * tile_rows;
     if (g.m0 >= g.sq) return false;
     g.rows = min(tile_rows, g.sq - g.m0);
@@ -75,3 +102,46 @@ __device__ __forceinline__ bool visible(const FlashParams& p, int diag, int j, i
     return true;
 }
 
+
+// Keys [lo, hi) the row with diagonal `diag` of sequence b sees: its window, widened by every
+// multimodal prefix range that holds the diagonal (SeqMask::row_range: the union is one interval,
+// since the window and every such range contain the diagonal, clamped to [0, sk)).
+__device__ __forceinline__ void row_keys(const FlashParams& p, int b, int diag, int sk, int& lo,
+                                         int& hi) {
+    int64_t l = 0, h = sk;
+    if (p.win_left >= 0) l = max((int64_t)0, min((int64_t)sk, (int64_t)diag - p.win_left));
+    if (p.win_right >= 0) h = max((int64_t)0, min((int64_t)sk, (int64_t)diag + p.win_right + 1));
+    h = max(h, l);
+    if (p.prefix) {
+        for (int r = 0; r < p.max_ranges; ++r) {
+            const int64_t s = p.prefix[((int64_t)b * p.max_ranges + r) * 2];
+            const int64_t e = p.prefix[((int64_t)b * p.max_ranges + r) * 2 + 1];
+            if (!(s <= diag && diag < e)) continue;
+            const int64_t a = max((int64_t)0, min(s, (int64_t)sk));
+            const int64_t z = max((int64_t)0, min(e, (int64_t)sk));
+            if (a >= z) continue;
+            if (l >= h) {
+                l = a;
+                h = z;
+            } else {
+                l = min(l, a);
+                h = max(h, z);
+            }
+        }
+    }
+    lo = (int)l;
+    hi = (int)max(h, l);
+}
+
+// Address of element (key j, column 0) of K/V head `kvh` for sequence b: through the block
+// table for paged caches (an index outside [0, num_blocks) yields null: the row reads as zeros),
+// else `base` (the sequence's first row) plus j rows.
+template <typename T>
+__device__ __forceinline__ const T* key_row(const FlashParams& p, const T* base, const T* cache,
+                                            int64_t batch_stride, int64_t seq_stride,
+                                            int64_t head_off, int b, int j) {
+    if (!p.block_table) return base + (int64_t)j * seq_stride;
+    const int blk = p.block_table[(int64_t)b * p.max_blocks + j / p.page];
+    if (blk < 0 || blk >= p.num_blocks) return nullptr;
+    return cache + (int64_t)blk * batch_stride + (int64_t)(j % p.page) * seq_stride + head_off;
+}

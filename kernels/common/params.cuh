@@ -18,6 +18,9 @@ struct FlashParams {
     const uint32_t* cu_k;
     float* o_part;         // split-KV decode: f32 partial O (splits, total_q, heads, d) or null
     float* lse_part;       // split-KV decode: base-2 partial lse (splits, heads, total_q) or null
+    const int32_t* block_table;  // paged K/V: (batch, max_blocks) block indices, or null
+    const int32_t* seqused_k;    // per-sequence key counts (KV cache, before k_add), or null
+    const int32_t* prefix;       // multimodal prefix ranges (batch, max_ranges, 2), or null
     // Element strides (64-bit: large tensors overflow 32-bit offsets).
     int64_t q_batch, q_seq, q_head, q_dim;
     int64_t k_batch, k_seq, k_head, k_dim;
@@ -41,6 +44,12 @@ struct FlashParams {
     int32_t split_keys;     // split-KV decode: keys per slice
     int32_t m_tiles;        // split-KV decode: 16-row packed tiles per KV head
     int32_t total_q;        // rows of the output
+    int32_t total_k;        // rows of packed (varlen) k and v
+    int32_t page;           // paged K/V: rows per block
+    int32_t max_blocks;     // paged K/V: columns of the block table
+    int32_t num_blocks;     // paged K/V: blocks in k and v
+    int32_t k_add;          // keys appended by this call on top of seqused_k
+    int32_t max_ranges;     // prefix ranges per sequence
 };
 
 

@@ -80,6 +80,31 @@ __device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const
     }
 }
 
+// Copies keys [key0, key0 + TILE) of one K or V head into a swizzled tile, row by row through
+// `key_row` (the block table for paged caches). Rows past `rows_valid`, columns past d_load and
+// rows of blocks outside the cache are zero-filled.
+template <typename T, int D, int TILE, int THREADS>
+__device__ __forceinline__ void load_kv(T* smem, const FlashParams& p, const T* base, const T* cache,
+                                        int64_t batch_stride, int64_t seq_stride, int64_t head_off,
+                                        int b, int key0, int rows_valid) {
+    constexpr int C = D / 8;
+    constexpr int RPI = THREADS / C;
+    static_assert(RPI >= 1, "a row must fit in one pass of the block");
+    const int r0 = threadIdx.x / C, c = threadIdx.x % C;
+    if (r0 >= RPI) return;
+    const bool col_ok = c * 8 < p.d_load;
+#pragma unroll
+    for (int it = 0; it < (TILE + RPI - 1) / RPI; ++it) {
+        const int r = r0 + it * RPI;
+        if (TILE % RPI != 0 && r >= TILE) break;
+        const T* src = nullptr;
+        if (col_ok && r < rows_valid)
+            src = key_row(p, base, cache, batch_stride, seq_stride, head_off, b, key0 + r);
+        // A zero-byte copy reads nothing; point it at the cache base, which is always mapped.
+        flash::cp_async16(smem + swz<D>(r, c), src ? src + c * 8 : cache, src ? 16 : 0);
+    }
+}
+
 template <typename T, int D, int WARPS, int STAGES, bool MODS>
 __device__ __forceinline__ void partial(const FlashParams& p) {
     using Tr = Traits<T, D, WARPS, STAGES>;
@@ -100,7 +125,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     const int i_first = m0 / p.kv_group;
     {
         BlockGeom g0;
-        if (!block_geom(p, 0, 1, 0, b, g0)) return;  // empty sequence: no rows
+        if (!block_geom<true>(p, 0, 1, 0, b, g0)) return;  // empty sequence: no rows
         g = g0;
     }
     if (i_first >= g.sq) return;
@@ -110,8 +135,11 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         const int64_t diag_first = (int64_t)i_first + g.sk - g.sq;
         const int64_t diag_last = (int64_t)i_last + g.sk - g.sq;
         int64_t lo = 0, hi = g.sk;
-        if (p.win_left >= 0) lo = max((int64_t)0, min((int64_t)g.sk, diag_first - p.win_left));
-        if (p.win_right >= 0)
+        // Prefix ranges widen rows' windows: such blocks walk every key (the rows' own ranges
+        // mask them below).
+        if (p.win_left >= 0 && !p.prefix)
+            lo = max((int64_t)0, min((int64_t)g.sk, diag_first - p.win_left));
+        if (p.win_right >= 0 && !p.prefix)
             hi = max((int64_t)0, min((int64_t)g.sk, diag_last + p.win_right + 1));
         // This split's slice of the keys.
         const int64_t s_lo = (int64_t)split * p.split_keys, s_hi = s_lo + p.split_keys;
@@ -121,18 +149,22 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         g.rows = i_last - i_first + 1;
     }
 
-    const T* kg = static_cast<const T*>(p.k) + (int64_t)b * p.k_batch + g.k_row0 * p.k_seq +
-                  (int64_t)kvh * p.k_head;
-    const T* vg = static_cast<const T*>(p.v) + (int64_t)b * p.v_batch + g.k_row0 * p.v_seq +
-                  (int64_t)kvh * p.v_head;
+    const T* kc = static_cast<const T*>(p.k);
+    const T* vc = static_cast<const T*>(p.v);
+    const T* kg = kc + (int64_t)b * p.k_batch + g.k_row0 * p.k_seq + (int64_t)kvh * p.k_head;
+    const T* vg = vc + (int64_t)b * p.v_batch + g.k_row0 * p.v_seq + (int64_t)kvh * p.v_head;
 
-    // This thread's two packed rows (lane / 4 and lane / 4 + 8): diagonal and ALiBi slope.
-    int diag[2];
+    // This thread's two packed rows (lane / 4 and lane / 4 + 8): diagonal, visible keys (within
+    // this split) and ALiBi slope.
+    int diag[2], row_lo[2], row_hi[2];
     float slope_log2[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const PackedRow x = packed_row(p, m0, lane / 4 + 8 * hf, kvh, g.sq);
         diag[hf] = x.i + g.sk - g.sq;
+        row_keys(p, b, diag[hf], g.sk, row_lo[hf], row_hi[hf]);
+        row_lo[hf] = max(row_lo[hf], g.n_lo);
+        row_hi[hf] = min(row_hi[hf], g.n_hi);
         slope_log2[hf] =
             (MODS && p.alibi) ? p.alibi[b * p.alibi_batch + x.h] * LOG2E_F : 0.f;
     }
@@ -159,10 +191,10 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         if (t < t_end) {
             T* sK = sKV + s * 2 * BC * D;
             const int rows = min(BC, g.sk - t * BC);
-            flash::load_tile<T, D, BC, THREADS>(sK, kg + (int64_t)t * BC * p.k_seq, p.k_seq, rows,
-                                                p.d_load);
-            flash::load_tile<T, D, BC, THREADS>(sK + BC * D, vg + (int64_t)t * BC * p.v_seq,
-                                                p.v_seq, rows, p.d_load);
+            load_kv<T, D, BC, THREADS>(sK, p, kg, kc, p.k_batch, p.k_seq,
+                                       (int64_t)kvh * p.k_head, b, t * BC, rows);
+            load_kv<T, D, BC, THREADS>(sK + BC * D, p, vg, vc, p.v_batch, p.v_seq,
+                                       (int64_t)kvh * p.v_head, b, t * BC, rows);
         }
         cp_async_commit();
     }
@@ -176,10 +208,10 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             if (tn < t_end) {
                 T* sK = sKV + ((it + STAGES - 1) % STAGES) * 2 * BC * D;
                 const int rows = min(BC, g.sk - tn * BC);
-                flash::load_tile<T, D, BC, THREADS>(sK, kg + (int64_t)tn * BC * p.k_seq, p.k_seq,
-                                                    rows, p.d_load);
-                flash::load_tile<T, D, BC, THREADS>(sK + BC * D, vg + (int64_t)tn * BC * p.v_seq,
-                                                    p.v_seq, rows, p.d_load);
+                load_kv<T, D, BC, THREADS>(sK, p, kg, kc, p.k_batch, p.k_seq,
+                                           (int64_t)kvh * p.k_head, b, tn * BC, rows);
+                load_kv<T, D, BC, THREADS>(sK + BC * D, p, vg, vc, p.v_batch, p.v_seq,
+                                           (int64_t)kvh * p.v_head, b, tn * BC, rows);
             }
             cp_async_commit();
         }
@@ -212,15 +244,14 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
                     acc_s[j][e] = modded_score(p, acc_s[j][e], slope_log2[e / 2], diag[e / 2],
                                                col + j * 8 + e % 2);
         }
-        // Keys outside this split's slice, the row's window or the sequence are masked. The
-        // slice bounds are checked per element: two splits never count one key twice.
+        // Keys outside the row's visible range within this split are masked; the split bounds
+        // are in that range, so two splits never count one key twice.
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = col + j * 8 + e % 2;
-                if (key < g.n_lo || key >= g.n_hi || !visible(p, diag[e / 2], key, g.sk))
-                    acc_s[j][e] = -INFINITY;
+                if (key < row_lo[e / 2] || key >= row_hi[e / 2]) acc_s[j][e] = -INFINITY;
             }
 
 #pragma unroll

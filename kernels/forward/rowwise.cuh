@@ -39,15 +39,15 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int h = blockIdx.y, b = blockIdx.z;
     BlockGeom g;
-    if (!block_geom(p, blockIdx.x, WARPS, h, b, g) || warp >= g.rows) return;
+    if (!block_geom<true>(p, blockIdx.x, WARPS, h, b, g) || warp >= g.rows) return;
     const int i = g.m0 + warp;
     const int kvh = h / p.kv_group;
     const T* qp = static_cast<const T*>(p.q) + (int64_t)b * p.q_batch +
                   (g.q_row0 + i) * p.q_seq + (int64_t)h * p.q_head;
-    const T* kp = static_cast<const T*>(p.k) + (int64_t)b * p.k_batch + g.k_row0 * p.k_seq +
-                  (int64_t)kvh * p.k_head;
-    const T* vp = static_cast<const T*>(p.v) + (int64_t)b * p.v_batch + g.k_row0 * p.v_seq +
-                  (int64_t)kvh * p.v_head;
+    const T* kc = static_cast<const T*>(p.k);
+    const T* vc = static_cast<const T*>(p.v);
+    const T* kp = kc + (int64_t)b * p.k_batch + g.k_row0 * p.k_seq + (int64_t)kvh * p.k_head;
+    const T* vp = vc + (int64_t)b * p.v_batch + g.k_row0 * p.v_seq + (int64_t)kvh * p.v_head;
 
     float q[NT], o[NT];
 #pragma unroll
@@ -56,22 +56,23 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
         q[t] = x < p.d_load ? to_f32(qp[x * p.q_dim]) : 0.f;
         o[t] = 0.f;
     }
-    // This row's visible keys (Window::key_range).
+    // This row's visible keys (SeqMask::row_range).
     const int diag = i + g.sk - g.sq;
-    int64_t lo = 0, hi = g.sk;
-    if (p.win_left >= 0) lo = max((int64_t)0, min((int64_t)g.sk, (int64_t)diag - p.win_left));
-    if (p.win_right >= 0) hi = max((int64_t)0, min((int64_t)g.sk, (int64_t)diag + p.win_right + 1));
+    int lo, hi;
+    row_keys(p, b, diag, g.sk, lo, hi);
     const float slope_log2 = p.alibi ? p.alibi[g.slope_idx] * LOG2E_F : 0.f;
     const bool mods = p.softcap > 0.f || slope_log2 != 0.f;
 
     float m = -INFINITY, l = 0.f;
-    for (int j = (int)lo; j < (int)hi; ++j) {
-        const T* kr = kp + (int64_t)j * p.k_seq;
+    for (int j = lo; j < hi; ++j) {
+        // Paged rows through the block table; a block outside the cache reads as zeros.
+        const T* kr = key_row(p, kp, kc, p.k_batch, p.k_seq, (int64_t)kvh * p.k_head, b, j);
+        const T* vr = key_row(p, vp, vc, p.v_batch, p.v_seq, (int64_t)kvh * p.v_head, b, j);
         float dot = 0.f;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             const int x = lane + 32 * t;
-            if (x < p.d_load) dot = fmaf(q[t], to_f32(kr[x * p.k_dim]), dot);
+            if (x < p.d_load && kr) dot = fmaf(q[t], to_f32(kr[x * p.k_dim]), dot);
         }
 #pragma unroll
         for (int s = 16; s > 0; s /= 2) dot += __shfl_xor_sync(0xffffffff, dot, s);
@@ -83,11 +84,10 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
         const float pj = fast_exp2(sc - m_use);
         m = m_new;
         l = l * alpha + pj;
-        const T* vr = vp + (int64_t)j * p.v_seq;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             const int x = lane + 32 * t;
-            const float vx = x < p.d_load ? to_f32(vr[x * p.v_dim]) : 0.f;
+            const float vx = x < p.d_load && vr ? to_f32(vr[x * p.v_dim]) : 0.f;
             o[t] = fmaf(pj, vx, o[t] * alpha);
         }
     }

@@ -37,7 +37,7 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
     }
 }
 
-const PACK_PTX: (&str, &str) = (
+pub(super) const PACK_PTX: (&str, &str) = (
     "candle_flash_pack",
     include_str!(concat!(env!("OUT_DIR"), "/pack.ptx")),
 );
@@ -118,30 +118,36 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
 
     // Operands: read in place where the plan allows, otherwise through a packed contiguous copy.
     let (q_rows, k_rows) = p.storage_rows();
+    let (q_batches, k_batches) = p.storage_batches();
     let (q_guard, k_guard, v_guard) = (
         q.device_ptr(&stream),
         k.device_ptr(&stream),
         v.device_ptr(&stream),
     );
     let mut scratch: Vec<CudaSlice<T>> = Vec::new();
-    let mut operand =
-        |base: u64, s: Strides, rows: usize, heads: usize, packed: bool| -> Result<Operand> {
-            if !packed {
-                return Ok(Operand {
-                    ptr: base + (s.offset * esize) as u64,
-                    s,
-                });
-            }
-            let (buf, s) = pack::<T>(dev, &stream, p, base, s, rows, heads, plan.d_load)?;
-            // The guard only orders other streams; `scratch` keeps the buffer alive past the
-            // launch.
-            let ptr = buf.device_ptr(&stream).0;
-            scratch.push(buf);
-            Ok(Operand { ptr, s })
-        };
-    let qo = operand(q_guard.0, p.q, q_rows, p.heads, plan.pack[0])?;
-    let ko = operand(k_guard.0, p.k, k_rows, p.kv_heads, plan.pack[1])?;
-    let vo = operand(v_guard.0, p.v, k_rows, p.kv_heads, plan.pack[2])?;
+    let mut operand = |base: u64,
+                       s: Strides,
+                       batch: usize,
+                       rows: usize,
+                       heads: usize,
+                       packed: bool|
+     -> Result<Operand> {
+        if !packed {
+            return Ok(Operand {
+                ptr: base + (s.offset * esize) as u64,
+                s,
+            });
+        }
+        let (buf, s) = pack::<T>(dev, &stream, base, s, batch, rows, heads, d, plan.d_load)?;
+        // The guard only orders other streams; `scratch` keeps the buffer alive past the
+        // launch.
+        let ptr = buf.device_ptr(&stream).0;
+        scratch.push(buf);
+        Ok(Operand { ptr, s })
+    };
+    let qo = operand(q_guard.0, p.q, q_batches, q_rows, p.heads, plan.pack[0])?;
+    let ko = operand(k_guard.0, p.k, k_batches, k_rows, p.kv_heads, plan.pack[1])?;
+    let vo = operand(v_guard.0, p.v, k_batches, k_rows, p.kv_heads, plan.pack[2])?;
 
     let out_len = p.total_q * p.heads * d;
     // SAFETY: every element of `out` and `lse` is written by the kernel before anyone reads it
@@ -151,13 +157,50 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     // SAFETY: as above.
     let mut lse = unsafe { dev.alloc::<f32>(p.total_q * p.heads)? };
 
+    // Lengths, block table and prefix ranges: the caller's device tensors where validation left
+    // them on the GPU (no host round trip), else uploads of the host copies.
     let cu = match &p.varlen {
         None => None,
-        Some(vl) => Some((
-            stream.clone_htod(&vl.cu_q).w()?,
-            stream.clone_htod(&vl.cu_k).w()?,
-        )),
+        Some(vl) => Some(match &vl.device {
+            Some(d) => (
+                DevInts::Tensor(d.cu_q.clone()),
+                DevInts::Tensor(d.cu_k.clone()),
+            ),
+            None => (
+                DevInts::Host(stream.clone_htod(&vl.cu_q).w()?),
+                DevInts::Host(stream.clone_htod(&vl.cu_k).w()?),
+            ),
+        }),
     };
+    let table = match &p.paged {
+        None => None,
+        Some(pg) => Some(match &pg.device_table {
+            Some(t) => DevInts::Tensor(t.clone()),
+            None => DevInts::Host(stream.clone_htod(&pg.table).w()?),
+        }),
+    };
+    let prefix = match &p.prefix {
+        None => None,
+        Some(pr) => Some(match &pr.device {
+            Some(t) => DevInts::Tensor(t.clone()),
+            None => {
+                let flat: Vec<u32> = pr
+                    .ranges
+                    .iter()
+                    .flat_map(|r| {
+                        r.map(|x| x.clamp(i32::MIN as i64, i32::MAX as i64) as i32 as u32)
+                    })
+                    .collect();
+                DevInts::Host(stream.clone_htod(&flat).w()?)
+            }
+        }),
+    };
+    let cu_ptrs = match &cu {
+        None => (0, 0),
+        Some((a, b)) => (a.ptr(&stream)?, b.ptr(&stream)?),
+    };
+    let table_ptr = table.as_ref().map_or(Ok(0), |t| t.ptr(&stream))?;
+    let prefix_ptr = prefix.as_ref().map_or(Ok(0), |t| t.ptr(&stream))?;
     let alibi = match alibi {
         None => None,
         Some(a) => Some(a.to_dtype(DType::F32)?.contiguous()?),
@@ -189,9 +232,6 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         .as_ref()
         .map(|(o, l)| (o.device_ptr(&stream), l.device_ptr(&stream)));
     let (o_guard, lse_guard) = (out.device_ptr_mut(&stream), lse.device_ptr_mut(&stream));
-    let cu_guards = cu
-        .as_ref()
-        .map(|(a, b)| (a.device_ptr(&stream), b.device_ptr(&stream)));
     let alibi_guard = alibi_slice.map(|(s, off)| (s.device_ptr(&stream), off));
 
     let (win_left, win_right) = p.window.as_i64();
@@ -205,10 +245,13 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         alibi: alibi_guard
             .as_ref()
             .map_or(0, |(g, off)| g.0 + (*off * 4) as u64),
-        cu_q: cu_guards.as_ref().map_or(0, |(a, _)| a.0),
-        cu_k: cu_guards.as_ref().map_or(0, |(_, b)| b.0),
+        cu_q: cu_ptrs.0,
+        cu_k: cu_ptrs.1,
         o_part: part_guards.as_ref().map_or(0, |(o, _)| o.0),
         lse_part: part_guards.as_ref().map_or(0, |(_, l)| l.0),
+        block_table: table_ptr,
+        seqused_k: 0,
+        prefix: prefix_ptr,
         q_batch: qo.s.batch as i64,
         q_seq: qo.s.seq as i64,
         q_head: qo.s.head as i64,
@@ -227,7 +270,12 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         win_left: window_side(win_left),
         win_right: window_side(win_right),
         seq_q: to_i32(p.max_seq_q, "seq_q")?,
-        seq_k: to_i32(p.max_seq_k, "seq_k")?,
+        seq_k: to_i32(
+            p.paged
+                .as_ref()
+                .map_or(p.max_seq_k, |pg| p.max_seq_k.min(pg.max_blocks * pg.page)),
+            "seq_k",
+        )?,
         heads: to_i32(p.heads, "heads")?,
         kv_group: to_i32(p.heads / p.kv_heads, "heads")?,
         d_load: to_i32(plan.d_load, "head_dim")?,
@@ -249,6 +297,15 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         )?,
         m_tiles: plan.decode.as_ref().map_or(1, |s| s.m_tiles) as i32,
         total_q: to_i32(p.total_q, "total_q")?,
+        total_k: to_i32(p.varlen.as_ref().map_or(0, |vl| vl.total_k), "total_k")?,
+        page: to_i32(p.paged.as_ref().map_or(0, |pg| pg.page), "page_block_size")?,
+        max_blocks: to_i32(p.paged.as_ref().map_or(0, |pg| pg.max_blocks), "max_blocks")?,
+        num_blocks: to_i32(p.paged.as_ref().map_or(0, |pg| pg.num_blocks), "num_blocks")?,
+        k_add: 0,
+        max_ranges: to_i32(
+            p.prefix.as_ref().map_or(0, |pr| pr.max_ranges),
+            "max_ranges",
+        )?,
     };
     launch(dev, &plan, &params)?;
     if let Some(combine) = split.and_then(|s| s.combine.as_deref()) {
@@ -267,16 +324,9 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     }
     drop(part_guards);
     drop(parts);
-    drop((
-        o_guard,
-        lse_guard,
-        cu_guards,
-        alibi_guard,
-        q_guard,
-        k_guard,
-        v_guard,
-    ));
+    drop((o_guard, lse_guard, alibi_guard, q_guard, k_guard, v_guard));
     drop(scratch);
+    drop((cu, table, prefix));
 
     let out = CudaStorage::wrap_cuda_slice(out, dev.clone());
     let lse = CudaStorage::wrap_cuda_slice(lse, dev.clone());
@@ -321,6 +371,33 @@ fn launch(dev: &CudaDevice, plan: &LaunchPlan, params: &Params) -> Result<()> {
     Ok(())
 }
 
+/// 4-byte integers the kernels read: a caller's tensor on the GPU, or an upload of a host copy.
+enum DevInts {
+    Tensor(Tensor),
+    Host(CudaSlice<u32>),
+}
+
+impl DevInts {
+    /// The device address of the first element; the storage stays alive with `self`.
+    fn ptr(&self, stream: &std::sync::Arc<CudaStream>) -> Result<u64> {
+        match self {
+            DevInts::Host(s) => Ok(s.device_ptr(stream).0),
+            DevInts::Tensor(t) => {
+                let (st, l) = t.storage_and_layout();
+                let off = l.start_offset() as u64 * 4;
+                match &*st {
+                    Storage::Cuda(c) => Ok(match c.dtype() {
+                        DType::U32 => c.as_cuda_slice::<u32>()?.device_ptr(stream).0,
+                        DType::I32 => c.as_cuda_slice::<i32>()?.device_ptr(stream).0,
+                        dt => bail!("flash-attn: index tensor of dtype {dt:?} on the GPU"),
+                    } + off),
+                    _ => bail!("flash-attn: index tensor is not on the GPU"),
+                }
+            }
+        }
+    }
+}
+
 fn to_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x)
         .map_err(|_| candle::Error::Msg(format!("flash-attn: {what} = {x} exceeds i32")))
@@ -332,14 +409,14 @@ fn to_i32(x: usize, what: &str) -> Result<i32> {
 fn pack<T: CudaDType + DeviceRepr>(
     dev: &CudaDevice,
     stream: &std::sync::Arc<CudaStream>,
-    p: &Problem,
     base: u64,
     s: Strides,
+    batch: usize,
     rows: usize,
     heads: usize,
+    d: usize,
     dp: usize,
 ) -> Result<(CudaSlice<T>, Strides)> {
-    let batch = if p.varlen.is_some() { 1 } else { p.batch };
     let len = batch * rows * heads * dp;
     // SAFETY: the pack kernel writes every one of the `len` elements (padding included).
     let mut dst = unsafe { dev.alloc::<T>(len.max(1))? };
@@ -351,7 +428,7 @@ fn pack<T: CudaDType + DeviceRepr>(
             batch as i64,
             rows as i64,
             heads as i64,
-            p.head_dim as i64,
+            d as i64,
             dp as i64,
             s.batch as i64,
             s.seq as i64,

@@ -7,6 +7,8 @@
 // Without the `cuda` feature only the planner's unit tests use these.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
+#[cfg(feature = "cuda")]
+mod append;
 mod instances;
 #[cfg(feature = "cuda")]
 mod launch;
@@ -14,5 +16,7 @@ mod launch;
 mod params;
 pub(crate) mod plan;
 
+#[cfg(feature = "cuda")]
+pub(crate) use append::append_kv;
 #[cfg(feature = "cuda")]
 pub(crate) use launch::forward;

@@ -21,6 +21,12 @@ pub struct Params {
     /// log-sum-exps `(splits, heads, total_q)`; 0 elsewhere.
     pub o_part: u64,
     pub lse_part: u64,
+    /// Paged K/V block table `(batch, max_blocks)` i32, per-sequence key counts `(batch,)` i32
+    /// (KV caches; `k_add` more keys are counted), prefix ranges `(batch, max_ranges, 2)` i32:
+    /// device addresses or 0.
+    pub block_table: u64,
+    pub seqused_k: u64,
+    pub prefix: u64,
     pub q_batch: i64,
     pub q_seq: i64,
     pub q_head: i64,
@@ -56,8 +62,14 @@ pub struct Params {
     pub split_keys: i32,
     pub m_tiles: i32,
     pub total_q: i32,
+    pub total_k: i32,
+    pub page: i32,
+    pub max_blocks: i32,
+    pub num_blocks: i32,
+    pub k_add: i32,
+    pub max_ranges: i32,
 }
 
 /// The size both sides agree on (also asserted in C by the generated header).
-pub const PARAMS_SIZE: usize = 8 * 27 + 4 * 16;
+pub const PARAMS_SIZE: usize = 8 * 30 + 4 * 22;
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);

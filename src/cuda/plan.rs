@@ -140,7 +140,9 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
     };
     let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0;
     let group = p.heads / p.kv_heads;
-    let decode = (dtype != DType::F32 && group * p.max_seq_q <= DECODE_MAX_ROWS)
+    // Paged caches and prefix ranges are read only by the decode and row-wise kernels.
+    let rows_only = p.paged.is_some() || p.prefix.is_some();
+    let decode = (dtype != DType::F32 && (rows_only || group * p.max_seq_q <= DECODE_MAX_ROWS))
         .then(|| {
             DECODE_INSTANCES
                 .iter()
@@ -149,6 +151,8 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
         .flatten();
     let tiled = if let Some(&i) = decode {
         Some(Kernel::Decode(i))
+    } else if rows_only {
+        None
     } else if dtype == DType::F32 {
         F32_INSTANCES
             .iter()
@@ -220,10 +224,11 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
     let pack = match kernel {
         Kernel::Mma(_) | Kernel::Decode(_) => {
             let (q_rows, k_rows) = p.storage_rows();
+            let (q_batch, k_batch) = p.storage_batches();
             [
-                !fits_fast_path(p, &p.q, q_rows, p.heads),
-                !fits_fast_path(p, &p.k, k_rows, p.kv_heads),
-                !fits_fast_path(p, &p.v, k_rows, p.kv_heads),
+                !fits_fast_path(p, &p.q, q_batch, q_rows, p.heads),
+                !fits_fast_path(p, &p.k, k_batch, k_rows, p.kv_heads),
+                !fits_fast_path(p, &p.v, k_batch, k_rows, p.kv_heads),
             ]
         }
         _ => [false; 3],
@@ -306,8 +311,7 @@ fn decode_plan(
 
 /// Can the tensor-core kernel read this operand in place? It copies 16-byte chunks of rows, so
 /// the head dim must be a multiple of 8 with unit stride and every row 16-byte aligned.
-fn fits_fast_path(p: &Problem, s: &Strides, rows: usize, heads: usize) -> bool {
-    let batch = if p.varlen.is_some() { 1 } else { p.batch };
+fn fits_fast_path(p: &Problem, s: &Strides, batch: usize, rows: usize, heads: usize) -> bool {
     let aligned = |stride: usize, n: usize| n <= 1 || stride.is_multiple_of(8);
     p.head_dim.is_multiple_of(8)
         && (s.dim == 1 || p.head_dim == 1)

@@ -81,13 +81,11 @@ impl candle::InplaceOp2 for AppendKv<'_> {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        _cache: &mut candle::CudaStorage,
-        _cl: &Layout,
-        _new: &candle::CudaStorage,
-        _nl: &Layout,
+        cache: &mut candle::CudaStorage,
+        cl: &Layout,
+        new: &candle::CudaStorage,
+        nl: &Layout,
     ) -> Result<()> {
-        // The one function to fill in: a kernel copying `new` row (b, t, h) to the cache row
-        // `(table[b][(start[b] + t) / page], (start[b] + t) % page, h)`.
-        bail!("flash-attn: appending k_new/v_new to the KV cache is not implemented yet on CUDA")
+        crate::cuda::append_kv(cache, cl, new, nl, self.paged, self.start)
     }
 }

@@ -95,13 +95,6 @@ impl candle::CustomOp3 for FlashAttnOp {
         vl: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         self.problem.check_layouts(ql, kl, vl)?;
-        if self.problem.paged.is_some() || self.problem.prefix.is_some() {
-            // The CUDA kernels read `Problem::paged` (block table, page size) and
-            // `Problem::prefix` once they support them; until then refuse rather than misread.
-            bail!(
-                "flash-attn: paged KV cache on CUDA is not implemented yet (nor mm_prefix_ranges)"
-            )
-        }
         let (out, lse) = crate::cuda::forward(&self.problem, self.alibi.as_ref(), q, k, v)?;
         self.stash_lse(Storage::Cuda(lse))?;
         Ok((out, Shape::from(self.problem.out_shape())))

@@ -120,6 +120,7 @@ impl FlashAttn {
                     num_blocks: batch,
                     max_blocks: 1,
                     table: (0..batch as u32).collect(),
+                    device_table: None,
                 }
             }
         };
@@ -137,10 +138,13 @@ impl FlashAttn {
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|_| candle::Error::Msg("flash-attn: batch * seq_q overflows u32".into()))?;
         let vl = VarLen {
+            batch,
             max_seqlen_q: if batch == 0 { 0 } else { seq_q },
             max_seqlen_k: lens.iter().copied().max().unwrap_or(0),
+            total_k: 0,
             cu_q,
             cu_k,
+            device: None,
         };
         let q3 = q.reshape((batch * seq_q, heads, head_dim))?;
         // Everything is validated before the caches are written.

@@ -238,7 +238,11 @@ impl FlashAttn {
         let paged = match &self.block_table {
             None => None,
             Some(table) => {
-                let lens: Vec<usize> = vl.cu_k.windows(2).map(|w| (w[1] - w[0]) as usize).collect();
+                // On the GPU the lengths stay there (the kernels clamp to the table's capacity).
+                let lens: Vec<usize> = match vl.device {
+                    Some(_) => vec![0; vl.batch],
+                    None => vl.cu_k.windows(2).map(|w| (w[1] - w[0]) as usize).collect(),
+                };
                 Some(read_paged(table, self.page_block_size, k, &lens)?)
             }
         };

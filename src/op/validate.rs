@@ -4,7 +4,7 @@
 use candle::{bail, DType, Result, Tensor};
 
 use super::{FlashAttn, MAX_HEAD_DIM};
-use crate::problem::{Paged, Prefix, Problem, Strides, VarLen};
+use crate::problem::{OnDevice, Paged, Prefix, Problem, Strides, VarLen};
 use crate::semantics::ScoreMod;
 
 impl FlashAttn {
@@ -73,7 +73,7 @@ impl FlashAttn {
         let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
         let (batch, seq_q, heads, head_dim) = match varlen {
             None => (qd[0], qd[1], qd[2], qd[3]),
-            Some(ref vl) => (vl.cu_q.len() - 1, vl.max_seqlen_q, qd[1], qd[2]),
+            Some(ref vl) => (vl.batch, vl.max_seqlen_q, qd[1], qd[2]),
         };
         let (kv_heads, seq_k) = (kd[rank_kv - 2], if varlen.is_some() { 0 } else { kd[1] });
         if kd != vd {
@@ -228,6 +228,10 @@ pub(super) fn read_seqlens(
             )
         }
         check_device(name, t, q)?;
+        if q.device().is_cuda() {
+            // Never read to the host on the GPU: the kernels clamp whatever the lengths say.
+            return Ok(Vec::new());
+        }
         let cu = t.to_vec1::<u32>()?;
         if cu[0] != 0 {
             bail!("flash-attn: {name} must start at 0, got {}", cu[0])
@@ -270,12 +274,26 @@ pub(super) fn read_seqlens(
     // Paged keys: the offsets only give each sequence's logical length.
     let total_k = if paged { None } else { Some(k.dim(0)?) };
     let cu_k = read("seqlens_k", seqlens_k, total_k, max_seqlen_k)?;
-    if cu_q.len() != cu_k.len() {
+    let (nq, nk) = (seqlens_q.dim(0)?, seqlens_k.dim(0)?);
+    if nq != nk {
         bail!(
-            "flash-attn: seqlens_q has {} entries but seqlens_k has {}: both must be batch + 1",
-            cu_q.len(),
-            cu_k.len()
+            "flash-attn: seqlens_q has {nq} entries but seqlens_k has {nk}: both must be batch + 1"
         )
+    }
+    if q.device().is_cuda() {
+        // The grid is sized from the caller's bounds; nothing is read back.
+        return Ok(VarLen {
+            batch: nq - 1,
+            cu_q,
+            cu_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            total_k: total_k.unwrap_or(0),
+            device: Some(OnDevice {
+                cu_q: seqlens_q.contiguous()?,
+                cu_k: seqlens_k.contiguous()?,
+            }),
+        });
     }
     // The longest actual sequences, not the caller's bounds: kernels size their grids by them.
     let longest = |cu: &[u32]| {
@@ -285,10 +303,13 @@ pub(super) fn read_seqlens(
             .unwrap_or(0)
     };
     Ok(VarLen {
+        batch: nq - 1,
         max_seqlen_q: longest(&cu_q),
         max_seqlen_k: longest(&cu_k),
+        total_k: *cu_k.last().unwrap_or(&0) as usize,
         cu_q,
         cu_k,
+        device: None,
     })
 }
 
@@ -330,6 +351,20 @@ pub(super) fn read_paged(
             k.dims()
         )
     }
+    if k.device().is_cuda() {
+        // Left on the GPU as 4-byte indices; the kernels zero-fill any outside the cache.
+        let table = match block_table.dtype() {
+            DType::I32 | DType::U32 => block_table.contiguous()?,
+            _ => block_table.to_dtype(DType::I32)?.contiguous()?,
+        };
+        return Ok(Paged {
+            page,
+            num_blocks,
+            max_blocks,
+            table: Vec::new(),
+            device_table: Some(table),
+        });
+    }
     let raw = block_table
         .to_dtype(DType::I64)?
         .flatten_all()?
@@ -359,6 +394,7 @@ pub(super) fn read_paged(
         num_blocks,
         max_blocks,
         table,
+        device_table: None,
     })
 }
 
@@ -378,9 +414,21 @@ fn read_prefix(t: &Tensor, q: &Tensor, batch: usize) -> Result<Prefix> {
             "flash-attn: mm_prefix_ranges must have shape ({batch}, max_ranges, 2), got {d:?}"
         ),
     };
+    if q.device().is_cuda() {
+        let dev = match t.dtype() {
+            DType::I32 => t.contiguous()?,
+            _ => t.to_dtype(DType::I32)?.contiguous()?,
+        };
+        return Ok(Prefix {
+            max_ranges,
+            ranges: Vec::new(),
+            device: Some(dev),
+        });
+    }
     let flat = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
     Ok(Prefix {
         max_ranges,
         ranges: flat.chunks_exact(2).map(|r| [r[0], r[1]]).collect(),
+        device: None,
     })
 }

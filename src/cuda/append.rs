@@ -1,0 +1,126 @@
+//! Appending new keys or values to a KV cache in place on the GPU (the write half of
+//! `FlashAttn::forward_kvcache`): one copy kernel from `kernels/pack.cu`.
+
+use candle::backend::BackendStorage;
+use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use candle::cuda_backend::WrapErr;
+use candle::{bail, CudaStorage, DType, Layout, Result, Storage};
+
+use super::launch::PACK_PTX;
+use crate::problem::{Paged, Strides};
+
+/// Writes `new` `(batch, seq_new, kv_heads, d)` into `cache` at positions `start[b] ..` of each
+/// sequence through the block table of `paged` (validated by the caller).
+pub(crate) fn append_kv(
+    cache: &mut CudaStorage,
+    cl: &Layout,
+    new: &CudaStorage,
+    nl: &Layout,
+    paged: &Paged,
+    start: &[usize],
+) -> Result<()> {
+    if cache.dtype() != new.dtype() {
+        bail!(
+            "flash-attn: the kv cache ({:?}) and the new keys/values ({:?}) must share a dtype",
+            cache.dtype(),
+            new.dtype()
+        )
+    }
+    let &[batch, seq_new, heads, d] = nl.dims() else {
+        bail!(
+            "flash-attn: k_new/v_new must have rank 4, got {:?}",
+            nl.dims()
+        )
+    };
+    let total = batch * seq_new * heads * d;
+    if total == 0 {
+        return Ok(());
+    }
+    let dev = cache.device().clone();
+    let stream = dev.cuda_stream();
+    let (c, s) = (Strides::dense(cl), Strides::dense(nl));
+    let start: Vec<u32> = start
+        .iter()
+        .map(|&x| u32::try_from(x))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| candle::Error::Msg("flash-attn: cache_seqlens exceeds u32".into()))?;
+    let start = stream.clone_htod(&start).w()?;
+    let host_table;
+    let table_ptr = match &paged.device_table {
+        Some(t) => {
+            let (st, l) = t.storage_and_layout();
+            match &*st {
+                Storage::Cuda(cs) => {
+                    let base = match cs.dtype() {
+                        DType::I32 => cs.as_cuda_slice::<i32>()?.device_ptr(&stream).0,
+                        DType::U32 => cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+                        dt => bail!("flash-attn: block_table of dtype {dt:?} on the GPU"),
+                    };
+                    base + l.start_offset() as u64 * 4
+                }
+                _ => bail!("flash-attn: block_table must be on the cache's device"),
+            }
+        }
+        None => {
+            host_table = stream.clone_htod(&paged.table).w()?;
+            host_table.device_ptr(&stream).0
+        }
+    };
+    let (func_name, esize) = match cache.dtype() {
+        DType::F16 | DType::BF16 => ("append_kv_u16", 2u64),
+        DType::F32 => ("append_kv_u32", 4u64),
+        dt => bail!("flash-attn: no KV cache append for dtype {dt:?}"),
+    };
+    let func = dev.get_or_load_custom_func(func_name, PACK_PTX.0, PACK_PTX.1)?;
+    // Byte addresses of element 0 of each side; the kernel copies raw element bits.
+    let (dst, dst_guard) = match cache.dtype() {
+        DType::F16 => cache
+            .as_cuda_slice_mut::<half::f16>()?
+            .device_ptr_mut(&stream),
+        DType::BF16 => cache
+            .as_cuda_slice_mut::<half::bf16>()?
+            .device_ptr_mut(&stream),
+        _ => cache.as_cuda_slice_mut::<f32>()?.device_ptr_mut(&stream),
+    };
+    let (src, src_guard) = match new.dtype() {
+        DType::F16 => new.as_cuda_slice::<half::f16>()?.device_ptr(&stream),
+        DType::BF16 => new.as_cuda_slice::<half::bf16>()?.device_ptr(&stream),
+        _ => new.as_cuda_slice::<f32>()?.device_ptr(&stream),
+    };
+    let (dst, src) = (dst + c.offset as u64 * esize, src + s.offset as u64 * esize);
+    let start_ptr = start.device_ptr(&stream).0;
+    let args: [i64; 15] = [
+        batch as i64,
+        seq_new as i64,
+        heads as i64,
+        d as i64,
+        paged.max_blocks as i64,
+        paged.page as i64,
+        paged.num_blocks as i64,
+        c.batch as i64,
+        c.seq as i64,
+        c.head as i64,
+        c.dim as i64,
+        s.batch as i64,
+        s.seq as i64,
+        s.head as i64,
+        s.dim as i64,
+    ];
+    let threads = 256usize;
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(threads).min(65535 * 8) as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = func.builder();
+    b.arg(&dst).arg(&src).arg(&table_ptr).arg(&start_ptr);
+    for a in &args {
+        b.arg(a);
+    }
+    // SAFETY: the kernel reads the `total` elements of `new` through its layout and writes cache
+    // rows of blocks `< num_blocks` at positions `< max_blocks * page` only (the caller checked
+    // both layouts cover those); argument types match `append_kv_*` (four pointers, 15 int64).
+    unsafe { b.launch(cfg) }.w()?;
+    drop((dst_guard, src_guard));
+    Ok(())
+}
