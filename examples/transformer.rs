@@ -3,9 +3,16 @@
 //! (`naive_attention`) or candle-flash (`FlashAttn`). With `--attention both` the same weights
 //! and input go through both and a table shows that the outputs agree and what each costs.
 //!
+//! `--decode N` generates instead: a prefill of the `--seq-len` prompt into a KV cache, then N
+//! steps of one new token each. Flash keeps a preallocated cache that `forward_kvcache` appends
+//! to in place (one call per layer per step); naive concatenates its cache every step and
+//! materialises the scores. Every step's input is a fixed seeded random embedding (not the
+//! model's own output), so both backends see identical inputs at every step.
+//!
 //! ```text
 //! cargo run --release --example transformer                      # CPU, defaults below
 //! cargo run --release --example transformer -- --seq-len 4096 --causal false
+//! cargo run --release --example transformer -- --seq-len 4096 --decode 64
 //! cargo run --release --features cuda,candle-nn/cuda --example transformer -- --device cuda --dtype bf16
 //! ```
 
@@ -161,6 +168,10 @@ struct Args {
     /// Timed forward passes per backend (after one untimed warm-up pass).
     #[arg(long, default_value_t = 3)]
     iters: usize,
+    /// Decode this many tokens after a prefill of the --seq-len prompt, through a KV cache, and
+    /// compare decode speed instead of full forward passes (0: full forward passes).
+    #[arg(long, default_value_t = 0)]
+    decode: usize,
     /// Seed of the weights and the input.
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
@@ -285,11 +296,16 @@ impl Attention {
         })
     }
 
+    /// `x` holds positions `pos..pos + t`. Without a cache it attends over itself; with one it
+    /// attends over everything the cache holds plus itself, and adds itself to the cache
+    /// (`seqlens`: `(batch,)` u32, all `pos`).
     fn forward(
         &self,
         x: &Tensor,
         rope: &Rope,
+        pos: usize,
         backend: AttentionBackend,
+        cache: Option<(&mut LayerCache, &Tensor)>,
     ) -> candle::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let c = &self.cfg;
@@ -304,9 +320,26 @@ impl Attention {
             .wv
             .forward(x)?
             .reshape((b, t, c.kv_heads, c.head_dim))?;
-        let q = candle_nn::rotary_emb::rope_thd(&q, &rope.cos, &rope.sin)?;
-        let k = candle_nn::rotary_emb::rope_thd(&k, &rope.cos, &rope.sin)?;
-        let y = backend.attend(&q, &k, &v, &self.op)?;
+        let (cos, sin) = (rope.cos.narrow(0, pos, t)?, rope.sin.narrow(0, pos, t)?);
+        let q = candle_nn::rotary_emb::rope_thd(&q, &cos, &sin)?;
+        let k = candle_nn::rotary_emb::rope_thd(&k, &cos, &sin)?;
+        let y = match cache {
+            None => backend.attend(&q, &k, &v, &self.op)?,
+            Some((LayerCache::Concat(kv), _)) => {
+                let (k, v) = match kv.take() {
+                    None => (k, v),
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
+                };
+                let y = backend.attend(&q, &k, &v, &self.op)?;
+                *kv = Some((k, v));
+                y
+            }
+            // One call: this step's rows are written at `pos`, then `pos + t` keys attended.
+            Some((LayerCache::Fixed { k: kc, v: vc }, seqlens)) => {
+                self.op
+                    .forward_kvcache(&q, kc, vc, seqlens, Some((&k, &v)))?
+            }
+        };
         self.wo.forward(&y.reshape((b, t, c.d_model))?)
     }
 }
@@ -334,9 +367,12 @@ impl Block {
         &self,
         x: &Tensor,
         rope: &Rope,
+        pos: usize,
         backend: AttentionBackend,
+        cache: Option<(&mut LayerCache, &Tensor)>,
     ) -> candle::Result<Tensor> {
-        let x = (x + self.attn.forward(&self.norm1.forward(x)?, rope, backend)?)?;
+        let h = self.norm1.forward(x)?;
+        let x = (x + self.attn.forward(&h, rope, pos, backend, cache)?)?;
         let h = self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?;
         x + self.fc2.forward(&h)?
     }
@@ -368,10 +404,72 @@ impl Model {
     ) -> candle::Result<Tensor> {
         let mut x = x.clone();
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.forward(&x, rope, backend)?;
+            x = block.forward(&x, rope, 0, backend, None)?;
             after_layer(i);
         }
         self.norm.forward(&x)
+    }
+
+    /// Runs `x` `(batch, t, d_model)` after everything `cache` holds, adding it to the cache.
+    fn forward_cached(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        backend: AttentionBackend,
+        cache: &mut KvCache,
+    ) -> candle::Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let pos = cache.len;
+        // The length before this step, the same for every layer and sequence.
+        let seqlens = Tensor::new(vec![pos as u32; b], x.device())?;
+        let mut x = x.clone();
+        for (block, layer) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+            x = block.forward(&x, rope, pos, backend, Some((layer, &seqlens)))?;
+        }
+        cache.len += t;
+        self.norm.forward(&x)
+    }
+}
+
+/// One layer's keys and values, in the form each backend's decode path keeps them.
+enum LayerCache {
+    /// Naive: `(batch, len, kv_heads, head_dim)`, concatenated anew with every step's rows.
+    Concat(Option<(Tensor, Tensor)>),
+    /// Flash: `(batch, max_len, kv_heads, head_dim)`, allocated once and appended to in place by
+    /// `forward_kvcache`; rows past the current length are never read.
+    Fixed { k: Tensor, v: Tensor },
+}
+
+struct KvCache {
+    /// Positions already processed.
+    len: usize,
+    layers: Vec<LayerCache>,
+}
+
+impl KvCache {
+    fn new(
+        cfg: &Config,
+        backend: AttentionBackend,
+        batch: usize,
+        max_len: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle::Result<Self> {
+        let layers = (0..cfg.layers)
+            .map(|_| {
+                Ok(match backend {
+                    AttentionBackend::Naive => LayerCache::Concat(None),
+                    AttentionBackend::Flash => {
+                        let shape = (batch, max_len, cfg.kv_heads, cfg.head_dim);
+                        LayerCache::Fixed {
+                            k: Tensor::zeros(shape, dtype, dev)?,
+                            v: Tensor::zeros(shape, dtype, dev)?,
+                        }
+                    }
+                })
+            })
+            .collect::<candle::Result<_>>()?;
+        Ok(Self { len: 0, layers })
     }
 }
 
@@ -554,6 +652,151 @@ fn measure(
     })
 }
 
+struct Decoded {
+    backend: AttentionBackend,
+    prefill_secs: f64,
+    decode_secs: f64,
+    /// The last step's output `(batch, 1, d_model)`.
+    last: Tensor,
+}
+
+/// One generation: `prompt` `(batch, seq, d_model)` prefilled into a fresh cache, then one step
+/// per tensor of `steps` (each `(batch, 1, d_model)`), timed separately.
+fn measure_decode(
+    model: &Model,
+    cfg: &Config,
+    prompt: &Tensor,
+    steps: &[Tensor],
+    rope: &Rope,
+    backend: AttentionBackend,
+    progress: &mut Progress,
+) -> Result<Decoded> {
+    let dev = prompt.device();
+    let (batch, seq, _) = prompt.dims3()?;
+    let dtype = prompt.dtype();
+    // Untimed warm-up: a short prefill and two steps, so that neither backend pays for
+    // first-touch allocations in the timed run.
+    let warm = prompt.narrow(1, 0, seq.min(16))?;
+    let mut cache = KvCache::new(cfg, backend, batch, warm.dim(1)? + 2, dtype, dev)?;
+    model.forward_cached(&warm, rope, backend, &mut cache)?;
+    for x in steps.iter().take(2) {
+        model.forward_cached(x, rope, backend, &mut cache)?;
+    }
+    dev.synchronize()?;
+
+    // The cache is made before the clock starts: a generation allocates it once (flash: at its
+    // full length), and what is timed is what every step costs.
+    let mut cache = KvCache::new(cfg, backend, batch, seq + steps.len(), dtype, dev)?;
+    let start = Instant::now();
+    model.forward_cached(prompt, rope, backend, &mut cache)?;
+    dev.synchronize()?;
+    let prefill_secs = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let mut last = None;
+    for (i, x) in steps.iter().enumerate() {
+        last = Some(model.forward_cached(x, rope, backend, &mut cache)?);
+        progress.show(&format!(
+            "{} decode step {}/{}",
+            backend.name(),
+            i + 1,
+            steps.len()
+        ));
+    }
+    dev.synchronize()?;
+    let decode_secs = start.elapsed().as_secs_f64();
+    Ok(Decoded {
+        backend,
+        prefill_secs,
+        decode_secs,
+        last: last.context("no decode steps")?,
+    })
+}
+
+/// `--decode N`: prefill, N one-token steps, and a table of both phases' speeds.
+fn run_decode(
+    args: &Args,
+    cfg: &Config,
+    model: &Model,
+    backends: &[AttentionBackend],
+    dtype: DType,
+    dev: &Device,
+) -> Result<()> {
+    let n = args.decode;
+    let rope = Rope::new(args.seq_len + n, args.head_dim, dtype, dev)?;
+    let mut rng = Normal(args.seed ^ 0x5EED);
+    let prompt = rng
+        .tensor(&[args.batch, args.seq_len, cfg.d_model], 1.0)?
+        .to_dtype(dtype)?
+        .to_device(dev)?;
+    // Each step's input is a fixed seeded embedding, the same for both backends.
+    let mut rng = Normal(args.seed ^ 0xDEC0DE);
+    let steps = (0..n)
+        .map(|_| {
+            rng.tensor(&[args.batch, 1, cfg.d_model], 1.0)?
+                .to_dtype(dtype)?
+                .to_device(dev)
+        })
+        .collect::<candle::Result<Vec<_>>>()?;
+    println!(
+        "decode: prefill of {} tokens, then {n} steps of one token (a fixed random embedding each) \
+         per sequence",
+        args.seq_len
+    );
+    let mut progress = Progress::new();
+    let mut results = Vec::new();
+    for &backend in backends {
+        results.push(measure_decode(
+            model,
+            cfg,
+            &prompt,
+            &steps,
+            &rope,
+            backend,
+            &mut progress,
+        )?);
+    }
+    progress.finish();
+
+    let (prompt_tokens, new_tokens) = ((args.batch * args.seq_len) as f64, (args.batch * n) as f64);
+    println!(
+        "{:<8} {:>11} {:>14} {:>15} {:>13}",
+        "backend", "prefill ms", "prefill tok/s", "decode ms/step", "decode tok/s"
+    );
+    for r in &results {
+        println!(
+            "{:<8} {:>11.1} {:>14.0} {:>15.2} {:>13.1}",
+            r.backend.name(),
+            r.prefill_secs * 1e3,
+            prompt_tokens / r.prefill_secs,
+            r.decode_secs * 1e3 / n as f64,
+            new_tokens / r.decode_secs
+        );
+    }
+    if let [naive, flash] = results.as_slice() {
+        let (a, b) = (
+            naive.last.to_dtype(DType::F32)?,
+            flash.last.to_dtype(DType::F32)?,
+        );
+        let diff = (&a - &b)?
+            .abs()?
+            .flatten_all()?
+            .max(D::Minus1)?
+            .to_scalar::<f32>()?;
+        let scale = a.abs()?.flatten_all()?.max(D::Minus1)?.to_scalar::<f32>()?;
+        println!(
+            "max |naive - flash| over the last step's output: {diff:.3e} (max |output| {scale:.2})"
+        );
+        println!(
+            "flash decode speed-up over naive: {:.2}x",
+            naive.decode_secs / flash.decode_secs
+        );
+        if !diff.is_finite() {
+            bail!("the outputs differ by {diff}: NaN or Inf in one backend's output")
+        }
+    }
+    Ok(())
+}
+
 fn device(arg: DeviceArg) -> Result<Device> {
     match arg {
         DeviceArg::Cpu => Ok(Device::Cpu),
@@ -614,6 +857,21 @@ fn run(args: Args) -> Result<()> {
     };
 
     let model = build_model(cfg, args.seed, dtype, &dev)?;
+    if args.decode > 0 {
+        println!(
+            "{} layers, d_model {d_model} ({} heads / {} kv heads × {}), {:?} norm, {}; batch {}, {:?} on {:?}",
+            args.layers,
+            args.heads,
+            args.kv_heads,
+            args.head_dim,
+            args.norm,
+            if args.causal { "causal" } else { "non-causal" },
+            args.batch,
+            dtype,
+            dev.location()
+        );
+        return run_decode(&args, &cfg, &model, backends, dtype, &dev);
+    }
     let rope = Rope::new(args.seq_len, args.head_dim, dtype, &dev)?;
     let mut rng = Normal(args.seed ^ 0x5EED);
     let x32 = rng

@@ -75,10 +75,10 @@ fn load_smollm2() -> Result<SmolLm2> {
 
 /// Last-position logits after feeding `ids` in pieces of `step` tokens into a fresh cache.
 fn logits_in_steps(m: &SmolLm2, ids: &[u32], step: usize, attn: Attention) -> Result<Tensor> {
-    let mut cache: Cache = m.new_cache();
+    let mut cache: Cache = m.new_cache(attn, ids.len())?;
     let mut last = None;
     for piece in ids.chunks(step) {
-        last = Some(m.forward(piece, &mut cache, attn)?);
+        last = Some(m.forward(piece, &mut cache)?);
     }
     ensure!(
         cache.len() == ids.len(),
@@ -150,14 +150,30 @@ fn smollm2_logits_agree_naive_flash_prefill_decode_chunked() -> Result<()> {
 fn smollm2_answers_paris_and_naive_equals_flash() -> Result<()> {
     let m = load_smollm2()?;
     let ids = m.encode(&m.chat_prompt(PARIS)?)?;
-    let flash = m.generate(&ids, 12, Attention::Flash, |_| Ok(()))?;
+    let g = m.generate(&ids, 12, Attention::Flash, false, |_| Ok(()))?;
+    // One decode step per token after the first, plus one more when a stop token ended it.
+    ensure!(
+        g.decode_steps + 1 == g.tokens.len() || g.decode_steps == g.tokens.len(),
+        "{} decode steps for {} tokens",
+        g.decode_steps,
+        g.tokens.len()
+    );
+    println!(
+        "flash: prefill {:.1} ms, {} decode steps in {:.1} ms",
+        g.prefill.as_secs_f64() * 1e3,
+        g.decode_steps,
+        g.decode.as_secs_f64() * 1e3
+    );
+    let flash = g.tokens;
     let answer = m.decode(&flash)?;
     println!("flash answer: {answer:?} {flash:?}");
     ensure!(
         answer.contains("Paris"),
         "expected Paris in the answer, got {answer:?}"
     );
-    let naive = m.generate(&ids, 12, Attention::Naive, |_| Ok(()))?;
+    let naive = m
+        .generate(&ids, 12, Attention::Naive, false, |_| Ok(()))?
+        .tokens;
     ensure!(
         naive == flash,
         "greedy tokens differ: naive {naive:?} vs flash {flash:?}"

@@ -1,6 +1,8 @@
 //! SmolLM2-135M-Instruct (Llama architecture) from its GGUF file: weights dequantized at load,
 //! a tokenizer rebuilt from the GGUF vocabulary, and a forward pass with a KV cache whose
-//! attention is either the materialising reference or flash attention.
+//! attention is either the materialising reference (over a cache grown by concatenation) or
+//! flash attention (one `flash_attn_with_kvcache` call per layer per step, appending to a
+//! preallocated cache in place).
 //!
 //! Causal masking is bottom-right aligned (query `i` of a `t`-token step at cache offset `p`
 //! sees keys `0..=p+i`), so one forward over the whole prompt, a chunked prefill and
@@ -9,6 +11,7 @@
 use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use candle::quantized::gguf_file::{Content, Value};
@@ -26,9 +29,11 @@ use crate::paths::{find_file, models_dir};
 /// Which attention the forward pass uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Attention {
-    /// `candle_flash::naive_attention`: the full score matrix, masked and soft-maxed.
+    /// `candle_flash::naive_attention` over a cache grown by concatenation: the full score
+    /// matrix (K/V heads repeated for GQA), masked and soft-maxed.
     Naive,
-    /// `candle_flash::flash_attn`: tiled, online softmax.
+    /// `candle_flash::flash_attn_with_kvcache`: tiled, online softmax, against a preallocated
+    /// cache appended to in place.
     Flash,
 }
 
@@ -63,19 +68,38 @@ struct Block {
     down: Linear,
 }
 
-/// Per-layer keys and values `(1, seq, kv_heads, head_dim)` of everything seen so far.
+/// Per-layer keys and values of everything seen so far, kept the way each backend wants them.
 pub struct Cache {
-    kv: Vec<Option<(Tensor, Tensor)>>,
+    /// Tokens already processed.
+    len: usize,
+    /// Positions the cache can hold.
+    max_len: usize,
+    layers: Vec<LayerKv>,
+}
+
+enum LayerKv {
+    /// Naive: `(1, len, kv_heads, head_dim)`, a new tensor concatenated every step.
+    Concat(Option<(Tensor, Tensor)>),
+    /// Flash: preallocated `(1, max_len, kv_heads, head_dim)`, appended to in place by
+    /// `flash_attn_with_kvcache`; rows past `len` are never read.
+    Fixed { k: Tensor, v: Tensor },
 }
 
 impl Cache {
     /// Number of tokens already processed.
     pub fn len(&self) -> usize {
-        match self.kv.first() {
-            Some(Some((k, _))) => k.dim(1).unwrap_or(0),
-            _ => 0,
-        }
+        self.len
     }
+}
+
+/// What [`SmolLm2::generate`] produced, and how long its two phases took.
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    /// The prompt's one forward pass.
+    pub prefill: Duration,
+    /// Every one-token forward pass after it.
+    pub decode: Duration,
+    pub decode_steps: usize,
 }
 
 /// Model, tokenizer and chat template, all read from one GGUF file.
@@ -221,27 +245,48 @@ impl SmolLm2 {
         })
     }
 
-    pub fn new_cache(&self) -> Cache {
-        Cache {
-            kv: vec![None; self.cfg.layers],
-        }
+    /// An empty cache for `max_len` tokens (prompt and generated) with `attention`. The flash
+    /// cache is allocated here at its full size, two `(1, max_len, kv_heads, head_dim)` tensors
+    /// per layer; the naive one grows by concatenation.
+    pub fn new_cache(&self, attention: Attention, max_len: usize) -> Result<Cache> {
+        let cfg = &self.cfg;
+        ensure!(
+            max_len <= cfg.context,
+            "a cache of {max_len} tokens exceeds the model's context of {}",
+            cfg.context
+        );
+        let layers = (0..cfg.layers)
+            .map(|_| -> Result<LayerKv> {
+                Ok(match attention {
+                    Attention::Naive => LayerKv::Concat(None),
+                    Attention::Flash => {
+                        let shape = (1, max_len, cfg.kv_heads, cfg.head_dim);
+                        let (dtype, device) = (self.embed.dtype(), self.embed.device());
+                        LayerKv::Fixed {
+                            k: Tensor::zeros(shape, dtype, device)?,
+                            v: Tensor::zeros(shape, dtype, device)?,
+                        }
+                    }
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Cache {
+            len: 0,
+            max_len,
+            layers,
+        })
     }
 
-    /// Runs `tokens` after whatever `cache` holds and returns the f32 logits `(vocab,)` of the
-    /// last of them.
-    pub fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut Cache,
-        attention: Attention,
-    ) -> Result<Tensor> {
+    /// Runs `tokens` after whatever `cache` holds, with the cache's attention, and returns the
+    /// f32 logits `(vocab,)` of the last of them.
+    pub fn forward(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (t, pos) = (tokens.len(), cache.len());
         ensure!(t > 0, "forward needs at least one token");
         ensure!(
-            pos + t <= cfg.context,
-            "context of {} tokens exceeded",
-            cfg.context
+            pos + t <= cache.max_len,
+            "the cache holds {} tokens: {pos} cached plus {t} new do not fit",
+            cache.max_len
         );
         let device = self.embed.device();
         let ids = Tensor::new(tokens, device)?;
@@ -250,29 +295,47 @@ impl SmolLm2 {
         let sin = self.sin.narrow(0, pos, t)?;
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
         let eps = cfg.rms_eps as f32;
-        for (b, slot) in self.blocks.iter().zip(cache.kv.iter_mut()) {
+        // The flash cache's length before this step, shared by every layer.
+        let seqlens = Tensor::new(&[pos as u32], device)?;
+        for (b, slot) in self.blocks.iter().zip(cache.layers.iter_mut()) {
             let h = candle_nn::ops::rms_norm(&x, &b.attn_norm, eps)?;
             let q = rope(&b.q.forward(&h)?, cfg.heads, cfg.head_dim, &cos, &sin)?;
             let k = rope(&b.k.forward(&h)?, cfg.kv_heads, cfg.head_dim, &cos, &sin)?;
             let v =
                 b.v.forward(&h)?
                     .reshape((1, t, cfg.kv_heads, cfg.head_dim))?;
-            let (k, v) = match slot.take() {
-                None => (k, v),
-                Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
-            };
-            let a = match attention {
-                Attention::Naive => {
-                    candle_flash::naive_attention(&q, &k, &v, &FlashAttn::new(scale).causal())?
+            let a = match slot {
+                LayerKv::Concat(kv) => {
+                    let (k, v) = match kv.take() {
+                        None => (k, v),
+                        Some((pk, pv)) => {
+                            (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?)
+                        }
+                    };
+                    let a =
+                        candle_flash::naive_attention(&q, &k, &v, &FlashAttn::new(scale).causal())?;
+                    *kv = Some((k, v));
+                    a
                 }
-                Attention::Flash => candle_flash::flash_attn(&q, &k, &v, scale, true)?,
+                // One call appends this step's rows at `pos` and attends over `pos + t` keys.
+                LayerKv::Fixed { k: kc, v: vc } => candle_flash::flash_attn_with_kvcache(
+                    &q,
+                    kc,
+                    vc,
+                    Some(&k),
+                    Some(&v),
+                    &seqlens,
+                    None,
+                    scale,
+                    true,
+                )?,
             };
-            *slot = Some((k, v));
             x = (x + b.o.forward(&a.reshape((1, t, cfg.hidden))?)?)?;
             let h = candle_nn::ops::rms_norm(&x, &b.ffn_norm, eps)?;
             let f = (candle_nn::ops::silu(&b.gate.forward(&h)?)? * b.up.forward(&h)?)?;
             x = (x + b.down.forward(&f)?)?;
         }
+        cache.len += t;
         // Only the last position predicts the next token; the head is the embedding (tied).
         let last = candle_nn::ops::rms_norm(&x.get(0)?.get(t - 1)?, &self.norm, eps)?;
         let logits = self.embed.matmul(&last.unsqueeze(1)?)?.squeeze(1)?;
@@ -318,27 +381,44 @@ impl SmolLm2 {
     }
 
     /// Greedy generation: one prefill of `prompt`, then one token per step until a stop token
-    /// or `max_tokens`. `on_token` sees each new token as it is chosen.
+    /// (unless `ignore_stop`) or `max_tokens`. `on_token` sees each new token as it is chosen.
+    /// The cache is sized for `prompt.len() + max_tokens`.
     pub fn generate(
         &self,
         prompt: &[u32],
         max_tokens: usize,
         attention: Attention,
+        ignore_stop: bool,
         mut on_token: impl FnMut(u32) -> Result<()>,
-    ) -> Result<Vec<u32>> {
-        let mut cache = self.new_cache();
-        let mut out = Vec::new();
-        let mut logits = self.forward(prompt, &mut cache, attention)?;
-        while out.len() < max_tokens {
-            let next = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
-            if self.stop.contains(&next) {
+    ) -> Result<Generation> {
+        let mut cache = self.new_cache(attention, prompt.len() + max_tokens)?;
+        let mut tokens = Vec::new();
+        let t = Instant::now();
+        let mut logits = self.forward(prompt, &mut cache)?;
+        // Reading the logits back (argmax) waits for the device, so the clock is honest.
+        let mut next = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+        let prefill = t.elapsed();
+        let mut decode = Duration::ZERO;
+        let mut decode_steps = 0;
+        while tokens.len() < max_tokens && (ignore_stop || !self.stop.contains(&next)) {
+            tokens.push(next);
+            on_token(next)?;
+            // No forward pass for a token whose successor is not wanted.
+            if tokens.len() == max_tokens {
                 break;
             }
-            out.push(next);
-            on_token(next)?;
-            logits = self.forward(&[next], &mut cache, attention)?;
+            let t = Instant::now();
+            logits = self.forward(&[next], &mut cache)?;
+            next = logits.argmax(D::Minus1)?.to_scalar::<u32>()?;
+            decode += t.elapsed();
+            decode_steps += 1;
         }
-        Ok(out)
+        Ok(Generation {
+            tokens,
+            prefill,
+            decode,
+            decode_steps,
+        })
     }
 }
 
