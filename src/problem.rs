@@ -175,6 +175,10 @@ pub(crate) struct Problem {
     pub prefix: Option<Prefix>,
     pub window: Window,
     pub score: ScoreMod,
+    /// A KV-cache call on the GPU: each sequence's key count before this call (u32 or i32
+    /// `(batch,)`, left on the device) and the keys the call appends; the kernels take the
+    /// sequence lengths from it instead of `varlen.cu_k`.
+    pub seqused_k: Option<(candle::Tensor, usize)>,
     /// Whether ALiBi slopes come with the call.
     pub has_alibi: bool,
     /// ALiBi slopes, `batch * heads` of them with batch stride `alibi_batch_stride` (0 when the

@@ -815,3 +815,35 @@ fn sanitizer_decode_split_kv() -> candle::Result<()> {
     }
     Ok(())
 }
+
+/// Heads wider than 256 (up to 512): the tensor-core kernels split V/O by columns, f32 takes the
+/// row-wise kernel where its tiles do not fit; against the f64 reference.
+#[test]
+fn wide_heads_320_and_512() -> candle::Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let mut n = 0;
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for (d, sq, sk, mask) in [
+            (320, 77, 130, Mask::Causal),
+            (512, 130, 77, Mask::Full),
+            (296, 1, 300, Mask::Causal),
+            (512, 65, 65, Mask::Window(20, 3)),
+        ] {
+            let c = Case {
+                dtype,
+                b: 2,
+                sq,
+                sk,
+                h: 4,
+                hk: 2,
+                d,
+                mask,
+                softcap: if n % 3 == 2 { 5.0 } else { 0.0 },
+                alibi: n % 4 == 1,
+            };
+            check_case(&dev, &c, 700 + n as u64)?;
+            n += 1;
+        }
+    }
+    Ok(())
+}

@@ -19,12 +19,14 @@ fn test_device() -> Device {
     // One device for the whole binary: candle tells devices apart by instance, not ordinal.
     static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
     DEVICE
-        .get_or_init(|| match std::env::var("CANDLE_FLASH_TEST_DEVICE").as_deref() {
-            Ok("cuda") => {
-                Device::new_cuda(0).expect("CANDLE_FLASH_TEST_DEVICE=cuda: no CUDA device")
-            }
-            _ => Device::Cpu,
-        })
+        .get_or_init(
+            || match std::env::var("CANDLE_FLASH_TEST_DEVICE").as_deref() {
+                Ok("cuda") => {
+                    Device::new_cuda(0).expect("CANDLE_FLASH_TEST_DEVICE=cuda: no CUDA device")
+                }
+                _ => Device::Cpu,
+            },
+        )
         .clone()
 }
 

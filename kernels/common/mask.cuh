@@ -141,7 +141,11 @@ __device__ __forceinline__ const T* key_row(const FlashParams& p, const T* base,
                                             int64_t batch_stride, int64_t seq_stride,
                                             int64_t head_off, int b, int j) {
     if (!p.block_table) return base + (int64_t)j * seq_stride;
-    const int blk = p.block_table[(int64_t)b * p.max_blocks + j / p.page];
+    // Power-of-two pages (vLLM's 16, upstream's multiples of 32 mostly) shift instead of divide:
+    // this runs once per row of every K/V tile.
+    const int pg = p.page_shift >= 0 ? j >> p.page_shift : j / p.page;
+    const int row = p.page_shift >= 0 ? j & (p.page - 1) : j % p.page;
+    const int blk = p.block_table[(int64_t)b * p.max_blocks + pg];
     if (blk < 0 || blk >= p.num_blocks) return nullptr;
-    return cache + (int64_t)blk * batch_stride + (int64_t)(j % p.page) * seq_stride + head_off;
+    return cache + (int64_t)blk * batch_stride + (int64_t)row * seq_stride + head_off;
 }

@@ -50,6 +50,8 @@ struct FlashParams {
     int32_t num_blocks;     // paged K/V: blocks in k and v
     int32_t k_add;          // keys appended by this call on top of seqused_k
     int32_t max_ranges;     // prefix ranges per sequence
+    int32_t page_shift;     // paged K/V: log2(page) for power-of-two pages, else -1
+    int32_t reserved_;
 };
 
 

@@ -93,15 +93,23 @@ __device__ __forceinline__ void load_kv(T* smem, const FlashParams& p, const T* 
     const int r0 = threadIdx.x / C, c = threadIdx.x % C;
     if (r0 >= RPI) return;
     const bool col_ok = c * 8 < p.d_load;
+    constexpr int N = (TILE + RPI - 1) / RPI;
+    // Addresses first, copies second: for paged caches each address waits on a block-table
+    // load, and issuing all of a thread's table loads before its first copy overlaps them.
+    const T* src[N];
 #pragma unroll
-    for (int it = 0; it < (TILE + RPI - 1) / RPI; ++it) {
+    for (int it = 0; it < N; ++it) {
+        const int r = r0 + it * RPI;
+        src[it] = nullptr;
+        if ((TILE % RPI == 0 || r < TILE) && col_ok && r < rows_valid)
+            src[it] = key_row(p, base, cache, batch_stride, seq_stride, head_off, b, key0 + r);
+    }
+#pragma unroll
+    for (int it = 0; it < N; ++it) {
         const int r = r0 + it * RPI;
         if (TILE % RPI != 0 && r >= TILE) break;
-        const T* src = nullptr;
-        if (col_ok && r < rows_valid)
-            src = key_row(p, base, cache, batch_stride, seq_stride, head_off, b, key0 + r);
         // A zero-byte copy reads nothing; point it at the cache base, which is always mapped.
-        flash::cp_async16(smem + swz<D>(r, c), src ? src + c * 8 : cache, src ? 16 : 0);
+        flash::cp_async16(smem + swz<D>(r, c), src[it] ? src[it] + c * 8 : cache, src[it] ? 16 : 0);
     }
 }
 

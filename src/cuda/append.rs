@@ -2,9 +2,10 @@
 //! `FlashAttn::forward_kvcache`): one copy kernel from `kernels/pack.cu`.
 
 use candle::backend::BackendStorage;
+use candle::cuda_backend::cudarc::driver::CudaStream;
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use candle::cuda_backend::WrapErr;
-use candle::{bail, CudaStorage, DType, Layout, Result, Storage};
+use candle::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
 use super::launch::PACK_PTX;
 use crate::problem::{Paged, Strides};
@@ -17,7 +18,7 @@ pub(crate) fn append_kv(
     new: &CudaStorage,
     nl: &Layout,
     paged: &Paged,
-    start: &[usize],
+    start: &candle::Tensor,
 ) -> Result<()> {
     if cache.dtype() != new.dtype() {
         bail!(
@@ -39,28 +40,10 @@ pub(crate) fn append_kv(
     let dev = cache.device().clone();
     let stream = dev.cuda_stream();
     let (c, s) = (Strides::dense(cl), Strides::dense(nl));
-    let start: Vec<u32> = start
-        .iter()
-        .map(|&x| u32::try_from(x))
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|_| candle::Error::Msg("flash-attn: cache_seqlens exceeds u32".into()))?;
-    let start = stream.clone_htod(&start).w()?;
+    let start_ptr = int_ptr(start, &stream)?;
     let host_table;
     let table_ptr = match &paged.device_table {
-        Some(t) => {
-            let (st, l) = t.storage_and_layout();
-            match &*st {
-                Storage::Cuda(cs) => {
-                    let base = match cs.dtype() {
-                        DType::I32 => cs.as_cuda_slice::<i32>()?.device_ptr(&stream).0,
-                        DType::U32 => cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
-                        dt => bail!("flash-attn: block_table of dtype {dt:?} on the GPU"),
-                    };
-                    base + l.start_offset() as u64 * 4
-                }
-                _ => bail!("flash-attn: block_table must be on the cache's device"),
-            }
-        }
+        Some(t) => int_ptr(t, &stream)?,
         None => {
             host_table = stream.clone_htod(&paged.table).w()?;
             host_table.device_ptr(&stream).0
@@ -88,7 +71,6 @@ pub(crate) fn append_kv(
         _ => new.as_cuda_slice::<f32>()?.device_ptr(&stream),
     };
     let (dst, src) = (dst + c.offset as u64 * esize, src + s.offset as u64 * esize);
-    let start_ptr = start.device_ptr(&stream).0;
     let args: [i64; 15] = [
         batch as i64,
         seq_new as i64,
@@ -123,4 +105,18 @@ pub(crate) fn append_kv(
     unsafe { b.launch(cfg) }.w()?;
     drop((dst_guard, src_guard));
     Ok(())
+}
+
+/// The device address of element 0 of a u32 or i32 tensor on the GPU.
+pub(crate) fn int_ptr(t: &Tensor, stream: &std::sync::Arc<CudaStream>) -> Result<u64> {
+    let (st, l) = t.storage_and_layout();
+    let off = l.start_offset() as u64 * 4;
+    match &*st {
+        Storage::Cuda(c) => Ok(match c.dtype() {
+            DType::U32 => c.as_cuda_slice::<u32>()?.device_ptr(stream).0,
+            DType::I32 => c.as_cuda_slice::<i32>()?.device_ptr(stream).0,
+            dt => bail!("flash-attn: index tensor of dtype {dt:?} on the GPU"),
+        } + off),
+        _ => bail!("flash-attn: index tensor is not on the GPU"),
+    }
 }

@@ -166,9 +166,13 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
                 DevInts::Tensor(d.cu_q.clone()),
                 DevInts::Tensor(d.cu_k.clone()),
             ),
+            // KV-cache calls take their key counts from `seqused_k`; `cu_k` is not read.
             None => (
                 DevInts::Host(stream.clone_htod(&vl.cu_q).w()?),
-                DevInts::Host(stream.clone_htod(&vl.cu_k).w()?),
+                match &p.seqused_k {
+                    Some((t, _)) => DevInts::Tensor(t.clone()),
+                    None => DevInts::Host(stream.clone_htod(&vl.cu_k).w()?),
+                },
             ),
         }),
     };
@@ -250,7 +254,10 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         o_part: part_guards.as_ref().map_or(0, |(o, _)| o.0),
         lse_part: part_guards.as_ref().map_or(0, |(_, l)| l.0),
         block_table: table_ptr,
-        seqused_k: 0,
+        seqused_k: match &p.seqused_k {
+            Some((t, _)) => super::append::int_ptr(t, &stream)?,
+            None => 0,
+        },
         prefix: prefix_ptr,
         q_batch: qo.s.batch as i64,
         q_seq: qo.s.seq as i64,
@@ -301,11 +308,17 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         page: to_i32(p.paged.as_ref().map_or(0, |pg| pg.page), "page_block_size")?,
         max_blocks: to_i32(p.paged.as_ref().map_or(0, |pg| pg.max_blocks), "max_blocks")?,
         num_blocks: to_i32(p.paged.as_ref().map_or(0, |pg| pg.num_blocks), "num_blocks")?,
-        k_add: 0,
+        k_add: to_i32(p.seqused_k.as_ref().map_or(0, |(_, n)| *n), "seq_new")?,
         max_ranges: to_i32(
             p.prefix.as_ref().map_or(0, |pr| pr.max_ranges),
             "max_ranges",
         )?,
+        page_shift: p
+            .paged
+            .as_ref()
+            .filter(|pg| pg.page.is_power_of_two())
+            .map_or(-1, |pg| pg.page.trailing_zeros() as i32),
+        reserved_: 0,
     };
     launch(dev, &plan, &params)?;
     if let Some(combine) = split.and_then(|s| s.combine.as_deref()) {
@@ -382,18 +395,7 @@ impl DevInts {
     fn ptr(&self, stream: &std::sync::Arc<CudaStream>) -> Result<u64> {
         match self {
             DevInts::Host(s) => Ok(s.device_ptr(stream).0),
-            DevInts::Tensor(t) => {
-                let (st, l) = t.storage_and_layout();
-                let off = l.start_offset() as u64 * 4;
-                match &*st {
-                    Storage::Cuda(c) => Ok(match c.dtype() {
-                        DType::U32 => c.as_cuda_slice::<u32>()?.device_ptr(stream).0,
-                        DType::I32 => c.as_cuda_slice::<i32>()?.device_ptr(stream).0,
-                        dt => bail!("flash-attn: index tensor of dtype {dt:?} on the GPU"),
-                    } + off),
-                    _ => bail!("flash-attn: index tensor is not on the GPU"),
-                }
-            }
+            DevInts::Tensor(t) => super::append::int_ptr(t, stream),
         }
     }
 }

@@ -68,8 +68,11 @@ pub struct Params {
     pub num_blocks: i32,
     pub k_add: i32,
     pub max_ranges: i32,
+    /// `log2(page)` for power-of-two pages (shifts instead of divisions), else -1.
+    pub page_shift: i32,
+    pub reserved_: i32,
 }
 
 /// The size both sides agree on (also asserted in C by the generated header).
-pub const PARAMS_SIZE: usize = 8 * 30 + 4 * 22;
+pub const PARAMS_SIZE: usize = 8 * 30 + 4 * 24;
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);

@@ -12,8 +12,10 @@ use crate::problem::{Paged, Strides};
 /// block per sequence.
 pub(super) struct AppendKv<'a> {
     pub paged: &'a Paged,
-    /// Each sequence's length before the append.
+    /// Each sequence's length before the append (host copy; unused on the GPU).
     pub start: &'a [usize],
+    /// The same lengths left on the GPU (u32 or i32 `(batch,)`), for the CUDA append.
+    pub start_dev: Option<&'a candle::Tensor>,
 }
 
 impl AppendKv<'_> {
@@ -86,6 +88,9 @@ impl candle::InplaceOp2 for AppendKv<'_> {
         new: &candle::CudaStorage,
         nl: &Layout,
     ) -> Result<()> {
-        crate::cuda::append_kv(cache, cl, new, nl, self.paged, self.start)
+        let Some(start) = self.start_dev else {
+            bail!("flash-attn: the CUDA KV-cache append needs the cache lengths on the GPU")
+        };
+        crate::cuda::append_kv(cache, cl, new, nl, self.paged, start)
     }
 }

@@ -92,7 +92,15 @@ impl FlashAttn {
                 v_cache.dims()
             )
         }
-        let start = read_cache_seqlens(cache_seqlens, q, batch)?;
+        // On the GPU the lengths are never read back: the kernels take them from the device,
+        // skip appends past the cache's capacity and clamp the key counts to it.
+        let on_gpu = q.device().is_cuda();
+        check_cache_seqlens(cache_seqlens, q, batch)?;
+        let start = if on_gpu {
+            vec![0; batch]
+        } else {
+            read_cache_seqlens(cache_seqlens)?
+        };
         let seq_new = match new_kv {
             None => 0,
             Some((k_new, v_new)) => check_new(k_new, v_new, k_cache, batch, cache_dims)?,
@@ -137,10 +145,15 @@ impl FlashAttn {
             .map(|b| u32::try_from(b * seq_q))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|_| candle::Error::Msg("flash-attn: batch * seq_q overflows u32".into()))?;
+        let capacity = paged.max_blocks * paged.page;
         let vl = VarLen {
             batch,
             max_seqlen_q: if batch == 0 { 0 } else { seq_q },
-            max_seqlen_k: lens.iter().copied().max().unwrap_or(0),
+            max_seqlen_k: if on_gpu {
+                capacity
+            } else {
+                lens.iter().copied().max().unwrap_or(0)
+            },
             total_k: 0,
             cu_q,
             cu_k,
@@ -148,12 +161,20 @@ impl FlashAttn {
         };
         let q3 = q.reshape((batch * seq_q, heads, head_dim))?;
         // Everything is validated before the caches are written.
-        let problem = self.problem_with(&q3, k_cache, v_cache, Some(vl), Some(paged))?;
+        let mut problem = self.problem_with(&q3, k_cache, v_cache, Some(vl), Some(paged))?;
+        let lens_dev = match cache_seqlens.dtype() {
+            DType::U32 | DType::I32 => cache_seqlens.contiguous()?,
+            _ => cache_seqlens.to_dtype(DType::U32)?.contiguous()?,
+        };
+        if on_gpu {
+            problem.seqused_k = Some((lens_dev.clone(), seq_new));
+        }
         if let Some((k_new, v_new)) = new_kv {
             let paged = problem.paged.as_ref().expect("paged problem");
             let append = AppendKv {
                 paged,
                 start: &start,
+                start_dev: on_gpu.then_some(&lens_dev),
             };
             k_cache.inplace_op2(k_new, &append)?;
             v_cache.inplace_op2(v_new, &append)?;
@@ -163,8 +184,8 @@ impl FlashAttn {
     }
 }
 
-/// Reads the cache lengths: an integer `(batch,)` tensor on q's device, none negative.
-fn read_cache_seqlens(t: &Tensor, q: &Tensor, batch: usize) -> Result<Vec<usize>> {
+/// Checks the cache lengths' type, shape and device: an integer `(batch,)` tensor on q's device.
+fn check_cache_seqlens(t: &Tensor, q: &Tensor, batch: usize) -> Result<()> {
     if !t.dtype().is_int() {
         bail!(
             "flash-attn: cache_seqlens must be an integer tensor (u32), got {:?}",
@@ -181,6 +202,11 @@ fn read_cache_seqlens(t: &Tensor, q: &Tensor, batch: usize) -> Result<Vec<usize>
     if !t.device().same_device(q.device()) {
         bail!("flash-attn: cache_seqlens is on another device than q")
     }
+    Ok(())
+}
+
+/// Reads the (checked) cache lengths to the host, none negative.
+fn read_cache_seqlens(t: &Tensor) -> Result<Vec<usize>> {
     t.to_dtype(DType::I64)?
         .to_vec1::<i64>()?
         .into_iter()

@@ -174,6 +174,7 @@ impl FlashAttn {
                 scale: self.softmax_scale,
                 softcap,
             },
+            seqused_k: None,
             has_alibi: self.alibi_slopes.is_some(),
             alibi_batch_stride,
         })
@@ -355,7 +356,9 @@ pub(super) fn read_paged(
         // Left on the GPU as 4-byte indices; the kernels zero-fill any outside the cache.
         let table = match block_table.dtype() {
             DType::I32 | DType::U32 => block_table.contiguous()?,
-            _ => block_table.to_dtype(DType::I32)?.contiguous()?,
+            // Through u32 (candle casts i64 to u32 on the GPU, wrapping; the kernels read the
+            // bits as i32, so negative indices stay negative and read as zero rows).
+            _ => block_table.to_dtype(DType::U32)?.contiguous()?,
         };
         return Ok(Paged {
             page,
@@ -417,7 +420,9 @@ fn read_prefix(t: &Tensor, q: &Tensor, batch: usize) -> Result<Prefix> {
     if q.device().is_cuda() {
         let dev = match t.dtype() {
             DType::I32 => t.contiguous()?,
-            _ => t.to_dtype(DType::I32)?.contiguous()?,
+            DType::U32 => t.contiguous()?,
+            // Through u32 (wrapping), read back as i32 by the kernels.
+            _ => t.to_dtype(DType::U32)?.contiguous()?,
         };
         return Ok(Prefix {
             max_ranges,
