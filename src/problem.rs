@@ -83,8 +83,9 @@ pub(crate) struct VarLen {
     pub device: Option<OnDevice>,
 }
 
-/// Lengths left on the GPU: u32 cumulative `cu_q` / `cu_k` (batch + 1).
+/// Lengths left on the GPU: u32 cumulative `cu_q` / `cu_k` (batch + 1), read by the CUDA backend.
 #[derive(Clone, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct OnDevice {
     pub cu_q: candle::Tensor,
     pub cu_k: candle::Tensor,
@@ -107,6 +108,8 @@ pub(crate) struct Paged {
     pub table: Vec<u32>,
     /// On the GPU instead (then `table` is empty): i32 or u32 `(batch, max_blocks)`, never read
     /// on the host; kernels treat an index outside `[0, num_blocks)` as a block of zeros.
+    // Read by the CUDA backend only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub device_table: Option<candle::Tensor>,
 }
 
@@ -118,6 +121,8 @@ pub(crate) struct Prefix {
     /// Host copy (empty when `device` is set).
     pub ranges: Vec<[i64; 2]>,
     /// On the GPU instead: i32 `(batch, max_ranges, 2)`.
+    // Read by the CUDA backend only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub device: Option<candle::Tensor>,
 }
 

@@ -15,6 +15,8 @@ pub(super) struct AppendKv<'a> {
     /// Each sequence's length before the append (host copy; unused on the GPU).
     pub start: &'a [usize],
     /// The same lengths left on the GPU (u32 or i32 `(batch,)`), for the CUDA append.
+    // Read by the CUDA backend only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub start_dev: Option<&'a candle::Tensor>,
 }
 
