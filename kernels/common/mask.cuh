@@ -26,9 +26,10 @@ struct BlockGeom {
 template <bool CACHE>
 __device__ __forceinline__ void seq_lengths(const FlashParams& p, int b, BlockGeom& g) {
     if (p.cu_q) {
-        const int64_t q0 = min((int64_t)p.cu_q[b], (int64_t)p.total_q);
-        const int64_t q1 = max(q0, min((int64_t)p.cu_q[b + 1], (int64_t)p.total_q));
-        g.sq = (int)min(q1 - q0, (int64_t)p.seq_q);
+        // 32-bit: lengths and totals are below 2^31 (checked on the host).
+        const uint32_t q0 = min(p.cu_q[b], (uint32_t)p.total_q);
+        const uint32_t q1 = max(q0, min(p.cu_q[b + 1], (uint32_t)p.total_q));
+        g.sq = (int)min(q1 - q0, (uint32_t)p.seq_q);
         g.q_row0 = q0;
         g.out_row0 = q0;
     } else {
@@ -45,10 +46,10 @@ __device__ __forceinline__ void seq_lengths(const FlashParams& p, int b, BlockGe
         // Paged caches find their rows through the table (only the length counts, bounded by
         // the table's capacity in seq_k); packed keys must stay inside total_k.
         const bool paged = CACHE && p.block_table;
-        const int64_t cap = paged ? INT64_MAX : (int64_t)p.total_k;
-        const int64_t k0 = min((int64_t)p.cu_k[b], cap);
-        const int64_t k1 = max(k0, min((int64_t)p.cu_k[b + 1], cap));
-        g.sk = (int)min(k1 - k0, (int64_t)p.seq_k);
+        const uint32_t cap = paged ? 0xffffffffu : (uint32_t)p.total_k;
+        const uint32_t k0 = min(p.cu_k[b], cap);
+        const uint32_t k1 = max(k0, min(p.cu_k[b + 1], cap));
+        g.sk = (int)min(k1 - k0, (uint32_t)p.seq_k);
         g.k_row0 = paged ? 0 : k0;
     } else {
         g.sk = p.seq_k;
