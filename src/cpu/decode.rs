@@ -839,21 +839,6 @@ mod tests {
     use super::*;
     use crate::{naive_attention, FlashAttn};
 
-    /// Every instruction set this CPU has, so the fallbacks are tested on an AVX-512 machine too.
-    fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                v.push(Isa::Avx2Fma);
-            }
-            if is_x86_feature_detected!("avx512f") {
-                v.push(Isa::Avx512);
-            }
-        }
-        v
-    }
-
     fn problem(b: usize, sq: usize, sk: usize, h: usize, hk: usize, d: usize) -> Problem {
         let dev = Device::Cpu;
         let q = Tensor::zeros((b, sq, h, d), candle::DType::F32, &dev).unwrap();
@@ -964,7 +949,7 @@ mod tests {
             };
             let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
             let (qv, kv, vv) = (flat(&q)?, flat(&k)?, flat(&v)?);
-            for isa in isas() {
+            for isa in Isa::available() {
                 for threads in [1, 2, 5, 16, 64] {
                     let (got, _) = forward_with(isa, threads, &p, slopes.as_deref(), &qv, &kv, &vv);
                     let err = got

@@ -15,6 +15,22 @@ pub(super) enum Isa {
 }
 
 impl Isa {
+    /// Every instruction set this CPU has, so tests run the fallbacks on an AVX-512 machine too.
+    #[cfg(test)]
+    pub(super) fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2Fma);
+            }
+            if is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
     pub(super) fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {

@@ -331,21 +331,6 @@ mod tests {
     use super::*;
     use crate::{naive_attention, FlashAttn};
 
-    /// Every instruction set this CPU has, so the fallbacks are tested on an AVX-512 machine too.
-    fn isas() -> Vec<Isa> {
-        let mut v = vec![Isa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                v.push(Isa::Avx2Fma);
-            }
-            if is_x86_feature_detected!("avx512f") {
-                v.push(Isa::Avx512);
-            }
-        }
-        v
-    }
-
     #[test]
     fn every_isa_matches_naive() -> candle::Result<()> {
         let dev = Device::Cpu;
@@ -392,7 +377,7 @@ mod tests {
             };
             let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
             let (qv, kv, vv) = (flat(&q)?, flat(&k)?, flat(&v)?);
-            for isa in isas() {
+            for isa in Isa::available() {
                 let (got, _) = forward_with(isa, &p, slopes.as_deref(), &qv, &kv, &vv);
                 let err = got
                     .iter()
