@@ -514,25 +514,14 @@ fn softmax<K: Kernel>(
 }
 
 /// The two products, per instruction set, for `NR` query rows that see the same keys.
-trait Ops: Kernel {
+/// The portable loops unless an instruction set overrides them.
+trait Ops: Kernel + Sized {
     /// `s[t][c] = q[t] · K[c]` for `c` in `cols`.
-    fn scores(q: [&[f32]; NR], k: &Rows, cols: std::ops::Range<usize>, s: &mut [[f32; BK]; NR]);
-    /// For the first `nr` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c s[t][c] V[c]`.
-    fn pv(
-        o: &mut [f32],
-        nr: usize,
-        corr: &[f32; NR],
-        s: &[[f32; BK]; NR],
-        v: &Rows,
-        cols: std::ops::Range<usize>,
-    );
-}
-
-impl Ops for Portable {
     #[inline(always)]
     fn scores(q: [&[f32]; NR], k: &Rows, cols: std::ops::Range<usize>, s: &mut [[f32; BK]; NR]) {
         portable_scores::<Self>(q, k, cols, s)
     }
+    /// For the first `nr` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c s[t][c] V[c]`.
     #[inline(always)]
     fn pv(
         o: &mut [f32],
@@ -545,25 +534,11 @@ impl Ops for Portable {
         portable_pv::<Self>(o, nr, corr, s, v, cols)
     }
 }
+
+impl Ops for Portable {}
 
 #[cfg(target_arch = "x86_64")]
-impl Ops for Fused {
-    #[inline(always)]
-    fn scores(q: [&[f32]; NR], k: &Rows, cols: std::ops::Range<usize>, s: &mut [[f32; BK]; NR]) {
-        portable_scores::<Self>(q, k, cols, s)
-    }
-    #[inline(always)]
-    fn pv(
-        o: &mut [f32],
-        nr: usize,
-        corr: &[f32; NR],
-        s: &[[f32; BK]; NR],
-        v: &Rows,
-        cols: std::ops::Range<usize>,
-    ) {
-        portable_pv::<Self>(o, nr, corr, s, v, cols)
-    }
-}
+impl Ops for Fused {}
 
 #[cfg(target_arch = "x86_64")]
 impl Ops for Avx512 {

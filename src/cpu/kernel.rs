@@ -54,7 +54,8 @@ pub(super) trait Kernel {
     /// For each `i < out.len() <= ROWS`:
     /// `out[i] = out[i] * init + Σ_{t<n} a[i * a_is + t * a_ts] · b[t]` with `init = None`
     /// meaning "start from zero". Callers guarantee `b.len() >= n` and that every index of `a`
-    /// named above is in bounds.
+    /// named above is in bounds. The portable loops unless an instruction set overrides it.
+    #[inline(always)]
     fn block(
         out: &mut [Lanes],
         init: Option<&Lanes>,
@@ -63,7 +64,11 @@ pub(super) trait Kernel {
         a_ts: usize,
         b: &[Lanes],
         n: usize,
-    );
+    ) where
+        Self: Sized,
+    {
+        portable_block::<Self>(out, init, a, a_is, a_ts, b, n)
+    }
     /// Lane-wise maximum of `rows` (and -inf); a NaN entry is skipped.
     #[inline(always)]
     fn max_rows(rows: &[Lanes]) -> Lanes {
@@ -100,18 +105,6 @@ impl Kernel for Portable {
             a * b + c
         }
     }
-    #[inline(always)]
-    fn block(
-        out: &mut [Lanes],
-        init: Option<&Lanes>,
-        a: &[f32],
-        a_is: usize,
-        a_ts: usize,
-        b: &[Lanes],
-        n: usize,
-    ) {
-        portable_block::<Self>(out, init, a, a_is, a_ts, b, n)
-    }
 }
 
 /// The portable loops compiled with FMA available (AVX2 machines).
@@ -124,18 +117,6 @@ impl Kernel for Fused {
     #[inline(always)]
     fn fma(a: f32, b: f32, c: f32) -> f32 {
         a.mul_add(b, c)
-    }
-    #[inline(always)]
-    fn block(
-        out: &mut [Lanes],
-        init: Option<&Lanes>,
-        a: &[f32],
-        a_is: usize,
-        a_ts: usize,
-        b: &[Lanes],
-        n: usize,
-    ) {
-        portable_block::<Self>(out, init, a, a_is, a_ts, b, n)
     }
 }
 
