@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use candle::{DType, Device, Module, Tensor, D};
+use candle::{DType, Device, Module, Tensor};
 use candle_flash::{naive_attention, FlashAttn, MAX_HEAD_DIM};
 use candle_nn::{linear_no_bias, Linear, VarBuilder, VarMap};
 use clap::{Parser, ValueEnum};
@@ -773,16 +773,7 @@ fn run_decode(
         );
     }
     if let [naive, flash] = results.as_slice() {
-        let (a, b) = (
-            naive.last.to_dtype(DType::F32)?,
-            flash.last.to_dtype(DType::F32)?,
-        );
-        let diff = (&a - &b)?
-            .abs()?
-            .flatten_all()?
-            .max(D::Minus1)?
-            .to_scalar::<f32>()?;
-        let scale = a.abs()?.flatten_all()?.max(D::Minus1)?.to_scalar::<f32>()?;
+        let (diff, scale) = max_diff(&naive.last, &flash.last)?;
         println!(
             "max |naive - flash| over the last step's output: {diff:.3e} (max |output| {scale:.2})"
         );
@@ -917,16 +908,7 @@ fn run(args: Args) -> Result<()> {
         );
     }
     if let [naive, flash] = results.as_slice() {
-        let (a, b) = (
-            naive.output.to_dtype(DType::F32)?,
-            flash.output.to_dtype(DType::F32)?,
-        );
-        let diff = (&a - &b)?
-            .abs()?
-            .flatten_all()?
-            .max(D::Minus1)?
-            .to_scalar::<f32>()?;
-        let scale = a.abs()?.flatten_all()?.max(D::Minus1)?.to_scalar::<f32>()?;
+        let (diff, scale) = max_diff(&naive.output, &flash.output)?;
         println!("max |naive - flash| over the output: {diff:.3e} (max |output| {scale:.2})");
         println!(
             "flash speed-up over naive: {:.2}x",
@@ -944,19 +926,25 @@ fn run(args: Args) -> Result<()> {
                 AttentionBackend::Naive,
                 |_| {},
             )?;
-            let err = |t: &Tensor| -> Result<f32> {
-                Ok((t - &reference)?
-                    .abs()?
-                    .flatten_all()?
-                    .max(D::Minus1)?
-                    .to_scalar::<f32>()?)
-            };
             println!(
                 "max error vs an f32 naive run: naive {:.3e}, flash {:.3e}",
-                err(&a)?,
-                err(&b)?
+                max_diff(&naive.output, &reference)?.0,
+                max_diff(&flash.output, &reference)?.0
             );
         }
     }
     Ok(())
+}
+
+/// Largest `|a - b|` and largest `|a|`, folded on the host so that a NaN shows (candle's `max`
+/// drops any NaN that is not the first element).
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
+    let host = |t: &Tensor| -> Result<Vec<f32>> {
+        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    };
+    let (a, b) = (host(a)?, host(b)?);
+    let fold = |m: f32, x: f32| if x.is_nan() || x > m { x } else { m };
+    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, fold);
+    let scale = a.iter().map(|x| x.abs()).fold(0.0, fold);
+    Ok((diff, scale))
 }
