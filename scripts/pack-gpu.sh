@@ -15,21 +15,19 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
 features=cuda,candle-nn/cuda
 mkdir -p .gpu
 rm -f .gpu/*
-# The test binary's path is only known from cargo's JSON messages.
-test_bin=$(cargo test --release --features "$features" --test gpu --no-run --message-format=json 2>/dev/null \
-    | python3 -c 'import json,sys
+# A test binary's path is only known from cargo's JSON messages.
+test_bin() {
+    cargo test --release --features "$features" --test "$1" --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
-        print(m["executable"])')
-paged_bin=$(cargo test --release --features "$features" --test paged --no-run --message-format=json 2>/dev/null \
-    | python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "paged" and m.get("executable"):
-        print(m["executable"])')
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' "$1"
+}
+gpu_bin=$(test_bin gpu)
+paged_bin=$(test_bin paged)
 cargo build --release --features "$features" --example gpu_bench --example decode_bench
-cp "$test_bin" .gpu/gpu_tests
+cp "$gpu_bin" .gpu/gpu_tests
 cp "$paged_bin" .gpu/paged_tests
 cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .gpu/gpu_bench
 cp "$CARGO_TARGET_DIR/release/examples/decode_bench" .gpu/decode_bench
