@@ -19,6 +19,7 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod backward;
 mod decode;
 mod elem;
 mod exp2;
@@ -41,6 +42,8 @@ pub(crate) fn forward<T: elem::Elem>(
         prefill::forward(p, slopes, q, k, v)
     }
 }
+
+pub(crate) use backward::backward;
 
 /// Query rows per work item: the lanes of every tile (four AVX-512 vectors).
 const BR: usize = 64;

@@ -102,17 +102,25 @@ impl candle::CustomOp3 for FlashAttnOp {
 
     fn bwd(
         &self,
-        _q: &Tensor,
-        _k: &Tensor,
-        _v: &Tensor,
-        _out: &Tensor,
-        _grad_out: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        // The forward's log-sum-exp is kept in `self.lse` for this pass.
-        bail!(
-            "flash-attn: the backward pass is not implemented yet, so gradients cannot flow \
-             through flash attention; train with candle_flash::naive_attention, or detach the \
-             inputs if no gradient is wanted"
-        )
+        let Some(lse) = self.lse.get() else {
+            bail!("flash-attn backward: the forward pass left no log-sum-exp")
+        };
+        let (dq, dk, dv) = super::backward::backward(
+            &self.problem,
+            self.alibi.as_ref(),
+            q,
+            k,
+            v,
+            out,
+            grad_out,
+            lse,
+        )?;
+        Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

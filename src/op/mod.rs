@@ -2,6 +2,7 @@
 //! dispatches to a backend in `custom`.
 
 mod append;
+mod backward;
 mod custom;
 mod kvcache;
 mod validate;
