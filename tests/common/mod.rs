@@ -3,6 +3,8 @@
 //! tolerance rule of shared/docs/testing.md.
 #![allow(dead_code)]
 
+pub mod grad;
+
 use candle::{DType, Device, IndexOp, Result, Tensor};
 use candle_flash::semantics::Window;
 use candle_flash::{naive_attention, FlashAttn};

@@ -1,0 +1,236 @@
+//! Golden gradients: the analytic backward pass of attention in f64 on the host, written from
+//! the spec (the mask is [`super::visible`], not `candle_flash::semantics`), for the loss
+//! `L = Σ out ∘ grad_out`.
+//!
+//! Per query row `i` of head `h` (K/V head `h / (h / hk)`), with `z_j = scale · q_i·k_j`:
+//!
+//! * `s_j = c · tanh(z_j / c)` with a softcap `c`, else `s_j = z_j`; ALiBi subtracts
+//!   `slope · |i + sk - sq - j|`; masked keys drop out;
+//! * `P_j = exp(s_j - lse_i)`, `o_i = Σ_j P_j v_j`, `D_i = dO_i · o_i` (the exact `o`, not the
+//!   fast path's rounded output);
+//! * `dv_j += P_j dO_i`, `dP_j = dO_i · v_j`, `dS_j = P_j (dP_j - D_i)`;
+//! * `dz_j = dS_j · (1 - tanh²(z_j / c))` (`= dS_j` without softcap);
+//! * `dq_i += scale · dz_j k_j`, `dk_j += scale · dz_j q_i`.
+//!
+//! Rows that see no key contribute nothing (their gradients are exactly 0). GQA gradients of
+//! k and v are sums over the query heads of their group.
+#![allow(dead_code)]
+
+use candle::{DType, Result, Tensor};
+use candle_flash::FlashAttn;
+
+use super::{sequences, values, visible};
+
+/// f64 gradients of q, k and v, each flattened in the *contiguous* layout of its tensor:
+/// dense `(b, sq, h, d)` / `(b, sk, hk, d)`, varlen `(total_q, h, d)` / `(total_k, hk, d)`.
+#[derive(Clone, Debug)]
+pub struct RefGrads {
+    pub dq: Vec<f64>,
+    pub dk: Vec<f64>,
+    pub dv: Vec<f64>,
+}
+
+/// Analytic f64 gradients of `FlashAttn::forward(q, k, v)` with the options `opts` (scale,
+/// window / causal, softcap, ALiBi slopes `(h,)` or `(b, h)`; paged caches and prefix ranges
+/// are not covered) for the loss `Σ out ∘ grad_out`.
+///
+/// * q `(b, sq, h, d)`, k and v `(b, sk, hk, d)`, `grad_out` shaped like q;
+/// * any dtype (values are taken exactly as stored, so pass the tensors the fast path saw),
+///   any device, any layout (non-contiguous views are fine): everything is pulled to the host
+///   as f64;
+/// * returns dq, dk, dv flattened in the contiguous layouts of q, k and v.
+///
+/// Compare with `assert_close`-style rules against [`super::values`] of the fast gradients.
+pub fn reference_grads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    grad_out: &Tensor,
+    opts: &FlashAttn,
+) -> Result<RefGrads> {
+    let (b, sq, h, d) = q.dims4()?;
+    let (_, sk, hk, _) = k.dims4()?;
+    if grad_out.dims() != q.dims() {
+        candle::bail!(
+            "reference_grads: grad_out {:?} is not shaped like q",
+            grad_out.dims()
+        )
+    }
+    let slopes: Option<Vec<f64>> = match &opts.alibi_slopes {
+        None => None,
+        Some(s) => {
+            let s = s.to_device(&candle::Device::Cpu)?.to_dtype(DType::F64)?;
+            let s = if s.rank() == 1 {
+                s.unsqueeze(0)?.broadcast_as((b, h))?.contiguous()?
+            } else {
+                s
+            };
+            Some(s.flatten_all()?.to_vec1::<f64>()?)
+        }
+    };
+    let host = |t: &Tensor| values(&t.to_device(&candle::Device::Cpu)?);
+    let g = Geometry {
+        b,
+        sq,
+        sk,
+        h,
+        hk,
+        d,
+        scale: opts.softmax_scale as f64,
+        cap: opts.softcap.unwrap_or(0.0) as f64,
+        left: opts.window_size_left,
+        right: opts.window_size_right,
+    };
+    Ok(g.grads(
+        &host(q)?,
+        &host(k)?,
+        &host(v)?,
+        &host(grad_out)?,
+        slopes.as_deref(),
+    ))
+}
+
+/// [`reference_grads`] of a packed varlen call (`FlashAttn::forward_varlen`): q and `grad_out`
+/// `(total_q, h, d)`, k and v `(total_k, hk, d)`, host copies of the cumulative lengths
+/// `cu_q`/`cu_k` (`batch + 1` entries from 0); per-batch ALiBi slopes `(batch, h)` apply to
+/// their own sequence. Returns dq `(total_q, h, d)`, dk and dv `(total_k, hk, d)` flattened;
+/// k/v rows no sequence uses get 0.
+pub fn reference_grads_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    grad_out: &Tensor,
+    cu_q: &[u32],
+    cu_k: &[u32],
+    opts: &FlashAttn,
+) -> Result<RefGrads> {
+    let (total_q, h, d) = q.dims3()?;
+    let (total_k, hk, _) = k.dims3()?;
+    let cpu = candle::Device::Cpu;
+    let (q, k, v) = (q.to_device(&cpu)?, k.to_device(&cpu)?, v.to_device(&cpu)?);
+    let grad_out = grad_out.to_device(&cpu)?;
+    let mut opts = opts.clone();
+    if let Some(s) = &opts.alibi_slopes {
+        opts.alibi_slopes = Some(s.to_device(&cpu)?);
+    }
+    let mut out = RefGrads {
+        dq: vec![0.0; total_q * h * d],
+        dk: vec![0.0; total_k * hk * d],
+        dv: vec![0.0; total_k * hk * d],
+    };
+    let seqs = sequences(&q, &k, &v, cu_q, cu_k, &opts)?;
+    for (s, w) in seqs.iter().zip(cu_k.windows(2)) {
+        let go = grad_out.narrow(0, s.q0, s.q1 - s.q0)?.unsqueeze(0)?;
+        let r = reference_grads(&s.q, &s.k, &s.v, &go, &s.opts)?;
+        let k0 = w[0] as usize;
+        out.dq[s.q0 * h * d..s.q1 * h * d].copy_from_slice(&r.dq);
+        out.dk[k0 * hk * d..][..r.dk.len()].copy_from_slice(&r.dk);
+        out.dv[k0 * hk * d..][..r.dv.len()].copy_from_slice(&r.dv);
+    }
+    Ok(out)
+}
+
+/// The shape and options of one dense call.
+struct Geometry {
+    b: usize,
+    sq: usize,
+    sk: usize,
+    h: usize,
+    hk: usize,
+    d: usize,
+    scale: f64,
+    cap: f64,
+    left: Option<usize>,
+    right: Option<usize>,
+}
+
+impl Geometry {
+    fn grads(
+        &self,
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        go: &[f64],
+        slopes: Option<&[f64]>,
+    ) -> RefGrads {
+        let Geometry {
+            b,
+            sq,
+            sk,
+            h,
+            hk,
+            d,
+            scale,
+            cap,
+            ..
+        } = *self;
+        let mut dq = vec![0f64; b * sq * h * d];
+        let mut dk = vec![0f64; b * sk * hk * d];
+        let mut dv = vec![0f64; b * sk * hk * d];
+        let group = h / hk;
+        let qi = |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * d;
+        let kj = |bi: usize, j: usize, kh: usize| ((bi * sk + j) * hk + kh) * d;
+        // Per key of the current row: score (None = masked) and d s / d z.
+        let mut s: Vec<Option<(f64, f64)>> = vec![None; sk];
+        let mut o = vec![0f64; d];
+        for bi in 0..b {
+            for hi in 0..h {
+                let kh = hi / group;
+                let slope = slopes.map_or(0.0, |s| s[bi * h + hi]);
+                for i in 0..sq {
+                    let diag = i as i64 + sk as i64 - sq as i64;
+                    let qr = &q[qi(bi, i, hi)..][..d];
+                    let mut m = f64::NEG_INFINITY;
+                    for (j, sj) in s.iter_mut().enumerate() {
+                        *sj = None;
+                        if !visible(i, j, sq, sk, self.left, self.right) {
+                            continue;
+                        }
+                        let kr = &k[kj(bi, j, kh)..][..d];
+                        let z = scale * qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>();
+                        let (mut sc, dsdz) = if cap > 0.0 {
+                            let t = (z / cap).tanh();
+                            (cap * t, 1.0 - t * t)
+                        } else {
+                            (z, 1.0)
+                        };
+                        sc -= slope * (diag - j as i64).abs() as f64;
+                        if sc > m || sc.is_nan() {
+                            m = sc;
+                        }
+                        *sj = Some((sc, dsdz));
+                    }
+                    if m == f64::NEG_INFINITY {
+                        continue; // no key seen: zero gradients
+                    }
+                    let l: f64 = s.iter().flatten().map(|&(sc, _)| (sc - m).exp()).sum();
+                    let lse = m + l.ln();
+                    let gr = &go[qi(bi, i, hi)..][..d];
+                    o.iter_mut().for_each(|x| *x = 0.0);
+                    for (j, sj) in s.iter().enumerate() {
+                        if let Some((sc, _)) = sj {
+                            let p = (sc - lse).exp();
+                            let vr = &v[kj(bi, j, kh)..][..d];
+                            o.iter_mut().zip(vr).for_each(|(o, v)| *o += p * v);
+                        }
+                    }
+                    let big_d: f64 = gr.iter().zip(&o).map(|(a, b)| a * b).sum();
+                    for (j, sj) in s.iter().enumerate() {
+                        let Some((sc, dsdz)) = *sj else { continue };
+                        let p = (sc - lse).exp();
+                        let base = kj(bi, j, kh);
+                        let vr = &v[base..][..d];
+                        let dp: f64 = gr.iter().zip(vr).map(|(a, b)| a * b).sum();
+                        let dz = p * (dp - big_d) * dsdz;
+                        for x in 0..d {
+                            dv[base + x] += p * gr[x];
+                            dk[base + x] += scale * dz * qr[x];
+                            dq[qi(bi, i, hi) + x] += scale * dz * k[base + x];
+                        }
+                    }
+                }
+            }
+        }
+        RefGrads { dq, dk, dv }
+    }
+}
