@@ -8,11 +8,14 @@
 
 mod common;
 
-use candle::{DType, Device, Result, Tensor};
-use candle_flash::FlashAttn;
+use candle::{DType, Device, Result, Tensor, Var};
+use candle_flash::{naive_attention, FlashAttn};
 
-use common::grad::{reference_grads, RefGrads};
-use common::{randn, reference};
+use common::grad::{reference_grads, reference_grads_varlen, RefGrads};
+use common::{
+    assert_bitwise_eq, max_abs_err_slice, max_err_beyond, randn, reference, scale_of, tolerances,
+    transposed_view, values, SCALE_FLOOR,
+};
 
 /// `Σ reference(q, k, v) ∘ g` in f64.
 fn ref_loss(q: &Tensor, k: &Tensor, v: &Tensor, g: &[f64], opts: &FlashAttn) -> Result<f64> {
@@ -77,4 +80,569 @@ fn reference_matches_central_differences() -> Result<()> {
         }
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gradient parity.
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// Gradients of q, k and v.
+type Grads = (Tensor, Tensor, Tensor);
+
+/// Gradients of `loss = Σ f(q, k, v) ∘ g` (in f32) by candle autograd. A gradient that does not
+/// reach q, k or v is an error, never a zero.
+fn autograd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Grads> {
+    let (qv, kv, vv) = (
+        Var::from_tensor(q)?,
+        Var::from_tensor(k)?,
+        Var::from_tensor(v)?,
+    );
+    let out = f(qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
+    let loss = (out.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?;
+    let grads = loss.backward()?;
+    let get = |x: &Var, name: &str| {
+        grads
+            .get(x.as_tensor())
+            .cloned()
+            .ok_or_else(|| candle::Error::Msg(format!("no gradient reached {name}")))
+    };
+    Ok((get(&qv, "q")?, get(&kv, "k")?, get(&vv, "v")?))
+}
+
+/// Checks flash gradients against the f64 reference with the rule of `common::assert_close`
+/// (`|fast - ref| <= 2 · naive_err + u · |ref| + SCALE_FLOOR · scale` per element), the naive
+/// autograd gradients (same dtype) being the yardstick, with two changes for gradients:
+///
+/// * `scale` is the largest |reference| over dq, dk *and* dv, since a gradient can be exactly
+///   0 (one key: `P = 1`, `dP = D`) while the rounding of its terms is not;
+/// * candle autograd through `naive_attention` gives NaN in rows that see no key (its
+///   backward goes through the `-inf` mask), so `naive_err` is taken over its finite
+///   elements; the flash gradients must be finite everywhere the reference is.
+///
+/// Shapes and dtypes must be those of q, k, v.
+fn check_grads(what: &str, fast: &Grads, naive: &Grads, r: &RefGrads, like: [&Tensor; 3]) {
+    let parts = [
+        ("dq", &fast.0, &naive.0, &r.dq),
+        ("dk", &fast.1, &naive.1, &r.dk),
+        ("dv", &fast.2, &naive.2, &r.dv),
+    ];
+    let scale = [&r.dq, &r.dk, &r.dv]
+        .iter()
+        .map(|x| scale_of(x))
+        .fold(0f64, f64::max);
+    for ((name, f, n, r), t) in parts.into_iter().zip(like) {
+        let what = format!("{what} {name}");
+        assert_eq!(f.dims(), t.dims(), "{what}: shape");
+        assert_eq!(f.dtype(), t.dtype(), "{what}: dtype");
+        let (floor, _, _) = tolerances(f.dtype());
+        let actual = values(f).unwrap();
+        let err = max_abs_err_slice(&actual, r)
+            .unwrap_or_else(|| panic!("{what}: non-finite gradient where the reference is finite"));
+        let beyond = max_err_beyond(&actual, r, floor).unwrap();
+        let naive = values(n).unwrap();
+        let naive_err = naive
+            .iter()
+            .zip(r.iter())
+            .filter(|(n, _)| n.is_finite())
+            .fold(0f64, |m, (n, r)| m.max((n - r).abs()));
+        if std::env::var_os("CANDLE_FLASH_TOL_REPORT").is_some() {
+            let s = scale.max(f64::MIN_POSITIVE);
+            eprintln!(
+                "tol-report {:?} err/scale {:.3e} naive/scale {:.3e} scale {scale:.3e} | {what}",
+                f.dtype(),
+                err / s,
+                naive_err / s
+            );
+        }
+        assert!(
+            beyond <= 2.0 * naive_err + SCALE_FLOOR * scale,
+            "{what}: max abs err {err:.3e} ({beyond:.3e} beyond the floor of {floor:.2e} |ref|) > 2 x naive err {naive_err:.3e} + {SCALE_FLOOR:.2e} x scale {scale:.3e}"
+        );
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    b: usize,
+    sq: usize,
+    sk: usize,
+    h: usize,
+    hk: usize,
+    d: usize,
+    dtype: DType,
+}
+
+fn case(b: usize, sq: usize, sk: usize, h: usize, hk: usize, d: usize, dtype: DType) -> Case {
+    Case {
+        b,
+        sq,
+        sk,
+        h,
+        hk,
+        d,
+        dtype,
+    }
+}
+
+/// q, k, v and the output gradient of a case.
+fn inputs(c: Case, seed: u64) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    let dev = Device::Cpu;
+    Ok((
+        randn(&[c.b, c.sq, c.h, c.d], c.dtype, seed, &dev)?,
+        randn(&[c.b, c.sk, c.hk, c.d], c.dtype, seed + 1, &dev)?,
+        randn(&[c.b, c.sk, c.hk, c.d], c.dtype, seed + 2, &dev)?,
+        randn(&[c.b, c.sq, c.h, c.d], c.dtype, seed + 3, &dev)?,
+    ))
+}
+
+/// Flash gradients (through `FlashAttn::forward`) against the reference, with naive autograd
+/// as the yardstick. Returns the flash gradients.
+fn check(c: Case, opts: &FlashAttn, seed: u64) -> Grads {
+    let what = format!("{c:?} {opts:?}");
+    let (q, k, v, g) = inputs(c, seed).unwrap();
+    let fast = autograd(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v)).unwrap();
+    let mut naive = autograd(&q, &k, &v, &g, |q, k, v| naive_attention(q, k, v, opts)).unwrap();
+    let r = reference_grads(&q, &k, &v, &g, opts).unwrap();
+    if !finite_where(&naive, &r) {
+        // Rows that see no key: use the same materialising computation with a row sum that
+        // cannot make 0/0 in its backward (see `naive_finite`).
+        naive = autograd(&q, &k, &v, &g, |q, k, v| naive_finite(q, k, v, opts)).unwrap();
+        assert!(
+            finite_where(&naive, &r),
+            "{what}: naive_finite is not finite"
+        );
+    }
+    check_grads(&what, &fast, &naive, &r, [&q, &k, &v]);
+    fast
+}
+
+/// Whether every gradient is finite where the reference is.
+fn finite_where(g: &Grads, r: &RefGrads) -> bool {
+    [(&g.0, &r.dq), (&g.1, &r.dk), (&g.2, &r.dv)]
+        .iter()
+        .all(|(t, r)| max_abs_err_slice(&values(t).unwrap(), r).is_some())
+}
+
+/// `naive_attention` (matmuls in the input dtype, softmax in f32, same options) for the
+/// precision yardstick of gradients when some row sees no key. `naive_attention` clamps such a
+/// row's sum to `f32::MIN_POSITIVE`, and candle's division backward squares it to 0, so its
+/// gradients are NaN (0/0) there and, through the matmuls, in every dk and dv; here the sum is
+/// clamped to 1 instead, which changes nothing else (a row that sees a key has sum >= 1).
+fn naive_finite(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttn) -> Result<Tensor> {
+    use candle::D;
+    let (b, sq, h, d) = q.dims4()?;
+    let (_, sk, hk, _) = k.dims4()?;
+    let dev = q.device();
+    let rep = |t: &Tensor| -> Result<Tensor> {
+        t.transpose(1, 2)?
+            .unsqueeze(2)?
+            .expand((b, hk, h / hk, sk, d))?
+            .reshape((b, h, sk, d))
+    };
+    let qt = q.transpose(1, 2)?.contiguous()?;
+    let kt = rep(k)?.t()?.contiguous()?;
+    let mut s = (qt.matmul(&kt)?.to_dtype(DType::F32)? * opts.softmax_scale as f64)?;
+    if let Some(c) = opts.softcap {
+        s = ((s / c as f64)?.tanh()? * c as f64)?;
+    }
+    let diag = |i: usize| i as i64 + sk as i64 - sq as i64;
+    let (mut dist, mut mask) = (Vec::with_capacity(sq * sk), Vec::with_capacity(sq * sk));
+    for i in 0..sq {
+        for j in 0..sk {
+            dist.push((diag(i) - j as i64).abs() as f32);
+            let seen = common::visible(i, j, sq, sk, opts.window_size_left, opts.window_size_right);
+            mask.push(if seen { 0f32 } else { f32::NEG_INFINITY });
+        }
+    }
+    if let Some(sl) = &opts.alibi_slopes {
+        let sl = if sl.rank() == 1 {
+            sl.reshape((1, h, 1, 1))?
+        } else {
+            sl.reshape((b, h, 1, 1))?
+        };
+        let dist = Tensor::from_vec(dist, (sq, sk), dev)?;
+        s = s.broadcast_sub(&dist.broadcast_mul(&sl)?)?;
+    }
+    s = s.broadcast_add(&Tensor::from_vec(mask, (sq, sk), dev)?)?;
+    let m = s.max_keepdim(D::Minus1)?.maximum(f32::MIN as f64)?;
+    let e = s.broadcast_sub(&m)?.exp()?;
+    let l = e.sum_keepdim(D::Minus1)?.maximum(1.0)?;
+    let p = e.broadcast_div(&l)?.to_dtype(q.dtype())?;
+    p.matmul(&rep(v)?)?.transpose(1, 2)?.contiguous()
+}
+
+fn scale(d: usize) -> f32 {
+    1.0 / (d as f32).sqrt()
+}
+
+#[test]
+fn odd_lengths_both_ways() {
+    for (sq, sk) in [
+        (1, 1),
+        (1, 239),
+        (239, 1),
+        (113, 203),
+        (203, 113),
+        (65, 64),
+        (64, 129),
+    ] {
+        for causal in [false, true] {
+            let mut opts = FlashAttn::new(scale(40));
+            if causal {
+                opts = opts.causal();
+            }
+            check(case(2, sq, sk, 4, 2, 40, DType::F32), &opts, sq as u64);
+        }
+    }
+}
+
+#[test]
+fn gqa_6_3_2_1_and_head_dims() {
+    for (hk, d) in [(6, 24), (3, 64), (2, 80), (1, 200)] {
+        let opts = FlashAttn::new(scale(d)).causal();
+        check(case(1, 97, 150, 6, hk, d, DType::F32), &opts, hk as u64);
+    }
+}
+
+#[test]
+fn windows_alibi_softcap() {
+    let dev = Device::Cpu;
+    let per_head = Tensor::new(&[0.5f32, 0.25, 0.125, 0.0625], &dev).unwrap();
+    let per_batch = Tensor::new(&[[0.3f32, 0.1, 0.05, 0.0], [0.2, 0.4, 0.0, 0.01]], &dev).unwrap();
+    let s = scale(40);
+    let cases = [
+        FlashAttn::new(s).window(Some(30), Some(5)),
+        FlashAttn::new(s).window(Some(0), Some(0)),
+        FlashAttn::new(s).window(None, Some(7)),
+        FlashAttn::new(s).window(Some(3), None),
+        FlashAttn::new(s).alibi(&per_head),
+        FlashAttn::new(s).causal().alibi(&per_batch),
+        FlashAttn::new(s).softcap(2.0),
+        FlashAttn::new(s).softcap(5.0).window(Some(50), Some(10)),
+        FlashAttn::new(s).causal().softcap(3.0).alibi(&per_batch),
+    ];
+    for (n, opts) in cases.iter().enumerate() {
+        check(case(2, 130, 101, 4, 2, 40, DType::F32), opts, 10 + n as u64);
+    }
+}
+
+#[test]
+fn half_precision() {
+    let dev = Device::Cpu;
+    let slopes = Tensor::new(&[0.5f32, 0.25, 0.125, 0.0625, 0.03, 0.01], &dev).unwrap();
+    for dtype in [DType::F16, DType::BF16] {
+        let cases = [
+            (
+                case(1, 113, 203, 6, 2, 40, dtype),
+                FlashAttn::new(scale(40)).causal(),
+            ),
+            (case(2, 90, 70, 6, 3, 64, dtype), FlashAttn::new(scale(64))),
+            (
+                case(1, 100, 140, 6, 1, 96, dtype),
+                FlashAttn::new(scale(96))
+                    .window(Some(40), Some(3))
+                    .softcap(4.0)
+                    .alibi(&slopes),
+            ),
+        ];
+        for (c, opts) in &cases {
+            check(*c, opts, 20);
+        }
+    }
+}
+
+#[test]
+fn decode_shaped() {
+    for (b, sq, sk, h, hk) in [(3, 1, 300, 8, 2), (1, 4, 517, 8, 1), (2, 16, 700, 6, 6)] {
+        check(
+            case(b, sq, sk, h, hk, 64, DType::F32),
+            &FlashAttn::new(0.125).causal(),
+            30,
+        );
+    }
+}
+
+/// Causal with more queries than keys: the leading rows see no key; their dq is exactly 0 and
+/// nothing anywhere is NaN.
+#[test]
+fn fully_masked_rows_give_zero_gradients() {
+    for dtype in DTYPES {
+        let (sq, sk, h, d) = (150, 40, 4, 32);
+        let g = check(
+            case(1, sq, sk, h, 2, d, dtype),
+            &FlashAttn::new(scale(d)).causal(),
+            40,
+        );
+        let dq = values(&g.0).unwrap();
+        let masked = sq - sk;
+        assert!(
+            dq[..masked * h * d].iter().all(|&x| x == 0.0),
+            "{dtype:?}: masked rows"
+        );
+        assert!(dq[masked * h * d..].iter().any(|&x| x != 0.0));
+        for t in [&g.0, &g.1, &g.2] {
+            assert!(
+                values(t).unwrap().iter().all(|x| x.is_finite()),
+                "{dtype:?}: NaN"
+            );
+        }
+    }
+    // A window that leaves some rows (and keys) out entirely.
+    check(
+        case(1, 60, 200, 2, 1, 16, DType::F32),
+        &FlashAttn::new(0.25).window(Some(0), Some(0)),
+        41,
+    );
+}
+
+/// Varlen (with an empty query sequence and a sequence with no keys) against the reference,
+/// with naive autograd per sequence as the yardstick.
+#[test]
+fn varlen() {
+    let dev = Device::Cpu;
+    let cu_q = [0u32, 37, 37, 140, 141, 300];
+    let cu_k = [0u32, 50, 61, 61, 200, 333];
+    let (h, hk, d) = (4, 2, 40);
+    let slopes = Tensor::new(
+        &[
+            [0.1f32, 0.2, 0.3, 0.4],
+            [0.0, 0.1, 0.0, 0.1],
+            [0.5, 0.5, 0.5, 0.5],
+            [0.01, 0.02, 0.03, 0.04],
+            [0.2, 0.0, 0.2, 0.0],
+        ],
+        &dev,
+    )
+    .unwrap();
+    let cases = [
+        FlashAttn::new(scale(d)),
+        FlashAttn::new(scale(d)).causal(),
+        FlashAttn::new(scale(d))
+            .window(Some(20), Some(0))
+            .softcap(3.0)
+            .alibi(&slopes),
+    ];
+    for dtype in DTYPES {
+        for (n, opts) in cases.iter().enumerate() {
+            let (tq, tk) = (cu_q[5] as usize, cu_k[5] as usize);
+            let seed = 50 + n as u64;
+            let q = randn(&[tq, h, d], dtype, seed, &dev).unwrap();
+            let k = randn(&[tk, hk, d], dtype, seed + 1, &dev).unwrap();
+            let v = randn(&[tk, hk, d], dtype, seed + 2, &dev).unwrap();
+            let g = randn(&[tq, h, d], dtype, seed + 3, &dev).unwrap();
+            let cq = Tensor::new(&cu_q, &dev).unwrap();
+            let ck = Tensor::new(&cu_k, &dev).unwrap();
+            let fast = autograd(&q, &k, &v, &g, |q, k, v| {
+                opts.forward_varlen(q, k, v, &cq, &ck, 159, 139)
+            })
+            .unwrap();
+            let naive = autograd(&q, &k, &v, &g, |q, k, v| {
+                common::naive_varlen(q, k, v, &cu_q, &cu_k, opts)
+            })
+            .unwrap();
+            let r = reference_grads_varlen(&q, &k, &v, &g, &cu_q, &cu_k, opts).unwrap();
+            check_grads(
+                &format!("varlen {dtype:?} {n}"),
+                &fast,
+                &naive,
+                &r,
+                [&q, &k, &v],
+            );
+            // Sequence 2 has queries but no keys: zero dq rows.
+            let dq = values(&fast.0).unwrap();
+            assert!(dq[61 * h * d..103 * h * d].iter().all(|&x| x == 0.0));
+        }
+    }
+}
+
+/// The public functions carry gradients to q, k and v, equal to those of the options-struct
+/// call they wrap.
+#[test]
+fn public_functions() {
+    let dev = Device::Cpu;
+    let c = case(2, 70, 90, 4, 2, 32, DType::F32);
+    let (q, k, v, g) = inputs(c, 60).unwrap();
+    let s = scale(32);
+    let slopes = Tensor::new(&[0.2f32, 0.1, 0.05, 0.3], &dev).unwrap();
+    let via_fn = autograd(&q, &k, &v, &g, |q, k, v| {
+        candle_flash::flash_attn(q, k, v, s, true)
+    })
+    .unwrap();
+    let opts = FlashAttn::new(s).causal();
+    let r = reference_grads(&q, &k, &v, &g, &opts).unwrap();
+    let naive = autograd(&q, &k, &v, &g, |q, k, v| naive_attention(q, k, v, &opts)).unwrap();
+    check_grads("flash_attn", &via_fn, &naive, &r, [&q, &k, &v]);
+    let via_windowed = autograd(&q, &k, &v, &g, |q, k, v| {
+        candle_flash::flash_attn_alibi_windowed_softcap(
+            q,
+            k,
+            v,
+            Some(&slopes),
+            s,
+            Some(9),
+            Some(2),
+            6.0,
+        )
+    })
+    .unwrap();
+    let opts = FlashAttn::new(s)
+        .window(Some(9), Some(2))
+        .softcap(6.0)
+        .alibi(&slopes);
+    let r = reference_grads(&q, &k, &v, &g, &opts).unwrap();
+    let naive = autograd(&q, &k, &v, &g, |q, k, v| naive_attention(q, k, v, &opts)).unwrap();
+    check_grads(
+        "flash_attn_alibi_windowed_softcap",
+        &via_windowed,
+        &naive,
+        &r,
+        [&q, &k, &v],
+    );
+    // Varlen: two sequences of the batch packed.
+    let flat = |t: &Tensor| t.flatten_to(1).unwrap();
+    let (q3, k3, v3, g3) = (flat(&q), flat(&k), flat(&v), flat(&g));
+    let cq = Tensor::new(&[0u32, 70, 140], &dev).unwrap();
+    let ck = Tensor::new(&[0u32, 90, 180], &dev).unwrap();
+    let via_varlen = autograd(&q3, &k3, &v3, &g3, |q, k, v| {
+        candle_flash::flash_attn_varlen(q, k, v, &cq, &ck, 70, 90, s, true)
+    })
+    .unwrap();
+    let dense = autograd(&q, &k, &v, &g, |q, k, v| {
+        candle_flash::flash_attn(q, k, v, s, true)
+    })
+    .unwrap();
+    for (a, b, name) in [
+        (&via_varlen.0, &dense.0, "dq"),
+        (&via_varlen.1, &dense.1, "dk"),
+        (&via_varlen.2, &dense.2, "dv"),
+    ] {
+        assert_bitwise_eq(&format!("varlen vs dense {name}"), a, &flat(b));
+    }
+}
+
+/// Transposed storage, a NaN-padded buffer with a start offset, and k/v with different
+/// layouts: the gradients are bitwise those of the contiguous call (and flow back through the
+/// views to the buffers, never reading the NaN padding).
+#[test]
+fn non_contiguous_inputs_are_bitwise_equal() {
+    for dtype in DTYPES {
+        let c = case(2, 77, 91, 6, 2, 40, dtype);
+        let (q, k, v, g) = inputs(c, 70).unwrap();
+        let opts = FlashAttn::new(scale(40)).causal().softcap(4.0);
+        let want = autograd(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v)).unwrap();
+        // q through transposed storage, k inside a NaN buffer, v transposed as well.
+        let dims: Vec<usize> = k.dims().iter().map(|&n| n + 3).collect();
+        let ranges: Vec<_> = k.dims().iter().map(|&n| 1..1 + n).collect();
+        let kbuf = Tensor::full(f32::NAN, dims.as_slice(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .slice_assign(&ranges, &k)
+            .unwrap();
+        let (kvar, qvar, vvar) = (
+            Var::from_tensor(&kbuf).unwrap(),
+            Var::from_tensor(&q).unwrap(),
+            Var::from_tensor(&v).unwrap(),
+        );
+        let kview = (0..4).fold(kvar.as_tensor().clone(), |t, axis| {
+            t.narrow(axis, 1, k.dim(axis).unwrap()).unwrap()
+        });
+        let qview = transposed_view(qvar.as_tensor()).unwrap();
+        let vview = transposed_view(vvar.as_tensor()).unwrap();
+        assert!(!qview.is_contiguous() && !kview.is_contiguous() && !vview.is_contiguous());
+        let out = opts.forward(&qview, &kview, &vview).unwrap();
+        let loss = (out.to_dtype(DType::F32).unwrap() * g.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let dq = grads.get(qvar.as_tensor()).expect("dq");
+        let dkbuf = grads.get(kvar.as_tensor()).expect("dk");
+        let dv = grads.get(vvar.as_tensor()).expect("dv");
+        let dk = (0..4).fold(dkbuf.clone(), |t, axis| {
+            t.narrow(axis, 1, k.dim(axis).unwrap()).unwrap()
+        });
+        assert_bitwise_eq(&format!("{dtype:?} dq"), dq, &want.0);
+        assert_bitwise_eq(&format!("{dtype:?} dk"), &dk, &want.1);
+        assert_bitwise_eq(&format!("{dtype:?} dv"), dv, &want.2);
+        // The padding of the buffer gets exactly 0.
+        let total: f64 = values(dkbuf).unwrap().iter().map(|x| x.abs()).sum();
+        let inner: f64 = values(&dk).unwrap().iter().map(|x| x.abs()).sum();
+        assert_eq!(total, inner, "{dtype:?}: gradient leaked into the padding");
+    }
+}
+
+/// Two runs give the same bits, and so do 1, 2 and 3 threads (which switch between the fused
+/// and the split dQ schedule).
+#[test]
+fn deterministic_across_runs_and_thread_counts() {
+    let c = case(1, 200, 333, 6, 2, 64, DType::F32);
+    let (q, k, v, g) = inputs(c, 80).unwrap();
+    let opts = FlashAttn::new(0.125).causal().softcap(5.0);
+    let run = || autograd(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v)).unwrap();
+    let first = run();
+    let again = run();
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let other = pool.install(run);
+        for (a, b, name) in [
+            (&first.0, &other.0, "dq"),
+            (&first.1, &other.1, "dk"),
+            (&first.2, &other.2, "dv"),
+        ] {
+            assert_bitwise_eq(&format!("{threads} threads {name}"), a, b);
+        }
+    }
+    assert_bitwise_eq("rerun dq", &first.0, &again.0);
+    assert_bitwise_eq("rerun dk", &first.1, &again.1);
+    assert_bitwise_eq("rerun dv", &first.2, &again.2);
+}
+
+/// Paged, KV-cache and prefix-range calls have no backward pass: `backward` is an error
+/// naming the reason, not a silent zero.
+#[test]
+fn inference_only_calls_refuse_backward() {
+    let dev = Device::Cpu;
+    let q = Var::from_tensor(&randn(&[2, 2, 8], DType::F32, 90, &dev).unwrap()).unwrap();
+    let kv = randn(&[6, 2, 1, 8], DType::F32, 91, &dev).unwrap();
+    let table = Tensor::new(&[[4u32, 1, 0], [2, 5, 3]], &dev).unwrap();
+    let cu_q = Tensor::new(&[0u32, 1, 2], &dev).unwrap();
+    let cu_k = Tensor::new(&[0u32, 3, 8], &dev).unwrap();
+    let out = FlashAttn::new(0.35)
+        .paged(&table, 2)
+        .forward_varlen(q.as_tensor(), &kv, &kv, &cu_q, &cu_k, 1, 5)
+        .unwrap();
+    let err = out.sum_all().unwrap().backward().unwrap_err().to_string();
+    assert!(err.contains("paged"), "{err}");
+
+    let q = Var::from_tensor(&randn(&[1, 2, 2, 8], DType::F32, 92, &dev).unwrap()).unwrap();
+    let cache = Tensor::zeros((1, 16, 1, 8), DType::F32, &dev).unwrap();
+    let lens = Tensor::new(&[3u32], &dev).unwrap();
+    let out = FlashAttn::new(0.35)
+        .causal()
+        .forward_kvcache(q.as_tensor(), &cache, &cache, &lens, None)
+        .unwrap();
+    let err = out.sum_all().unwrap().backward().unwrap_err().to_string();
+    assert!(err.contains("KV-cache"), "{err}");
+
+    let q = Var::from_tensor(&randn(&[1, 6, 2, 8], DType::F32, 93, &dev).unwrap()).unwrap();
+    let kv = randn(&[1, 6, 2, 8], DType::F32, 94, &dev).unwrap();
+    let ranges = Tensor::new(&[[[0i32, 4]]], &dev).unwrap();
+    let out = FlashAttn::new(0.35)
+        .causal()
+        .mm_prefix_ranges(&ranges)
+        .forward(q.as_tensor(), &kv, &kv)
+        .unwrap();
+    let err = out.sum_all().unwrap().backward().unwrap_err().to_string();
+    assert!(err.contains("mm_prefix_ranges"), "{err}");
 }

@@ -1,10 +1,41 @@
 //! Tiled CPU backward pass (FlashAttention-2): gradients of q, k and v from the saved
 //! log-sum-exp, with no N×N buffer.
+//!
+//! 1. **Preprocess**: `D = rowsum(dO ∘ O)` and `lse · log2 e` per (row, head), O(N).
+//! 2. **dK/dV pass**: work items own key tiles of one `(batch, kv head)`. For each key tile,
+//!    every query head of the group and every query tile that sees it: recompute `S` and `P`
+//!    from q, k and the lse, then `dV += Pᵀ dO`, `dP = dO Vᵀ`, `dS = P ∘ (dP - D)`,
+//!    `dK += dSᵀ Q` (see [`tile`]). dK and dV of a key tile have one owner: no atomics.
+//! 3. **dQ** (`dQ += dS K`), one of two ways, chosen by [`fused`]:
+//!    * *fused*: when there are enough `(batch, kv head)` pairs to keep every thread busy, an
+//!      item owns a whole pair, walks its key tiles in order and adds each step's `dS K` to the
+//!      rows of dQ it alone writes (5 products per step);
+//!    * *split*: otherwise the dK/dV items are single key tiles (parallel even for one kv head)
+//!      and a second pass over `(batch, head, query tile)` recomputes `S`, `P`, `dP`, `dS` and
+//!      adds `dS K` key tile by key tile.
+//!
+//!    Both add the same per-step tiles in the same key-tile order over the same tile grid, so
+//!    they give bitwise identical results, whatever the thread count; every sum runs in a fixed
+//!    order, so runs are bitwise reproducible.
+//!
+//! Extra memory: `D` and the lse (two f32 per row and head), an f32 dQ accumulator when the
+//! inputs are f16/bf16 (f32 accumulates in the output itself) and a few tiles per thread.
 
-use candle::{bail, Result};
+mod tile;
+
+use std::any::Any;
+
+use candle::Result;
+use rayon::prelude::*;
 
 use super::elem::Elem;
-use crate::problem::Problem;
+#[cfg(target_arch = "x86_64")]
+use super::kernel::{Avx512, Fused};
+use super::kernel::{Isa, Kernel, Portable};
+use super::{SyncPtr, BC};
+use crate::problem::{Problem, Seq};
+use crate::semantics::{group_size, LOG2_E};
+use tile::{load_keys_tile, load_queries, step, with_scratch, QuerySrc, Scratch, Step, QT};
 
 /// dq (contiguous like the output: `total_q × heads × d`), dk and dv (contiguous,
 /// `k_rows × kv_heads × d`) of one call. `out`, `grad_out` are contiguous like the output,
@@ -21,6 +52,468 @@ pub(crate) fn backward<T: Elem>(
     lse: &[f32],
     k_rows: usize,
 ) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
-    let _ = (p, slopes, q, k, v, out, grad_out, lse, k_rows);
-    bail!("flash-attn backward: the CPU backward pass is not implemented yet")
+    if p.paged.is_some() || p.prefix.is_some() {
+        candle::bail!("flash-attn backward: paged caches and prefix ranges have no CPU backward")
+    }
+    let d = p.head_dim;
+    let n = p.total_q * p.heads * d;
+    if out.len() < n || grad_out.len() < n {
+        candle::bail!("flash-attn backward: the output or its gradient is smaller than q")
+    }
+    if lse.len() < p.total_q * p.heads {
+        candle::bail!("flash-attn backward: the saved log-sum-exp is smaller than the output")
+    }
+    let fused = fused(p, rayon::current_num_threads());
+    let args = Args {
+        p,
+        slopes,
+        q,
+        k,
+        v,
+        out,
+        go: grad_out,
+        lse,
+        k_rows,
+    };
+    Ok(backward_with(Isa::detect(), fused, &args))
+}
+
+/// `true` when dQ is accumulated inside the dK/dV pass: there are at least two
+/// `(batch, kv head)` pairs per thread, so whole pairs balance well as work items.
+fn fused(p: &Problem, threads: usize) -> bool {
+    p.batch * p.kv_heads >= 2 * threads
+}
+
+/// The inputs of one call.
+struct Args<'a, T> {
+    p: &'a Problem,
+    slopes: Option<&'a [f32]>,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    out: &'a [T],
+    go: &'a [T],
+    lse: &'a [f32],
+    k_rows: usize,
+}
+
+/// Everything a work item reads and the outputs it writes, shared by all of them.
+struct Ctx<'a, T> {
+    p: &'a Problem,
+    slopes: Option<&'a [f32]>,
+    k: &'a [T],
+    v: &'a [T],
+    src: QuerySrc<'a, T>,
+    /// f32 dQ accumulator (`total_q × heads × d`, unscaled), dK and dV outputs.
+    dq: SyncPtr<f32>,
+    dk: SyncPtr<T>,
+    dv: SyncPtr<T>,
+}
+
+/// A unit of parallel work.
+#[derive(Clone, Copy, Debug)]
+enum Item {
+    /// Key tiles `t0 .. t1` of kv head `kvh` in sequence `b` (dK, dV; dQ too with `dq`).
+    Keys {
+        b: usize,
+        kvh: usize,
+        t0: usize,
+        t1: usize,
+        dq: bool,
+    },
+    /// dQ of query tile `t` of head `h` in sequence `b`.
+    Queries { b: usize, h: usize, t: usize },
+}
+
+#[allow(clippy::type_complexity)]
+fn backward_with<T: Elem>(isa: Isa, fused: bool, a: &Args<T>) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let p = a.p;
+    let (d, heads) = (p.head_dim, p.heads);
+    let (lse2, delta) = preprocess(a);
+    let mut dq = vec![0f32; p.total_q * heads * d];
+    let mut dk = vec![T::from_f32(0.0); a.k_rows * p.kv_heads * d];
+    let mut dv = vec![T::from_f32(0.0); a.k_rows * p.kv_heads * d];
+    let ctx = Ctx {
+        p,
+        slopes: a.slopes,
+        k: a.k,
+        v: a.v,
+        src: QuerySrc {
+            q: a.q,
+            qs: &p.q,
+            go: a.go,
+            lse2: &lse2,
+            delta: &delta,
+            heads,
+        },
+        dq: SyncPtr(dq.as_mut_ptr()),
+        dk: SyncPtr(dk.as_mut_ptr()),
+        dv: SyncPtr(dv.as_mut_ptr()),
+    };
+    let run = |items: Vec<Item>| {
+        // One item per rayon job, so idle threads can steal any single item.
+        items.into_par_iter().with_max_len(1).for_each(|item| {
+            with_scratch(d, |sc| match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the caller saw avx512f on this CPU.
+                Isa::Avx512 => unsafe { item_avx512(&ctx, sc, item) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the caller saw avx2 and fma on this CPU.
+                Isa::Avx2Fma => unsafe { item_avx2(&ctx, sc, item) },
+                Isa::Portable => run_item::<T, Portable>(&ctx, sc, item),
+            })
+        })
+    };
+    let key_tiles = |b: usize| {
+        let seq = p.seq(b);
+        let (lo, hi) = p.mask(b, &seq).key_range_rows(0..seq.seq_q);
+        if seq.seq_q == 0 || lo >= hi {
+            (0, 0)
+        } else {
+            (lo / BC, hi.div_ceil(BC))
+        }
+    };
+    if fused {
+        let items = (0..p.batch)
+            .flat_map(|b| {
+                let (t0, t1) = key_tiles(b);
+                (0..p.kv_heads).map(move |kvh| Item::Keys {
+                    b,
+                    kvh,
+                    t0,
+                    t1,
+                    dq: true,
+                })
+            })
+            .filter(|it| matches!(it, Item::Keys { t0, t1, .. } if t0 < t1))
+            .collect();
+        run(items);
+    } else {
+        let items = (0..p.batch)
+            .flat_map(|b| {
+                let (t0, t1) = key_tiles(b);
+                (0..p.kv_heads).flat_map(move |kvh| {
+                    (t0..t1).map(move |t| Item::Keys {
+                        b,
+                        kvh,
+                        t0: t,
+                        t1: t + 1,
+                        dq: false,
+                    })
+                })
+            })
+            .collect();
+        run(items);
+        // Last query tiles first: under a causal mask they see the most keys.
+        let items = (0..p.batch)
+            .flat_map(|b| {
+                let tiles = p.seq(b).seq_q.div_ceil(QT);
+                (0..heads)
+                    .flat_map(move |h| (0..tiles).rev().map(move |t| Item::Queries { b, h, t }))
+            })
+            .collect();
+        run(items);
+    }
+    let scale = p.score.scale;
+    dq.par_iter_mut().for_each(|x| *x *= scale);
+    (into_elems(dq), dk, dv)
+}
+
+/// `D = rowsum(dO ∘ O)` and `lse · log2 e` (`+inf` where the lse is `-inf`, so that every
+/// probability of a row that sees no key is `2^-inf = 0`), both indexed `row * heads + h`.
+fn preprocess<T: Elem>(a: &Args<T>) -> (Vec<f32>, Vec<f32>) {
+    let p = a.p;
+    let (d, heads) = (p.head_dim, p.heads);
+    let mut delta = vec![0f32; p.total_q * heads];
+    delta
+        .par_chunks_mut(heads)
+        .enumerate()
+        .for_each(|(row, dr)| {
+            for (h, dr) in dr.iter_mut().enumerate() {
+                let base = (row * heads + h) * d;
+                let (o, g) = (&a.out[base..base + d], &a.go[base..base + d]);
+                *dr = o.iter().zip(g).map(|(o, g)| o.to_f32() * g.to_f32()).sum();
+            }
+        });
+    let mut lse2 = vec![f32::INFINITY; p.total_q * heads];
+    let lhs = p.lse_head_stride();
+    for b in 0..p.batch {
+        let seq = p.seq(b);
+        for h in 0..heads {
+            for i in 0..seq.seq_q {
+                let l = a.lse[seq.lse_base + h * lhs + i];
+                lse2[(seq.out_row + i) * heads + h] = if l == f32::NEG_INFINITY {
+                    f32::INFINITY
+                } else {
+                    l * LOG2_E
+                };
+            }
+        }
+    }
+    (lse2, delta)
+}
+
+/// The f32 accumulator as the output element type (no copy for f32).
+fn into_elems<T: Elem>(v: Vec<f32>) -> Vec<T> {
+    let mut slot = Some(v);
+    if let Some(same) = (&mut slot as &mut dyn Any).downcast_mut::<Option<Vec<T>>>() {
+        return same.take().unwrap_or_default();
+    }
+    slot.unwrap_or_default()
+        .par_iter()
+        .map(|&x| T::from_f32(x))
+        .collect()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn item_avx512<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: Item) {
+    run_item::<T, Avx512>(ctx, sc, item)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn item_avx2<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: Item) {
+    run_item::<T, Fused>(ctx, sc, item)
+}
+
+#[inline(always)]
+fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, item: Item) {
+    match item {
+        Item::Keys { b, kvh, t0, t1, dq } => {
+            for t in t0..t1 {
+                key_tile::<T, K>(ctx, sc, b, kvh, t, dq);
+            }
+        }
+        Item::Queries { b, h, t } => query_tile::<T, K>(ctx, sc, b, h, t),
+    }
+}
+
+/// The ALiBi slope of head `h` in sequence `b` (0 without ALiBi).
+fn slope<T>(ctx: &Ctx<T>, b: usize, h: usize) -> f32 {
+    ctx.slopes
+        .map_or(0.0, |s| s[b * ctx.p.alibi_batch_stride + h])
+}
+
+/// Adds the dQ tile of the last step (rows `i0 .. i0 + rows` of head `h`) to the accumulator.
+fn add_dq<T>(ctx: &Ctx<T>, sc: &Scratch, seq: &Seq, h: usize, i0: usize, rows: usize) {
+    let (d, heads) = (ctx.p.head_dim, ctx.p.heads);
+    for r in 0..rows {
+        let base = ((seq.out_row + i0 + r) * heads + h) * d;
+        // SAFETY: rows of head `h` in this sequence are written by one work item only (the
+        // item owning the pair's kv head when fused, else the query tile's item), and the
+        // range lies inside the `total_q * heads * d` accumulator.
+        let dst = unsafe { std::slice::from_raw_parts_mut(ctx.dq.0.add(base), d) };
+        sc.add_dq_row(r, dst);
+    }
+}
+
+/// Key tile `t` of kv head `kvh` in sequence `b`: dK and dV of its keys (written out), and
+/// with `dq` each step's `dS K` added to dQ.
+#[inline(always)]
+fn key_tile<T: Elem, K: Kernel>(
+    ctx: &Ctx<T>,
+    sc: &mut Scratch,
+    b: usize,
+    kvh: usize,
+    t: usize,
+    dq: bool,
+) {
+    let p = ctx.p;
+    let d = p.head_dim;
+    let seq = p.seq(b);
+    let (sq, sk) = (seq.seq_q, seq.seq_k);
+    let j0 = t * BC;
+    let cols = BC.min(sk - j0);
+    let mask = p.mask(b, &seq);
+    let keys = p.key_rows(b, &seq);
+    load_keys_tile(sc, p, ctx.k, ctx.v, &keys, j0, cols, kvh, dq);
+    sc.zero_dkdv();
+    // The query rows that see some key of the tile: both ends of a row's key range grow with
+    // the row, so they form one interval.
+    let ia = partition_point(sq, |i| mask.row_range(i).1 <= j0);
+    let ib = partition_point(sq, |i| mask.row_range(i).0 < j0 + cols);
+    let group = group_size(p.heads, p.kv_heads);
+    for h in kvh * group..(kvh + 1) * group {
+        let slope = slope(ctx, b, h);
+        let mut i0 = ia;
+        while i0 < ib {
+            // Query tiles on the grid of multiples of QT, clipped to the rows that see keys.
+            let i1 = ((i0 / QT + 1) * QT).min(ib);
+            let rows = i1 - i0;
+            load_queries(sc, &ctx.src, b, seq.q_row, seq.out_row, i0, rows, h);
+            let st = Step {
+                p,
+                mask,
+                slope,
+                i0,
+                rows,
+                j0,
+                cols,
+            };
+            step::<K>(&st, sc, true, dq);
+            if dq {
+                add_dq(ctx, sc, &seq, h, i0, rows);
+            }
+            i0 = i1;
+        }
+    }
+    // dK = scale · dSᵀ Q and dV, transposed back into rows.
+    let scale = p.score.scale;
+    let row0 = match p.varlen {
+        None => b * p.max_seq_k,
+        Some(_) => seq.k_row,
+    };
+    for c in 0..cols {
+        let base = ((row0 + j0 + c) * p.kv_heads + kvh) * d;
+        for x in 0..d {
+            // SAFETY: key rows of kv head `kvh` in this tile belong to this work item alone and
+            // lie inside the `k_rows * kv_heads * d` outputs (`row0 + j0 + c < k_rows`).
+            unsafe {
+                *ctx.dk.0.add(base + x) = T::from_f32(sc.dkt[x].0[c] * scale);
+                *ctx.dv.0.add(base + x) = T::from_f32(sc.dvt[x].0[c]);
+            }
+        }
+    }
+}
+
+/// The first `i < n` for which `pred` is false, `pred` being true on a prefix of `0 .. n`.
+fn partition_point(n: usize, pred: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if pred(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// dQ of query tile `t` of head `h` in sequence `b` (the split schedule): every key tile it
+/// sees, in order.
+#[inline(always)]
+fn query_tile<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, b: usize, h: usize, t: usize) {
+    let p = ctx.p;
+    let seq = p.seq(b);
+    let sk = seq.seq_k;
+    let i0 = t * QT;
+    let rows = QT.min(seq.seq_q - i0);
+    let mask = p.mask(b, &seq);
+    let (lo, hi) = mask.key_range_rows(i0..i0 + rows);
+    if lo >= hi {
+        return;
+    }
+    let keys = p.key_rows(b, &seq);
+    let kvh = crate::semantics::kv_head(h, p.heads, p.kv_heads);
+    let slope = slope(ctx, b, h);
+    load_queries(sc, &ctx.src, b, seq.q_row, seq.out_row, i0, rows, h);
+    for kt in lo / BC..hi.div_ceil(BC) {
+        let j0 = kt * BC;
+        let cols = BC.min(sk - j0);
+        load_keys_tile(sc, p, ctx.k, ctx.v, &keys, j0, cols, kvh, true);
+        let st = Step {
+            p,
+            mask,
+            slope,
+            i0,
+            rows,
+            j0,
+            cols,
+        };
+        step::<K>(&st, sc, false, true);
+        add_dq(ctx, sc, &seq, h, i0, rows);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{Device, Tensor};
+
+    use super::*;
+    use crate::FlashAttn;
+
+    /// Every instruction set, fused and split schedules, give the same gradients (bitwise
+    /// across schedules).
+    #[test]
+    fn schedules_and_isas_agree() -> candle::Result<()> {
+        let dev = Device::Cpu;
+        let cases = [
+            (70, 150, 40, 6, 2, FlashAttn::new(0.2).causal()),
+            (
+                150,
+                70,
+                24,
+                4,
+                1,
+                FlashAttn::new(0.3).window(Some(20), Some(3)).softcap(2.0),
+            ),
+            (
+                65,
+                130,
+                80,
+                2,
+                2,
+                FlashAttn::new(0.2).alibi(&Tensor::new(&[0.25f32, 0.0625], &dev)?),
+            ),
+        ];
+        for (sq, sk, d, h, hk, opts) in cases {
+            let q = Tensor::randn(0f32, 1., (1, sq, h, d), &dev)?;
+            let k = Tensor::randn(0f32, 1., (1, sk, hk, d), &dev)?;
+            let v = Tensor::randn(0f32, 1., (1, sk, hk, d), &dev)?;
+            let g = Tensor::randn(0f32, 1., (1, sq, h, d), &dev)?;
+            let (o, lse) = opts.forward_with_lse(&q, &k, &v)?;
+            let p = opts.problem(&q, &k, &v, None)?;
+            let slopes = match &opts.alibi_slopes {
+                Some(s) => Some(s.to_vec1::<f32>()?),
+                None => None,
+            };
+            let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+            let (qv, kv, vv, ov, gv, lv) = (
+                flat(&q)?,
+                flat(&k)?,
+                flat(&v)?,
+                flat(&o)?,
+                flat(&g)?,
+                flat(&lse)?,
+            );
+            let args = Args {
+                p: &p,
+                slopes: slopes.as_deref(),
+                q: &qv,
+                k: &kv,
+                v: &vv,
+                out: &ov,
+                go: &gv,
+                lse: &lv,
+                k_rows: sk,
+            };
+            let want = backward_with(Isa::Portable, false, &args);
+            for isa in Isa::available() {
+                for fused in [false, true] {
+                    let got = backward_with(isa, fused, &args);
+                    if isa == Isa::Portable {
+                        assert!(got == want, "{isa:?} fused {fused}: not bitwise equal");
+                    }
+                    for (name, g, w) in [
+                        ("dq", &got.0, &want.0),
+                        ("dk", &got.1, &want.1),
+                        ("dv", &got.2, &want.2),
+                    ] {
+                        let err = g
+                            .iter()
+                            .zip(w)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0f32, |a, e| if e > a || e.is_nan() { e } else { a });
+                        assert!(err <= 1e-4, "{isa:?} fused {fused} {name}: {err}");
+                    }
+                }
+                let split = backward_with(isa, false, &args);
+                let fused = backward_with(isa, true, &args);
+                assert!(split == fused, "{isa:?}: split and fused schedules differ");
+            }
+        }
+        Ok(())
+    }
 }
