@@ -96,6 +96,12 @@ struct Args {
     /// Also write the timings as CSV (the prefill schema of scripts/plot.py).
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
+    /// Time the backward pass instead: `loss.backward()` of `loss = Σ out ∘ g` through this
+    /// crate's op against candle autograd through `candle_flash::naive_attention` and through
+    /// a lean naive graph (matmul, scale, mask, `candle_nn::ops::softmax`, matmul); plus the
+    /// extra memory of one long backward (`--mem-n`, 1 head).
+    #[arg(long)]
+    backward: bool,
 }
 
 /// Median wall time of `reps` runs after one warm-up, in seconds. A warm-up longer than
@@ -167,6 +173,9 @@ fn causal_mask(n: usize, dev: &Device) -> Result<Tensor> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.backward {
+        return backward_bench(&args);
+    }
     let dev = Device::Cpu;
     let reps_for = |n: usize| {
         let default = match (args.quick, n > 2048) {
@@ -326,4 +335,216 @@ fn main() -> Result<()> {
         println!("load average (1 min) at end: {l}");
     }
     Ok(())
+}
+
+/// Gradients of q, k and v through `loss = Σ f(q, k, v) ∘ g`: the graph is built once (forward
+/// outside the clock), then [`time`] runs `loss.backward()` alone.
+struct BackwardRun {
+    loss: Tensor,
+    vars: [candle::Var; 3],
+}
+
+impl BackwardRun {
+    fn new(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        f: impl Fn(&Tensor, &Tensor, &Tensor) -> candle::Result<Tensor>,
+    ) -> Result<Self> {
+        let vars = [
+            candle::Var::from_tensor(q)?,
+            candle::Var::from_tensor(k)?,
+            candle::Var::from_tensor(v)?,
+        ];
+        let out = f(
+            vars[0].as_tensor(),
+            vars[1].as_tensor(),
+            vars[2].as_tensor(),
+        )?;
+        let loss = (out * g)?.sum_all()?;
+        Ok(Self { loss, vars })
+    }
+
+    /// One backward pass; fails unless q, k and v all get a gradient.
+    fn backward(&self) -> Result<candle::backprop::GradStore> {
+        let grads = self.loss.backward()?;
+        for v in &self.vars {
+            anyhow::ensure!(grads.get(v.as_tensor()).is_some(), "a gradient is missing");
+        }
+        Ok(grads)
+    }
+}
+
+/// The lean baseline graph with autograd: q, k, v `(b, s, h, d)` are transposed inside, so
+/// that all three paths take the same inputs.
+fn lean_naive(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    mask: Option<&Tensor>,
+) -> candle::Result<Tensor> {
+    let (q, k, v) = (
+        q.transpose(1, 2)?.contiguous()?,
+        k.transpose(1, 2)?.contiguous()?,
+        v.transpose(1, 2)?.contiguous()?,
+    );
+    let mut att = (q.matmul(&k.t()?)? * scale)?;
+    if let Some(mask) = mask {
+        att = att.broadcast_add(mask)?;
+    }
+    let att = candle_nn::ops::softmax(&att, candle::D::Minus1)?;
+    att.matmul(&v)?.transpose(1, 2)
+}
+
+/// `--backward`: backward timings (f32, batch 1, `heads` heads = kv heads) and the extra memory
+/// of one long flash backward.
+fn backward_bench(args: &Args) -> Result<()> {
+    let dev = Device::Cpu;
+    let reps_for = |n: usize| {
+        args.reps.unwrap_or(if args.quick { 2 } else { 3 }).max(1)
+            + usize::from(n < 2048 && !args.quick) * 2
+    };
+    let ns = match (&args.n[..], args.quick) {
+        ([], true) => vec![256],
+        ([], false) => vec![1024, 4096],
+        (n, _) => n.to_vec(),
+    };
+    let mem_n = args.mem_n.unwrap_or(if args.quick { 2048 } else { 16384 });
+    let (h, d) = (args.heads, args.head_dim);
+    let scale = 1.0 / (d as f64).sqrt();
+    println!(
+        "backward only: loss.backward() of loss = sum(out * g) on a graph built (forward run) \
+         outside the clock, the same for every path; f32, batch 1, {h} heads, head_dim {d}, {} \
+         threads, median of {} after 1 warm-up",
+        rayon::current_num_threads(),
+        ns.iter()
+            .map(|&n| format!("{} (n = {n})", reps_for(n)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if let Some(l) = load_average() {
+        println!("load average (1 min) at start: {l}");
+    }
+    let memory_line = backward_memory(mem_n, d, scale)?;
+    println!();
+    println!(
+        "| n | mask | flash bwd ms | flash GF/s | naive_attention bwd ms | naive_attention / flash | lean naive bwd ms | lean / flash |"
+    );
+    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    for &n in &ns {
+        let reps = reps_for(n);
+        let q = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+        let k = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+        let g = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+        for causal in [false, true] {
+            // The FlashAttention convention: 2.5x the forward's 4·n²·d flops per head.
+            let flops = 2.5 * 4.0 * (h * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
+            let opts = if causal {
+                candle_flash::FlashAttn::new(scale as f32).causal()
+            } else {
+                candle_flash::FlashAttn::new(scale as f32)
+            };
+            let flash = BackwardRun::new(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v))?;
+            let cpu0 = cpu_seconds();
+            let ours = time(reps, &mut || {
+                flash.backward()?;
+                Ok(())
+            })?;
+            if let (true, Some(c0), Some(c1)) = (args.ours_only, cpu0, cpu_seconds()) {
+                let per_core = flops * (reps + 1) as f64 / (c1 - c0) / 1e9;
+                eprintln!(
+                    "n {n} causal {causal}: flash backward {per_core:.1} GF/s per CPU-second"
+                );
+            }
+            drop(flash);
+            let (base, lean) = if args.ours_only {
+                (f64::NAN, f64::NAN)
+            } else {
+                let naive = BackwardRun::new(&q, &k, &v, &g, |q, k, v| {
+                    candle_flash::naive_attention(q, k, v, &opts)
+                })?;
+                let base = time(reps, &mut || {
+                    naive.backward()?;
+                    Ok(())
+                })?;
+                drop(naive);
+                let mask = if causal {
+                    Some(causal_mask(n, &dev)?)
+                } else {
+                    None
+                };
+                let lean = BackwardRun::new(&q, &k, &v, &g, |q, k, v| {
+                    lean_naive(q, k, v, scale, mask.as_ref())
+                })?;
+                let t = time(reps, &mut || {
+                    lean.backward()?;
+                    Ok(())
+                })?;
+                (base, t)
+            };
+            println!(
+                "| {n} | {} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.1} | {:.2}x |",
+                if causal { "causal" } else { "none" },
+                ours * 1e3,
+                flops / ours / 1e9,
+                base * 1e3,
+                base / ours,
+                lean * 1e3,
+                lean / ours,
+            );
+        }
+    }
+    println!();
+    println!("{memory_line}");
+    if let Some(l) = load_average() {
+        println!("load average (1 min) at end: {l}");
+    }
+    Ok(())
+}
+
+/// Extra heap of one flash backward at `n` (1 head, non-causal): the heap high-water mark
+/// during `loss.backward()` minus what was live before it (inputs, output, lse, g) and minus
+/// the three gradients it returns. Candle's autograd adds its own tensors around the op (dO,
+/// gradient accumulators), so the same measurement of a control graph whose op is a plain
+/// elementwise `q + k + v` (same shapes, same loss) is printed too: the difference is the
+/// attention backward's own.
+fn backward_memory(n: usize, d: usize, scale: f64) -> Result<String> {
+    let dev = Device::Cpu;
+    let mk = || Tensor::randn(0f32, 1., (1, n, 1, d), &dev);
+    let (q, k, v, g) = (mk()?, mk()?, mk()?, mk()?);
+    let grad_bytes = 3 * n * d * DType::F32.size_in_bytes();
+    let measure = |run: &BackwardRun| -> Result<(usize, f64)> {
+        let before = LIVE.load(Ordering::Relaxed);
+        PEAK.store(before, Ordering::Relaxed);
+        let start = Instant::now();
+        let grads = run.backward()?;
+        let secs = start.elapsed().as_secs_f64();
+        let peak = PEAK.load(Ordering::Relaxed);
+        drop(grads);
+        Ok((peak.saturating_sub(before + grad_bytes), secs))
+    };
+    let opts = candle_flash::FlashAttn::new(scale as f32);
+    let flash = BackwardRun::new(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v))?;
+    let (extra, secs) = measure(&flash)?;
+    drop(flash);
+    let control = BackwardRun::new(&q, &k, &v, &g, |q, k, v| (q + k)? + v)?;
+    let (control_extra, _) = measure(&control)?;
+    let scores = n * n * 4;
+    let mib = |x: usize| x as f64 / (1 << 20) as f64;
+    Ok(format!(
+        "memory, n = {n}, 1 head, head_dim {d}, non-causal, backward ({:.0} ms): heap peak during \
+         loss.backward() beyond its inputs and the three gradients: flash {:.2} MiB, control \
+         graph (q + k + v) {:.2} MiB, difference {:.2} MiB = 1/{:.0} of one n×n f32 matrix \
+         ({:.0} MiB); limit 1/16 = {:.0} MiB",
+        secs * 1e3,
+        mib(extra),
+        mib(control_extra),
+        mib(extra.saturating_sub(control_extra)),
+        scores as f64 / extra.saturating_sub(control_extra).max(1) as f64,
+        mib(scores),
+        mib(scores / 16),
+    ))
 }
