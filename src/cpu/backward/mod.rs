@@ -35,7 +35,7 @@ use super::kernel::{Isa, Kernel, Portable};
 use super::{SyncPtr, BC};
 use crate::problem::{Problem, Seq};
 use crate::semantics::{group_size, LOG2_E};
-use tile::{load_keys_tile, load_queries, step, with_scratch, QuerySrc, Scratch, Step, QT};
+use tile::{load_keys_tile, load_queries, step, with_scratch, QuerySrc, Scratch, Step, KSUB, QT};
 
 /// dq (contiguous like the output: `total_q × heads × d`), dk and dv (contiguous,
 /// `k_rows × kv_heads × d`) of one call. `out`, `grad_out` are contiguous like the output,
@@ -281,8 +281,11 @@ fn item_avx2<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: Item) {
 fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, item: Item) {
     match item {
         Item::Keys { b, kvh, t0, t1, dq } => {
-            for t in t0..t1 {
-                key_tile::<T, K>(ctx, sc, b, kvh, t, dq);
+            let mut t = t0;
+            while t < t1 {
+                let end = (t + KSUB).min(t1);
+                key_tiles::<T, K>(ctx, sc, b, kvh, t, end, dq);
+                t = end;
             }
         }
         Item::Queries { b, h, t } => query_tile::<T, K>(ctx, sc, b, h, t),
@@ -308,52 +311,72 @@ fn add_dq<T>(ctx: &Ctx<T>, sc: &Scratch, seq: &Seq, h: usize, i0: usize, rows: u
     }
 }
 
-/// Key tile `t` of kv head `kvh` in sequence `b`: dK and dV of its keys (written out), and
-/// with `dq` each step's `dS K` added to dQ.
+/// Key tiles `t0 .. t1` (at most [`KSUB`]) of kv head `kvh` in sequence `b`, held at once:
+/// dK and dV of their keys (written out), and with `dq` each step's `dS K` added to dQ.
+///
+/// Every step covers one query tile of the grid of multiples of [`QT`] and one key tile,
+/// clipped to the rows that see that key tile, so the arithmetic of each key tile (and each
+/// step's dQ tile) does not depend on how tiles are grouped.
 #[inline(always)]
-fn key_tile<T: Elem, K: Kernel>(
+#[allow(clippy::too_many_arguments)]
+fn key_tiles<T: Elem, K: Kernel>(
     ctx: &Ctx<T>,
     sc: &mut Scratch,
     b: usize,
     kvh: usize,
-    t: usize,
+    t0: usize,
+    t1: usize,
     dq: bool,
 ) {
     let p = ctx.p;
     let d = p.head_dim;
     let seq = p.seq(b);
     let (sq, sk) = (seq.seq_q, seq.seq_k);
-    let j0 = t * BC;
-    let cols = BC.min(sk - j0);
     let mask = p.mask(b, &seq);
     let keys = p.key_rows(b, &seq);
-    load_keys_tile(sc, p, ctx.k, ctx.v, &keys, j0, cols, kvh, dq);
+    // Per slot: first key, keys, and the query rows `[ia, ib)` that see some key of the tile
+    // (both ends of a row's key range grow with the row, so they form one interval).
+    let mut span = [(0usize, 0usize, 0usize, 0usize); KSUB];
+    let (mut ia, mut ib) = (sq, 0);
+    for (u, t) in (t0..t1).enumerate() {
+        let j0 = t * BC;
+        let cols = BC.min(sk - j0);
+        load_keys_tile(sc, u, p, ctx.k, ctx.v, &keys, j0, cols, kvh, dq);
+        let a = partition_point(sq, |i| mask.row_range(i).1 <= j0);
+        let z = partition_point(sq, |i| mask.row_range(i).0 < j0 + cols);
+        span[u] = (j0, cols, a, z);
+        (ia, ib) = (ia.min(a), ib.max(z));
+    }
+    let span = &span[..t1 - t0];
     sc.zero_dkdv();
-    // The query rows that see some key of the tile: both ends of a row's key range grow with
-    // the row, so they form one interval.
-    let ia = partition_point(sq, |i| mask.row_range(i).1 <= j0);
-    let ib = partition_point(sq, |i| mask.row_range(i).0 < j0 + cols);
     let group = group_size(p.heads, p.kv_heads);
     for h in kvh * group..(kvh + 1) * group {
         let slope = slope(ctx, b, h);
         let mut i0 = ia;
         while i0 < ib {
-            // Query tiles on the grid of multiples of QT, clipped to the rows that see keys.
+            // One query tile of the grid, loaded once for all key tiles.
             let i1 = ((i0 / QT + 1) * QT).min(ib);
-            let rows = i1 - i0;
-            load_queries(sc, &ctx.src, b, seq.q_row, seq.out_row, i0, rows, h);
-            let st = Step {
-                p,
-                mask,
-                slope,
-                i0,
-                rows,
-                j0,
-                cols,
-            };
-            step::<K>(&st, sc, true, dq);
-            if dq {
-                add_dq(ctx, sc, &seq, h, i0, rows);
+            load_queries(sc, &ctx.src, b, seq.q_row, seq.out_row, i0, i1 - i0, h);
+            for (u, &(j0, cols, a, z)) in span.iter().enumerate() {
+                let (r0, r1) = (i0.max(a), i1.min(z));
+                if r0 >= r1 {
+                    continue;
+                }
+                let st = Step {
+                    p,
+                    mask,
+                    slope,
+                    i0: r0,
+                    rows: r1 - r0,
+                    ro: r0 - i0,
+                    j0,
+                    cols,
+                    u,
+                };
+                step::<K>(&st, sc, true, dq);
+                if dq {
+                    add_dq(ctx, sc, &seq, h, r0, r1 - r0);
+                }
             }
             i0 = i1;
         }
@@ -364,14 +387,17 @@ fn key_tile<T: Elem, K: Kernel>(
         None => b * p.max_seq_k,
         Some(_) => seq.k_row,
     };
-    for c in 0..cols {
-        let base = ((row0 + j0 + c) * p.kv_heads + kvh) * d;
-        for x in 0..d {
-            // SAFETY: key rows of kv head `kvh` in this tile belong to this work item alone and
-            // lie inside the `k_rows * kv_heads * d` outputs (`row0 + j0 + c < k_rows`).
-            unsafe {
-                *ctx.dk.0.add(base + x) = T::from_f32(sc.dkt[x].0[c] * scale);
-                *ctx.dv.0.add(base + x) = T::from_f32(sc.dvt[x].0[c]);
+    for (u, &(j0, cols, _, _)) in span.iter().enumerate() {
+        let (dkt, dvt) = sc.dkdv(u);
+        for c in 0..cols {
+            let base = ((row0 + j0 + c) * p.kv_heads + kvh) * d;
+            for x in 0..d {
+                // SAFETY: key rows of kv head `kvh` in this tile belong to this work item alone
+                // and lie inside the `k_rows * kv_heads * d` outputs (`row0 + j0 + c < k_rows`).
+                unsafe {
+                    *ctx.dk.0.add(base + x) = T::from_f32(dkt[x].0[c] * scale);
+                    *ctx.dv.0.add(base + x) = T::from_f32(dvt[x].0[c]);
+                }
             }
         }
     }
@@ -412,15 +438,17 @@ fn query_tile<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, b: usize, h: u
     for kt in lo / BC..hi.div_ceil(BC) {
         let j0 = kt * BC;
         let cols = BC.min(sk - j0);
-        load_keys_tile(sc, p, ctx.k, ctx.v, &keys, j0, cols, kvh, true);
+        load_keys_tile(sc, 0, p, ctx.k, ctx.v, &keys, j0, cols, kvh, true);
         let st = Step {
             p,
             mask,
             slope,
             i0,
             rows,
+            ro: 0,
             j0,
             cols,
+            u: 0,
         };
         step::<K>(&st, sc, false, true);
         add_dq(ctx, sc, &seq, h, i0, rows);

@@ -24,6 +24,9 @@ use crate::semantics::{alibi_bias, SeqMask, LOG2_E};
 
 /// Query rows per step (any size works; the lanes hold keys).
 pub(super) const QT: usize = 64;
+/// Key tiles held at once: each Q/dO tile load (and each pass over the dQ rows) serves this
+/// many key tiles.
+pub(super) const KSUB: usize = 4;
 /// Head dims per lane chunk of `K` and of the dQ tile.
 const CH: usize = BR;
 
@@ -57,14 +60,16 @@ pub(super) struct Scratch {
     nch: usize,
     /// One K or V tile, row-major `BC × d`, on its way into the transposed tiles.
     tile: Vec<f32>,
-    /// `Kᵀ`, `Vᵀ`: `d` rows of key lanes (lanes past the tile's keys are 0).
+    /// Per key tile slot `u < KSUB` (at `u * d`): `Kᵀ`, `Vᵀ`, `d` rows of key lanes (lanes past
+    /// the tile's keys are 0).
     kt: Vec<Lanes>,
     vt: Vec<Lanes>,
-    /// `K` in head-dim chunks: `kc[ch * BC + c]` holds dims `64 ch ..` of key `c`.
+    /// Per slot (at `u * nch * BC`): `K` in head-dim chunks, `kc[ch * BC + c]` holds dims
+    /// `64 ch ..` of key `c`.
     kc: Vec<Lanes>,
-    /// `dKᵀ`, `dVᵀ` of the key tile (unscaled dK), `d` rows of key lanes.
-    pub dkt: Vec<Lanes>,
-    pub dvt: Vec<Lanes>,
+    /// Per slot (at `u * d`): `dKᵀ` (unscaled) and `dVᵀ`, `d` rows of key lanes.
+    dkt: Vec<Lanes>,
+    dvt: Vec<Lanes>,
     /// Q and dO of the query tile, row-major `QT × d`.
     q: Vec<f32>,
     g: Vec<f32>,
@@ -86,11 +91,11 @@ impl Scratch {
             d,
             nch,
             tile: vec![0.0; BC * d],
-            kt: vec![z; d],
-            vt: vec![z; d],
-            kc: vec![z; nch * BC],
-            dkt: vec![z; d],
-            dvt: vec![z; d],
+            kt: vec![z; KSUB * d],
+            vt: vec![z; KSUB * d],
+            kc: vec![z; KSUB * nch * BC],
+            dkt: vec![z; KSUB * d],
+            dvt: vec![z; KSUB * d],
             q: vec![0.0; QT * d],
             g: vec![0.0; QT * d],
             lse2: [0.0; QT],
@@ -107,6 +112,12 @@ impl Scratch {
         self.dvt.iter_mut().for_each(|x| *x = z);
     }
 
+    /// `dKᵀ` (unscaled) and `dVᵀ` of key tile slot `u`.
+    pub fn dkdv(&self, u: usize) -> (&[Lanes], &[Lanes]) {
+        let d = self.d;
+        (&self.dkt[u * d..(u + 1) * d], &self.dvt[u * d..(u + 1) * d])
+    }
+
     /// Adds row `r` of this step's dQ tile, times `1` (scale comes at the end), to `dst`
     /// (`d` elements).
     #[inline(always)]
@@ -120,10 +131,11 @@ impl Scratch {
 }
 
 /// Loads keys `j0 .. j0 + cols` of K/V head `kvh` as `Kᵀ`, `Vᵀ` and (with `chunks`) `K` in
-/// head-dim chunks.
+/// head-dim chunks, into key tile slot `u`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn load_keys_tile<T: Elem>(
     sc: &mut Scratch,
+    u: usize,
     p: &Problem,
     k: &[T],
     v: &[T],
@@ -135,19 +147,20 @@ pub(super) fn load_keys_tile<T: Elem>(
 ) {
     let d = sc.d;
     load_keys(&mut sc.tile, k, &p.k, keys, j0, cols, kvh, d);
-    transpose(&sc.tile, &mut sc.kt, cols, d);
+    transpose(&sc.tile, &mut sc.kt[u * d..(u + 1) * d], cols, d);
     if chunks {
+        let kc = &mut sc.kc[u * sc.nch * BC..(u + 1) * sc.nch * BC];
         for c in 0..cols {
             let row = &sc.tile[c * d..(c + 1) * d];
             for (ch, src) in row.chunks(CH).enumerate() {
-                let dst = &mut sc.kc[ch * BC + c].0;
+                let dst = &mut kc[ch * BC + c].0;
                 dst[..src.len()].copy_from_slice(src);
                 dst[src.len()..].fill(0.0);
             }
         }
     }
     load_keys(&mut sc.tile, v, &p.v, keys, j0, cols, kvh, d);
-    transpose(&sc.tile, &mut sc.vt, cols, d);
+    transpose(&sc.tile, &mut sc.vt[u * d..(u + 1) * d], cols, d);
 }
 
 /// `out[x][c] = tile[c][x]` for the first `cols` keys, 0 in the lanes past them.
@@ -202,11 +215,15 @@ pub(super) struct Step<'a> {
     pub mask: SeqMask<'a>,
     /// ALiBi slope of the query head (0 without ALiBi).
     pub slope: f32,
-    /// First query row and first key of the tiles, within the sequence pair.
+    /// The step's query rows `i0 .. i0 + rows` (within the sequence pair) are rows
+    /// `ro .. ro + rows` of the loaded query tile.
     pub i0: usize,
     pub rows: usize,
+    pub ro: usize,
+    /// Its keys `j0 .. j0 + cols`, in key tile slot `u`.
     pub j0: usize,
     pub cols: usize,
+    pub u: usize,
 }
 
 /// One step over the loaded tiles: `S`, `P`, `dP`, `dS`; then `dVᵀ`, `dKᵀ` (with `dkdv`) and
@@ -214,49 +231,38 @@ pub(super) struct Step<'a> {
 #[inline(always)]
 pub(super) fn step<K: Kernel>(st: &Step, sc: &mut Scratch, dkdv: bool, dq: bool) {
     let d = sc.d;
-    let (rows, cols) = (st.rows, st.cols);
+    let (rows, cols, u) = (st.rows, st.cols, st.u);
+    let (q, g) = (&sc.q[st.ro * d..], &sc.g[st.ro * d..]);
+    let (kt, vt) = (&sc.kt[u * d..(u + 1) * d], &sc.vt[u * d..(u + 1) * d]);
     // S = Q Kᵀ and dP = dO Vᵀ, ROWS query rows per micro-kernel call.
     let mut r = 0;
     while r < rows {
         let n = K::ROWS.min(rows - r);
-        K::block(&mut sc.s[r..r + n], None, &sc.q[r * d..], d, 1, &sc.kt, d);
-        K::block(&mut sc.dp[r..r + n], None, &sc.g[r * d..], d, 1, &sc.vt, d);
+        K::block(&mut sc.s[r..r + n], None, &q[r * d..], d, 1, kt, d);
+        K::block(&mut sc.dp[r..r + n], None, &g[r * d..], d, 1, vt, d);
         r += n;
     }
     probabilities::<K>(st, sc);
+    let (q, g) = (&sc.q[st.ro * d..], &sc.g[st.ro * d..]);
     if dkdv {
         // dVᵀ += dOᵀ P and dKᵀ += Qᵀ dS, ROWS head dims per call.
+        let dvt = &mut sc.dvt[u * d..(u + 1) * d];
+        let dkt = &mut sc.dkt[u * d..(u + 1) * d];
+        let (p, ds) = (&sc.s[..rows], &sc.dp[..rows]);
         let mut x = 0;
         while x < d {
             let n = K::ROWS.min(d - x);
-            let s = &sc.s[..rows];
-            K::block(
-                &mut sc.dvt[x..x + n],
-                Some(&ONES),
-                &sc.g[x..],
-                1,
-                d,
-                s,
-                rows,
-            );
-            let ds = &sc.dp[..rows];
-            K::block(
-                &mut sc.dkt[x..x + n],
-                Some(&ONES),
-                &sc.q[x..],
-                1,
-                d,
-                ds,
-                rows,
-            );
+            K::block(&mut dvt[x..x + n], Some(&ONES), &g[x..], 1, d, p, rows);
+            K::block(&mut dkt[x..x + n], Some(&ONES), &q[x..], 1, d, ds, rows);
             x += n;
         }
     }
     if dq {
         // dQ = dS K, head dims in lanes, ROWS query rows per call.
         let ds = flat(&sc.dp);
+        let kc = &sc.kc[u * sc.nch * BC..(u + 1) * sc.nch * BC];
         for ch in 0..sc.nch {
-            let kc = &sc.kc[ch * BC..(ch + 1) * BC];
+            let kc = &kc[ch * BC..(ch + 1) * BC];
             let mut r = 0;
             while r < rows {
                 let n = K::ROWS.min(rows - r);
@@ -285,7 +291,7 @@ fn probabilities<K: Kernel>(st: &Step, sc: &mut Scratch) {
         let i = st.i0 + r;
         let s = &mut sc.s[r].0;
         let ds = &mut sc.dp[r].0;
-        let (l2, dd) = (sc.lse2[r], sc.delta[r]);
+        let (l2, dd) = (sc.lse2[st.ro + r], sc.delta[st.ro + r]);
         if cap > 0.0 {
             // d cap(z) / dz = 1 - (cap(z) / c)²; the same `cap` as the forward pass.
             let mut dcap = [0f32; BC];
