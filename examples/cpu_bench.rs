@@ -82,6 +82,10 @@ struct Args {
     /// Query heads (= kv heads).
     #[arg(long, default_value_t = 8)]
     heads: usize,
+    /// K/V heads of `--backward` (GQA/MQA; default: as many as query heads). The naive paths
+    /// repeat K/V per query head.
+    #[arg(long)]
+    kv_heads: Option<usize>,
     #[arg(long, default_value_t = 64)]
     head_dim: usize,
     /// Sequence lengths (sq = sk); default 1024,4096 (256 with --quick).
@@ -376,8 +380,8 @@ impl BackwardRun {
     }
 }
 
-/// The lean baseline graph with autograd: q, k, v `(b, s, h, d)` are transposed inside, so
-/// that all three paths take the same inputs.
+/// The lean baseline graph with autograd: q, k, v `(b, s, h, d)` are transposed inside (K/V
+/// repeated per query head under GQA), so that all three paths take the same inputs.
 fn lean_naive(
     q: &Tensor,
     k: &Tensor,
@@ -385,11 +389,19 @@ fn lean_naive(
     scale: f64,
     mask: Option<&Tensor>,
 ) -> candle::Result<Tensor> {
-    let (q, k, v) = (
-        q.transpose(1, 2)?.contiguous()?,
-        k.transpose(1, 2)?.contiguous()?,
-        v.transpose(1, 2)?.contiguous()?,
-    );
+    let (b, s, h, d) = q.dims4()?;
+    let (sk, hk) = (k.dim(1)?, k.dim(2)?);
+    let repeat = |t: &Tensor| -> candle::Result<Tensor> {
+        let t = t.transpose(1, 2)?;
+        if hk == h {
+            return t.contiguous();
+        }
+        t.unsqueeze(2)?
+            .expand((b, hk, h / hk, sk, d))?
+            .reshape((b, h, sk, d))
+    };
+    let (q, k, v) = (q.transpose(1, 2)?.contiguous()?, repeat(k)?, repeat(v)?);
+    debug_assert_eq!(q.dim(2)?, s);
     let mut att = (q.matmul(&k.t()?)? * scale)?;
     if let Some(mask) = mask {
         att = att.broadcast_add(mask)?;
@@ -398,7 +410,7 @@ fn lean_naive(
     att.matmul(&v)?.transpose(1, 2)
 }
 
-/// `--backward`: backward timings (f32, batch 1, `heads` heads = kv heads) and the extra memory
+/// `--backward`: backward timings (f32, batch 1, `heads` heads, `kv_heads` kv heads) and the extra memory
 /// of one long flash backward.
 fn backward_bench(args: &Args) -> Result<()> {
     let dev = Device::Cpu;
@@ -413,11 +425,12 @@ fn backward_bench(args: &Args) -> Result<()> {
     };
     let mem_n = args.mem_n.unwrap_or(if args.quick { 2048 } else { 16384 });
     let (h, d) = (args.heads, args.head_dim);
+    let hk = args.kv_heads.unwrap_or(h);
     let scale = 1.0 / (d as f64).sqrt();
     println!(
         "backward only: loss.backward() of loss = sum(out * g) on a graph built (forward run) \
-         outside the clock, the same for every path; f32, batch 1, {h} heads, head_dim {d}, {} \
-         threads, median of {} after 1 warm-up",
+         outside the clock, the same for every path; f32, batch 1, {h} heads ({hk} kv heads), \
+         head_dim {d}, {} threads, median of {} after 1 warm-up",
         rayon::current_num_threads(),
         ns.iter()
             .map(|&n| format!("{} (n = {n})", reps_for(n)))
@@ -436,8 +449,8 @@ fn backward_bench(args: &Args) -> Result<()> {
     for &n in &ns {
         let reps = reps_for(n);
         let q = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
-        let k = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
-        let v = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+        let k = Tensor::randn(0f32, 1., (1, n, hk, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (1, n, hk, d), &dev)?;
         let g = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
         for causal in [false, true] {
             // The FlashAttention convention: 2.5x the forward's 4·n²·d flops per head.

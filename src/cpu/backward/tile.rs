@@ -27,6 +27,8 @@ pub(super) const QT: usize = 64;
 /// Key tiles held at once: each Q/dO tile load (and each pass over the dQ rows) serves this
 /// many key tiles.
 pub(super) const KSUB: usize = 4;
+/// Query tiles held at once by the dQ pass: each key tile load serves this many.
+pub(super) const QSUB: usize = 4;
 /// Head dims per lane chunk of `K` and of the dQ tile.
 const CH: usize = BR;
 
@@ -70,12 +72,12 @@ pub(super) struct Scratch {
     /// Per slot (at `u * d`): `dKᵀ` (unscaled) and `dVᵀ`, `d` rows of key lanes.
     dkt: Vec<Lanes>,
     dvt: Vec<Lanes>,
-    /// Q and dO of the query tile, row-major `QT × d`.
+    /// Q and dO of up to `QSUB` query tiles, row-major `QSUB · QT × d`.
     q: Vec<f32>,
     g: Vec<f32>,
     /// Per query row: `lse · log2 e` (`+inf` for rows that see no key) and `D = dO · O`.
-    lse2: [f32; QT],
-    delta: [f32; QT],
+    lse2: [f32; QSUB * QT],
+    delta: [f32; QSUB * QT],
     /// `S`, then `P` in place; `dP`, then `dS` in place: `QT` rows of key lanes.
     s: Vec<Lanes>,
     dp: Vec<Lanes>,
@@ -96,10 +98,10 @@ impl Scratch {
             kc: vec![z; KSUB * nch * BC],
             dkt: vec![z; KSUB * d],
             dvt: vec![z; KSUB * d],
-            q: vec![0.0; QT * d],
-            g: vec![0.0; QT * d],
-            lse2: [0.0; QT],
-            delta: [0.0; QT],
+            q: vec![0.0; QSUB * QT * d],
+            g: vec![0.0; QSUB * QT * d],
+            lse2: [0.0; QSUB * QT],
+            delta: [0.0; QSUB * QT],
             s: vec![z; QT],
             dp: vec![z; QT],
             dqt: vec![z; nch * QT],
@@ -186,8 +188,8 @@ pub(super) struct QuerySrc<'a, T> {
     pub heads: usize,
 }
 
-/// Loads query rows `i0 .. i0 + rows` of head `h` (storage row `q_row + i0`, output row
-/// `out_row + i0`): Q, dO, `lse · log2 e` and `D`.
+/// Loads query rows `i0 .. i0 + rows` (`rows <= QSUB · QT`) of head `h` (storage row
+/// `q_row + i0`, output row `out_row + i0`): Q, dO, `lse · log2 e` and `D`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn load_queries<T: Elem>(
     sc: &mut Scratch,
