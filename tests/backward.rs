@@ -646,3 +646,54 @@ fn inference_only_calls_refuse_backward() {
     let err = out.sum_all().unwrap().backward().unwrap_err().to_string();
     assert!(err.contains("mm_prefix_ranges"), "{err}");
 }
+
+/// No keys at all (`sk = 0`): dq is exactly 0, dk and dv are empty.
+#[test]
+fn no_keys_gives_zero_dq() {
+    let dev = Device::Cpu;
+    let q = randn(&[1, 5, 2, 8], DType::F32, 100, &dev).unwrap();
+    let kv = Tensor::zeros((1, 0, 2, 8), DType::F32, &dev).unwrap();
+    let g = randn(&[1, 5, 2, 8], DType::F32, 101, &dev).unwrap();
+    let (dq, dk, dv) = autograd(&q, &kv, &kv, &g, |q, k, v| {
+        FlashAttn::new(0.3).forward(q, k, v)
+    })
+    .unwrap();
+    assert!(values(&dq).unwrap().iter().all(|&x| x == 0.0));
+    assert_eq!((dk.dims(), dv.dims()), (kv.dims(), kv.dims()));
+}
+
+/// Scores around 1e4 with one winning key (common::planted_winner), in every dtype: P is
+/// one-hot, so dq and dk are 0 up to rounding, dv of the winner is the sum of dO, and nothing
+/// overflows.
+#[test]
+fn large_scores_with_one_winner() {
+    let (q, k, v, winner) = common::planted_winner().unwrap();
+    for dtype in DTYPES {
+        let (q, k, v) = (
+            q.to_dtype(dtype).unwrap(),
+            k.to_dtype(dtype).unwrap(),
+            v.to_dtype(dtype).unwrap(),
+        );
+        let g = randn(q.dims(), dtype, 110, &Device::Cpu).unwrap();
+        let opts = FlashAttn::new(1.0);
+        let fast = autograd(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v)).unwrap();
+        let r = reference_grads(&q, &k, &v, &g, &opts).unwrap();
+        let dv = values(&fast.2).unwrap();
+        let d = q.dim(3).unwrap();
+        for (j, row) in dv.chunks(d).enumerate() {
+            let want = &r.dv[j * d..(j + 1) * d];
+            for (a, b) in row.iter().zip(want) {
+                let tol = if j == winner {
+                    1e-2 * b.abs().max(1.0)
+                } else {
+                    0.0
+                };
+                assert!((a - b).abs() <= tol, "{dtype:?} dv[{j}]: {a} vs {b}");
+            }
+        }
+        for t in [&fast.0, &fast.1] {
+            let x = values(t).unwrap();
+            assert!(x.iter().all(|x| x.abs() < 1e-3), "{dtype:?}: {x:?}");
+        }
+    }
+}
