@@ -16,6 +16,9 @@
 //!
 //! The micro-kernel is dispatched at run time: AVX-512 intrinsics, else the portable loops
 //! compiled with AVX2+FMA enabled, else plain portable loops (any architecture).
+//!
+//! The backward pass (`backward/`) reuses the same micro-kernels with the *keys* in lanes (the
+//! key tile is what a dK/dV work item keeps); see its module docs.
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
