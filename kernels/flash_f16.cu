@@ -1,6 +1,7 @@
 // The f16 module: tensor-core forward instances (forward/mma.cuh; tiles from
 // src/cuda/instances.rs via the generated instances.cuh), the split-KV decode kernels
 // (decode/split_kv.cuh) and the row-wise fallback.
+#include "backward/mma.cuh"
 #include "decode/split_kv.cuh"
 #include "forward/mma.cuh"
 #include "forward/rowwise.cuh"
@@ -10,3 +11,4 @@ FLASH_MMA_INSTANCES(flash_fwd_f16, __half)
 FLASH_ROWWISE_INSTANCE(flash_rowwise_f16, __half)
 FLASH_DECODE_INSTANCES(flash_decode_f16, __half)
 FLASH_DECODE_COMBINE(flash_decode_combine_f16, __half)
+FLASH_BWD_INSTANCES(flash_bwd_f16, __half)

@@ -20,7 +20,6 @@ pub(crate) mod plan;
 pub(crate) use append::append_kv;
 #[cfg(feature = "cuda")]
 pub(crate) use launch::forward;
-#[cfg(feature = "cuda")]
 mod backward;
 #[cfg(feature = "cuda")]
 pub(crate) use backward::backward;

@@ -1,25 +1,16 @@
 //! The CUDA backward pass: gradients of q, k and v from the saved log-sum-exp.
+//!
+//! [`plan`](plan::plan) picks the kernels (tensor cores for f16/bf16 at head dims 64 and 128,
+//! exact f32-arithmetic kernels for everything else) and sizes their launches; `launch` runs
+//! the D pass (rowsum(dO ∘ O)), the dK/dV pass and the dQ pass. Every pass writes each element
+//! once in a fixed order: the backward is deterministic (bitwise identical runs).
 
-use candle::{bail, CudaStorage, Result, Tensor};
+mod instances;
+#[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
+mod params;
+pub(crate) mod plan;
 
-use crate::problem::Problem;
-
-/// dq (contiguous like the output), dk and dv (contiguous, `k_rows × kv_heads × d`).
-/// `offsets` are the start offsets (elements) of `out`, `grad_out` and `lse`, which are
-/// contiguous from there.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward(
-    p: &Problem,
-    alibi: Option<&Tensor>,
-    q: &CudaStorage,
-    k: &CudaStorage,
-    v: &CudaStorage,
-    out: &CudaStorage,
-    grad_out: &CudaStorage,
-    lse: &CudaStorage,
-    offsets: [usize; 3],
-    k_rows: usize,
-) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
-    let _ = (p, alibi, q, k, v, out, grad_out, lse, offsets, k_rows);
-    bail!("flash-attn backward: the CUDA backward pass is not implemented yet")
-}
+#[cfg(feature = "cuda")]
+pub(crate) use launch::backward;

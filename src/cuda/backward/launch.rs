@@ -1,0 +1,322 @@
+//! Executes a [`BwdPlan`](super::plan::BwdPlan): fills one [`BwdParams`], allocates the
+//! gradients and the D scratch, and launches the D pass, the dK/dV pass and the dQ pass on
+//! candle's stream.
+
+use candle::backend::BackendStorage;
+use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle::cuda_backend::cudarc::driver::{
+    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle::cuda_backend::{CudaDType, CudaDevice, WrapErr};
+use candle::{bail, CudaStorage, DType, Result, Storage, Tensor};
+use half::{bf16, f16};
+
+use super::params::BwdParams;
+use super::plan::{plan, Launch};
+use crate::cuda::params::Params;
+use crate::cuda::plan::MAX_SEQ;
+use crate::problem::Problem;
+use crate::semantics::LOG2_E;
+
+// SAFETY: `BwdParams` is `#[repr(C)]`, `Copy`, made of plain integers and floats (the forward
+// `Params` included), and its C twin is checked field by field at build time (see params.rs).
+unsafe impl DeviceRepr for BwdParams {}
+
+/// The PTX module of a dtype and candle's cache name for it (the forward's modules: the
+/// backward entry points are compiled into the same files).
+fn ptx(dtype: DType) -> (&'static str, &'static str) {
+    match dtype {
+        DType::BF16 => (
+            "candle_flash_bf16",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_bf16.ptx")),
+        ),
+        DType::F16 => (
+            "candle_flash_f16",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_f16.ptx")),
+        ),
+        _ => (
+            "candle_flash_f32",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_f32.ptx")),
+        ),
+    }
+}
+
+/// dq (contiguous like the output), dk and dv (contiguous, `k_rows × kv_heads × d`).
+/// `offsets` are the start offsets (elements) of `out`, `grad_out` and `lse`, which are
+/// contiguous from there.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    p: &Problem,
+    alibi: Option<&Tensor>,
+    q: &CudaStorage,
+    k: &CudaStorage,
+    v: &CudaStorage,
+    out: &CudaStorage,
+    grad_out: &CudaStorage,
+    lse: &CudaStorage,
+    offsets: [usize; 3],
+    k_rows: usize,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    let dev = q.device().clone();
+    let s = Storages {
+        q,
+        k,
+        v,
+        out,
+        grad_out,
+        lse,
+    };
+    match (q.dtype(), k.dtype(), v.dtype()) {
+        (DType::BF16, DType::BF16, DType::BF16) => {
+            backward_t::<bf16>(p, alibi, &dev, s, offsets, k_rows)
+        }
+        (DType::F16, DType::F16, DType::F16) => {
+            backward_t::<f16>(p, alibi, &dev, s, offsets, k_rows)
+        }
+        (DType::F32, DType::F32, DType::F32) => {
+            backward_t::<f32>(p, alibi, &dev, s, offsets, k_rows)
+        }
+        (a, b, c) => bail!(
+            "flash-attn backward: q, k, v must share one of f32/f16/bf16, got {a:?}/{b:?}/{c:?}"
+        ),
+    }
+}
+
+struct Storages<'a> {
+    q: &'a CudaStorage,
+    k: &'a CudaStorage,
+    v: &'a CudaStorage,
+    out: &'a CudaStorage,
+    grad_out: &'a CudaStorage,
+    lse: &'a CudaStorage,
+}
+
+fn to_i32(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x)
+        .map_err(|_| candle::Error::Msg(format!("flash-attn backward: {what} = {x} exceeds i32")))
+}
+
+/// Window sides as the kernels read them: -1 unbounded, else clamped (see launch.rs).
+fn window_side(w: i64) -> i64 {
+    if w < 0 {
+        -1
+    } else {
+        w.min(MAX_SEQ as i64)
+    }
+}
+
+fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
+    p: &Problem,
+    alibi: Option<&Tensor>,
+    dev: &CudaDevice,
+    s: Storages,
+    offsets: [usize; 3],
+    k_rows: usize,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    let stream = dev.cuda_stream();
+    let (q, k, v) = (
+        s.q.as_cuda_slice::<T>()?,
+        s.k.as_cuda_slice::<T>()?,
+        s.v.as_cuda_slice::<T>()?,
+    );
+    let (out, grad_out) = (
+        s.out.as_cuda_slice::<T>()?,
+        s.grad_out.as_cuda_slice::<T>()?,
+    );
+    let lse = s.lse.as_cuda_slice::<f32>()?;
+    p.check_bounds(q.len(), k.len(), v.len())?;
+    let d = p.head_dim;
+    let rows = p.total_q * p.heads;
+    if out.len() < offsets[0] + rows * d
+        || grad_out.len() < offsets[1] + rows * d
+        || lse.len() < offsets[2] + rows
+    {
+        bail!("flash-attn backward: the output, its gradient or the lse is smaller than the call")
+    }
+    if p.has_alibi != alibi.is_some() {
+        bail!("flash-attn backward: ALiBi slopes do not match the validated problem")
+    }
+    let ctx = stream.context();
+    let max_smem = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()? as usize;
+    let pl = plan(p, T::DTYPE, [offsets[0], offsets[1]], max_smem)?;
+
+    // SAFETY (all three): zero-initialised; the kernels overwrite the rows that belong to a
+    // sequence and leave the rest (dk/dv rows past a sequence's keys) at zero.
+    let mut dq = dev.alloc_zeros::<T>((rows * d).max(1))?;
+    let mut dk = dev.alloc_zeros::<T>((k_rows * p.kv_heads * d).max(1))?;
+    let mut dv = dev.alloc_zeros::<T>((k_rows * p.kv_heads * d).max(1))?;
+    if rows == 0 || k_rows == 0 || p.batch == 0 {
+        return Ok(wrap(dev, dq, dk, dv));
+    }
+    // SAFETY: the D pass writes every (head, row) of the call before the other passes read it.
+    let mut dsum = unsafe { dev.alloc::<f32>(rows)? };
+
+    // Cumulative lengths: the caller's device tensors, or uploads of the host copies.
+    let host_cu = match &p.varlen {
+        Some(vl) if vl.device.is_none() => Some((
+            stream.clone_htod(&vl.cu_q).w()?,
+            stream.clone_htod(&vl.cu_k).w()?,
+        )),
+        _ => None,
+    };
+    let cu_ptrs = match (&p.varlen, &host_cu) {
+        (None, _) => (0, 0),
+        (Some(_), Some((a, b))) => (a.device_ptr(&stream).0, b.device_ptr(&stream).0),
+        (Some(vl), None) => {
+            let od = vl.device.as_ref().expect("device lengths");
+            (
+                crate::cuda::append::int_ptr(&od.cu_q, &stream)?,
+                crate::cuda::append::int_ptr(&od.cu_k, &stream)?,
+            )
+        }
+    };
+    let alibi = match alibi {
+        None => None,
+        Some(a) => Some(a.to_dtype(DType::F32)?.contiguous()?),
+    };
+    let alibi_storage = alibi.as_ref().map(|a| a.storage_and_layout());
+    let alibi_ptr = match &alibi_storage {
+        None => 0,
+        Some((st, l)) => match &**st {
+            Storage::Cuda(c) => {
+                c.as_cuda_slice::<f32>()?.device_ptr(&stream).0 + (l.start_offset() * 4) as u64
+            }
+            _ => bail!("flash-attn backward: alibi_slopes must be on the same CUDA device as q"),
+        },
+    };
+
+    let esize = std::mem::size_of::<T>() as u64;
+    let (q_g, k_g, v_g) = (
+        q.device_ptr(&stream),
+        k.device_ptr(&stream),
+        v.device_ptr(&stream),
+    );
+    let (o_g, go_g, lse_g) = (
+        out.device_ptr(&stream),
+        grad_out.device_ptr(&stream),
+        lse.device_ptr(&stream),
+    );
+    let (dq_g, dk_g, dv_g, ds_g) = (
+        dq.device_ptr_mut(&stream),
+        dk.device_ptr_mut(&stream),
+        dv.device_ptr_mut(&stream),
+        dsum.device_ptr_mut(&stream),
+    );
+    let (win_left, win_right) = p.window.as_i64();
+    let softcap = p.score.softcap;
+    let fwd = Params {
+        q: q_g.0 + p.q.offset as u64 * esize,
+        k: k_g.0 + p.k.offset as u64 * esize,
+        v: v_g.0 + p.v.offset as u64 * esize,
+        o: o_g.0 + offsets[0] as u64 * esize,
+        lse: lse_g.0 + offsets[2] as u64 * 4,
+        alibi: alibi_ptr,
+        cu_q: cu_ptrs.0,
+        cu_k: cu_ptrs.1,
+        q_batch: p.q.batch as i64,
+        q_seq: p.q.seq as i64,
+        q_head: p.q.head as i64,
+        q_dim: p.q.dim as i64,
+        k_batch: p.k.batch as i64,
+        k_seq: p.k.seq as i64,
+        k_head: p.k.head as i64,
+        k_dim: p.k.dim as i64,
+        v_batch: p.v.batch as i64,
+        v_seq: p.v.seq as i64,
+        v_head: p.v.head as i64,
+        v_dim: p.v.dim as i64,
+        o_seq: (p.heads * d) as i64,
+        o_head: d as i64,
+        lse_head: p.lse_head_stride() as i64,
+        win_left: window_side(win_left),
+        win_right: window_side(win_right),
+        seq_q: to_i32(p.max_seq_q, "seq_q")?,
+        seq_k: to_i32(p.max_seq_k, "seq_k")?,
+        heads: to_i32(p.heads, "heads")?,
+        kv_group: to_i32(p.heads / p.kv_heads, "heads")?,
+        d_load: to_i32(d, "head_dim")?,
+        d_out: to_i32(d, "head_dim")?,
+        scale_log2: p.score.scale * LOG2_E,
+        softcap,
+        scale_over_cap: if softcap > 0.0 {
+            p.score.scale / softcap
+        } else {
+            0.0
+        },
+        cap_log2: softcap * LOG2_E,
+        alibi_batch: to_i32(p.alibi_batch_stride, "alibi stride")?,
+        dv_splits: 1,
+        num_splits: 1,
+        m_tiles: 1,
+        total_q: to_i32(p.total_q, "total_q")?,
+        total_k: to_i32(p.varlen.as_ref().map_or(0, |vl| vl.total_k), "total_k")?,
+        page_shift: -1,
+        ..Params::default()
+    };
+    let params = BwdParams {
+        fwd,
+        dout: go_g.0 + offsets[1] as u64 * esize,
+        dsum: ds_g.0,
+        dq: dq_g.0,
+        dk: dk_g.0,
+        dv: dv_g.0,
+        dkv_seq: (p.kv_heads * d) as i64,
+        dkv_batch: match p.varlen {
+            None => (p.max_seq_k * p.kv_heads * d) as i64,
+            Some(_) => 0,
+        },
+        scale: p.score.scale,
+        kv_heads: to_i32(p.kv_heads, "kv_heads")?,
+    };
+    for l in [&pl.dsum, &pl.dkdv, &pl.dq] {
+        launch(dev, T::DTYPE, l, &params)?;
+    }
+    drop((q_g, k_g, v_g, o_g, go_g, lse_g, dq_g, dk_g, dv_g, ds_g));
+    drop((dsum, host_cu, alibi_storage));
+    drop(alibi);
+    Ok(wrap(dev, dq, dk, dv))
+}
+
+fn wrap<T: CudaDType>(
+    dev: &CudaDevice,
+    dq: CudaSlice<T>,
+    dk: CudaSlice<T>,
+    dv: CudaSlice<T>,
+) -> (CudaStorage, CudaStorage, CudaStorage) {
+    (
+        CudaStorage::wrap_cuda_slice(dq, dev.clone()),
+        CudaStorage::wrap_cuda_slice(dk, dev.clone()),
+        CudaStorage::wrap_cuda_slice(dv, dev.clone()),
+    )
+}
+
+/// Loads one planned function, opts into its shared memory and launches it with `params`.
+fn launch(dev: &CudaDevice, dtype: DType, l: &Launch, params: &BwdParams) -> Result<()> {
+    if l.grid.0 == 0 {
+        return Ok(());
+    }
+    let (module, text) = ptx(dtype);
+    let func = dev.get_or_load_custom_func(&l.function, module, text)?;
+    if l.smem > 48 * 1024 {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            l.smem as i32,
+        )
+        .w()?;
+    }
+    let cfg = LaunchConfig {
+        grid_dim: l.grid,
+        block_dim: (l.threads, 1, 1),
+        shared_mem_bytes: l.smem as u32,
+    };
+    let mut builder = func.builder();
+    builder.arg(params);
+    // SAFETY: `params` matches the kernels' parameter struct (checked at build time); every
+    // pointer in it stays alive until after the launch (the caller holds the storages and their
+    // guards); `check_bounds`, the size checks above and the kernels' clamped per-sequence
+    // lengths bound every element read or written; the plan fits the device's shared memory.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(())
+}
