@@ -11,11 +11,11 @@ mod common;
 use candle::{DType, Device, Result, Tensor, Var};
 use candle_flash::{naive_attention, FlashAttn};
 
-use common::grad::{reference_grads, reference_grads_varlen, RefGrads};
-use common::{
-    assert_bitwise_eq, max_abs_err_slice, max_err_beyond, randn, reference, scale_of, tolerances,
-    transposed_view, values, SCALE_FLOOR,
+use common::grad::{
+    autograd, check_grads, finite_where, naive_finite, reference_grads, reference_grads_varlen,
+    Grads, RefGrads,
 };
+use common::{assert_bitwise_eq, randn, reference, transposed_view, values};
 
 /// `Σ reference(q, k, v) ∘ g` in f64.
 fn ref_loss(q: &Tensor, k: &Tensor, v: &Tensor, g: &[f64], opts: &FlashAttn) -> Result<f64> {
@@ -87,87 +87,6 @@ fn reference_matches_central_differences() -> Result<()> {
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
-/// Gradients of q, k and v.
-type Grads = (Tensor, Tensor, Tensor);
-
-/// Gradients of `loss = Σ f(q, k, v) ∘ g` (in f32) by candle autograd. A gradient that does not
-/// reach q, k or v is an error, never a zero.
-fn autograd(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
-) -> Result<Grads> {
-    let (qv, kv, vv) = (
-        Var::from_tensor(q)?,
-        Var::from_tensor(k)?,
-        Var::from_tensor(v)?,
-    );
-    let out = f(qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
-    let loss = (out.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?;
-    let grads = loss.backward()?;
-    let get = |x: &Var, name: &str| {
-        grads
-            .get(x.as_tensor())
-            .cloned()
-            .ok_or_else(|| candle::Error::Msg(format!("no gradient reached {name}")))
-    };
-    Ok((get(&qv, "q")?, get(&kv, "k")?, get(&vv, "v")?))
-}
-
-/// Checks flash gradients against the f64 reference with the rule of `common::assert_close`
-/// (`|fast - ref| <= 2 · naive_err + u · |ref| + SCALE_FLOOR · scale` per element), the naive
-/// autograd gradients (same dtype) being the yardstick, with two changes for gradients:
-///
-/// * `scale` is the largest |reference| over dq, dk *and* dv, since a gradient can be exactly
-///   0 (one key: `P = 1`, `dP = D`) while the rounding of its terms is not;
-/// * candle autograd through `naive_attention` gives NaN in rows that see no key (its
-///   backward goes through the `-inf` mask), so `naive_err` is taken over its finite
-///   elements; the flash gradients must be finite everywhere the reference is.
-///
-/// Shapes and dtypes must be those of q, k, v.
-fn check_grads(what: &str, fast: &Grads, naive: &Grads, r: &RefGrads, like: [&Tensor; 3]) {
-    let parts = [
-        ("dq", &fast.0, &naive.0, &r.dq),
-        ("dk", &fast.1, &naive.1, &r.dk),
-        ("dv", &fast.2, &naive.2, &r.dv),
-    ];
-    let scale = [&r.dq, &r.dk, &r.dv]
-        .iter()
-        .map(|x| scale_of(x))
-        .fold(0f64, f64::max);
-    for ((name, f, n, r), t) in parts.into_iter().zip(like) {
-        let what = format!("{what} {name}");
-        assert_eq!(f.dims(), t.dims(), "{what}: shape");
-        assert_eq!(f.dtype(), t.dtype(), "{what}: dtype");
-        let (floor, _, _) = tolerances(f.dtype());
-        let actual = values(f).unwrap();
-        let err = max_abs_err_slice(&actual, r)
-            .unwrap_or_else(|| panic!("{what}: non-finite gradient where the reference is finite"));
-        let beyond = max_err_beyond(&actual, r, floor).unwrap();
-        let naive = values(n).unwrap();
-        let naive_err = naive
-            .iter()
-            .zip(r.iter())
-            .filter(|(n, _)| n.is_finite())
-            .fold(0f64, |m, (n, r)| m.max((n - r).abs()));
-        if std::env::var_os("CANDLE_FLASH_TOL_REPORT").is_some() {
-            let s = scale.max(f64::MIN_POSITIVE);
-            eprintln!(
-                "tol-report {:?} err/scale {:.3e} naive/scale {:.3e} scale {scale:.3e} | {what}",
-                f.dtype(),
-                err / s,
-                naive_err / s
-            );
-        }
-        assert!(
-            beyond <= 2.0 * naive_err + SCALE_FLOOR * scale,
-            "{what}: max abs err {err:.3e} ({beyond:.3e} beyond the floor of {floor:.2e} |ref|) > 2 x naive err {naive_err:.3e} + {SCALE_FLOOR:.2e} x scale {scale:.3e}"
-        );
-    }
-}
-
 #[derive(Clone, Copy, Debug)]
 struct Case {
     b: usize,
@@ -221,61 +140,6 @@ fn check(c: Case, opts: &FlashAttn, seed: u64) -> Grads {
     }
     check_grads(&what, &fast, &naive, &r, [&q, &k, &v]);
     fast
-}
-
-/// Whether every gradient is finite where the reference is.
-fn finite_where(g: &Grads, r: &RefGrads) -> bool {
-    [(&g.0, &r.dq), (&g.1, &r.dk), (&g.2, &r.dv)]
-        .iter()
-        .all(|(t, r)| max_abs_err_slice(&values(t).unwrap(), r).is_some())
-}
-
-/// `naive_attention` (matmuls in the input dtype, softmax in f32, same options) for the
-/// precision yardstick of gradients when some row sees no key. `naive_attention` clamps such a
-/// row's sum to `f32::MIN_POSITIVE`, and candle's division backward squares it to 0, so its
-/// gradients are NaN (0/0) there and, through the matmuls, in every dk and dv; here the sum is
-/// clamped to 1 instead, which changes nothing else (a row that sees a key has sum >= 1).
-fn naive_finite(q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttn) -> Result<Tensor> {
-    use candle::D;
-    let (b, sq, h, d) = q.dims4()?;
-    let (_, sk, hk, _) = k.dims4()?;
-    let dev = q.device();
-    let rep = |t: &Tensor| -> Result<Tensor> {
-        t.transpose(1, 2)?
-            .unsqueeze(2)?
-            .expand((b, hk, h / hk, sk, d))?
-            .reshape((b, h, sk, d))
-    };
-    let qt = q.transpose(1, 2)?.contiguous()?;
-    let kt = rep(k)?.t()?.contiguous()?;
-    let mut s = (qt.matmul(&kt)?.to_dtype(DType::F32)? * opts.softmax_scale as f64)?;
-    if let Some(c) = opts.softcap {
-        s = ((s / c as f64)?.tanh()? * c as f64)?;
-    }
-    let diag = |i: usize| i as i64 + sk as i64 - sq as i64;
-    let (mut dist, mut mask) = (Vec::with_capacity(sq * sk), Vec::with_capacity(sq * sk));
-    for i in 0..sq {
-        for j in 0..sk {
-            dist.push((diag(i) - j as i64).abs() as f32);
-            let seen = common::visible(i, j, sq, sk, opts.window_size_left, opts.window_size_right);
-            mask.push(if seen { 0f32 } else { f32::NEG_INFINITY });
-        }
-    }
-    if let Some(sl) = &opts.alibi_slopes {
-        let sl = if sl.rank() == 1 {
-            sl.reshape((1, h, 1, 1))?
-        } else {
-            sl.reshape((b, h, 1, 1))?
-        };
-        let dist = Tensor::from_vec(dist, (sq, sk), dev)?;
-        s = s.broadcast_sub(&dist.broadcast_mul(&sl)?)?;
-    }
-    s = s.broadcast_add(&Tensor::from_vec(mask, (sq, sk), dev)?)?;
-    let m = s.max_keepdim(D::Minus1)?.maximum(f32::MIN as f64)?;
-    let e = s.broadcast_sub(&m)?.exp()?;
-    let l = e.sum_keepdim(D::Minus1)?.maximum(1.0)?;
-    let p = e.broadcast_div(&l)?.to_dtype(q.dtype())?;
-    p.matmul(&rep(v)?)?.transpose(1, 2)?.contiguous()
 }
 
 fn scale(d: usize) -> f32 {
