@@ -222,6 +222,21 @@ fn half_precision() {
     }
 }
 
+/// Many key and query tiles (sums over dozens of tiles in dq and dk/dv).
+#[test]
+fn long_sequence() {
+    check(
+        case(1, 1500, 1700, 2, 1, 64, DType::F32),
+        &FlashAttn::new(0.125).causal(),
+        35,
+    );
+    check(
+        case(1, 1100, 900, 2, 2, 64, DType::BF16),
+        &FlashAttn::new(0.125),
+        36,
+    );
+}
+
 #[test]
 fn decode_shaped() {
     for (b, sq, sk, h, hk) in [(3, 1, 300, 8, 2), (1, 4, 517, 8, 1), (2, 16, 700, 6, 6)] {
