@@ -169,7 +169,7 @@ fn odd_lengths_both_ways() {
 
 #[test]
 fn gqa_6_3_2_1_and_head_dims() {
-    for (hk, d) in [(6, 24), (3, 64), (2, 80), (1, 200)] {
+    for (hk, d) in [(6, 24), (3, 64), (2, 80), (1, 200), (6, 1), (2, 512)] {
         let opts = FlashAttn::new(scale(d)).causal();
         check(case(1, 97, 150, 6, hk, d, DType::F32), &opts, hk as u64);
     }
