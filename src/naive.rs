@@ -87,12 +87,12 @@ pub fn naive_attention(
         s = s.broadcast_add(&mask(opts, sq, sk, q.device())?)?;
     }
     // A row with every key masked has max -inf: clamping the max keeps exp() at 0 instead of
-    // NaN, and clamping the sum turns 0/0 into 0.
+    // NaN, and clamping the sum turns 0/0 into 0. The clamp is 1, which changes no other row
+    // (the max key contributes exp(0) = 1 to its sum), because autograd divides by the square
+    // of the sum: a tiny clamp squares to 0 and gives every such row 0/0 = NaN gradients.
     let m = s.max_keepdim(D::Minus1)?.maximum(f32::MIN as f64)?;
     let e = s.broadcast_sub(&m)?.exp()?;
-    let l = e
-        .sum_keepdim(D::Minus1)?
-        .maximum(f32::MIN_POSITIVE as f64)?;
+    let l = e.sum_keepdim(D::Minus1)?.maximum(1.0)?;
     let pr = e.broadcast_div(&l)?.to_dtype(dtype)?;
     pr.matmul(&vt)?.transpose(1, 2)?.contiguous()
 }
