@@ -34,7 +34,9 @@ __device__ __forceinline__ void seq_lengths(const FlashParams& p, int b, BlockGe
         g.out_row0 = q0;
     } else {
         g.sq = p.seq_q;
-        g.q_row0 = 0;
+        // Dense q, or varlen q whose sequences all hold seq_q rows (q_uniform: row b * seq_q
+        // starts sequence b, no cu_q to read).
+        g.q_row0 = p.q_uniform ? (int64_t)b * p.seq_q : 0;
         g.out_row0 = (int64_t)b * p.seq_q;
     }
     if (CACHE && p.seqused_k) {
@@ -62,7 +64,7 @@ template <bool CACHE = false>
 __device__ __forceinline__ bool block_geom(const FlashParams& p, int m_block, int tile_rows, int h,
                                            int b, BlockGeom& g) {
     seq_lengths<CACHE>(p, b, g);
-    g.lse0 = p.cu_q ? (int64_t)h * p.lse_head + g.q_row0
+    g.lse0 = p.cu_q || p.q_uniform ? (int64_t)h * p.lse_head + g.q_row0
                     : ((int64_t)b * p.heads + h) * p.seq_q;
     g.m0 = m_block * tile_rows;
     if (g.m0 >= g.sq) return false;

@@ -14,7 +14,7 @@ struct FlashParams {
     void* o;               // contiguous (rows, heads, d_out)
     float* lse;            // natural-log log-sum-exp, f32
     const float* alibi;    // slopes or null
-    const uint32_t* cu_q;  // varlen cumulative lengths (batch + 1) or null for dense
+    const uint32_t* cu_q;  // varlen cumulative lengths (batch + 1) or null (dense, q_uniform)
     const uint32_t* cu_k;
     float* o_part;         // split-KV decode: f32 partial O (splits, total_q, heads, d) or null
     float* lse_part;       // split-KV decode: base-2 partial lse (splits, heads, total_q) or null
@@ -51,7 +51,7 @@ struct FlashParams {
     int32_t k_add;          // keys appended by this call on top of seqused_k
     int32_t max_ranges;     // prefix ranges per sequence
     int32_t page_shift;     // paged K/V: log2(page) for power-of-two pages, else -1
-    int32_t reserved_;
+    int32_t q_uniform;      // varlen q with cu_q null: sequence b is rows [b seq_q, (b + 1) seq_q)
 };
 
 

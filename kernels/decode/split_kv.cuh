@@ -8,6 +8,8 @@
 //    - Split-KV: blockIdx.x takes one slice of `split_keys` keys of the sequence, so a batch of
 //      few sequences still fills every SM.
 //    - The block streams its keys BC = 16 * WARPS at a time through a STAGES-deep cp.async ring;
+//      for paged caches the block-table entries of a tile are read one iteration before its
+//      copies are issued (into shared memory, shared by K and V), so no copy waits on a table load;
 //      warp w computes S = Q K^T for keys [16 w, 16 w + 16) of each tile (mma m16n8k16, Q and K
 //      by ldmatrix), runs the online softmax on its 16 x 16 scores and accumulates O += P V in
 //      registers (P straight from the S registers, V by ldmatrix.trans), as the prefill kernel.
@@ -16,7 +18,10 @@
 //      directly; otherwise it writes O / l (f32) and its base-2 log-sum-exp to the split scratch.
 // 2. Combine (`decode_combine`), one block per (query row, head): lse = log2-sum-exp2 over the
 //    splits, O = sum_s 2^(lse_s - lse) O_s, written in the output dtype with the natural-log lse.
-//    Splits that saw no key carry lse -inf and weigh 0; a row no split saw outputs 0, lse -inf.
+//    Thread s reads split s's lse (one load round for all splits); warp w sums splits w, w + 4,
+//    ... (four at a time, so their loads are in flight together) and the warps' sums are added
+//    in warp order: bitwise deterministic. Splits that saw no key carry lse -inf and weigh 0; a
+//    row no split saw outputs 0, lse -inf.
 // Masking (causal, windows), softcap and ALiBi follow src/semantics.rs through common/.
 #pragma once
 #include "common/mask.cuh"
@@ -80,37 +85,61 @@ __device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const
     }
 }
 
-// Copies keys [key0, key0 + TILE) of one K or V head into a swizzled tile, row by row through
-// `key_row` (the block table for paged caches). Rows past `rows_valid`, columns past d_load and
-// rows of blocks outside the cache are zero-filled.
+// Copies keys [key0, key0 + TILE) of one K/V head into the swizzled K and V tiles. Contiguous
+// caches (blk null) read row j at kg / vg (the sequence's first row) plus j rows; paged caches
+// read row j % page of block blk[j - key0], the tile's block-table entries fetched beforehand
+// (-1 for rows past the sequence). Rows past `rows_valid`, columns past d_load and blocks outside
+// the cache are zero-filled.
 template <typename T, int D, int TILE, int THREADS>
-__device__ __forceinline__ void load_kv(T* smem, const FlashParams& p, const T* base, const T* cache,
-                                        int64_t batch_stride, int64_t seq_stride, int64_t head_off,
-                                        int b, int key0, int rows_valid) {
+__device__ __forceinline__ void load_kv(T* sK, T* sV, const FlashParams& p, const T* kg,
+                                        const T* vg, int64_t k_head_off, int64_t v_head_off,
+                                        int key0, int rows_valid, const int* blk) {
     constexpr int C = D / 8;
     constexpr int RPI = THREADS / C;
     static_assert(RPI >= 1, "a row must fit in one pass of the block");
     const int r0 = threadIdx.x / C, c = threadIdx.x % C;
     if (r0 >= RPI) return;
     const bool col_ok = c * 8 < p.d_load;
+    const T* kc = static_cast<const T*>(p.k);
+    const T* vc = static_cast<const T*>(p.v);
     constexpr int N = (TILE + RPI - 1) / RPI;
-    // Addresses first, copies second: for paged caches each address waits on a block-table
-    // load, and issuing all of a thread's table loads before its first copy overlaps them.
-    const T* src[N];
-#pragma unroll
-    for (int it = 0; it < N; ++it) {
-        const int r = r0 + it * RPI;
-        src[it] = nullptr;
-        if ((TILE % RPI == 0 || r < TILE) && col_ok && r < rows_valid)
-            src[it] = key_row(p, base, cache, batch_stride, seq_stride, head_off, b, key0 + r);
-    }
 #pragma unroll
     for (int it = 0; it < N; ++it) {
         const int r = r0 + it * RPI;
         if (TILE % RPI != 0 && r >= TILE) break;
+        const int j = key0 + r;
+        const T* ks = nullptr;
+        const T* vs = nullptr;
+        if (col_ok && r < rows_valid) {
+            if (blk) {
+                const int bi = blk[r];
+                if (bi >= 0 && bi < p.num_blocks) {
+                    // Power-of-two pages (vLLM's 16, most of upstream's) mask instead of divide.
+                    const int row = p.page_shift >= 0 ? j & (p.page - 1) : j % p.page;
+                    ks = kc + (int64_t)bi * p.k_batch + (int64_t)row * p.k_seq + k_head_off;
+                    vs = vc + (int64_t)bi * p.v_batch + (int64_t)row * p.v_seq + v_head_off;
+                }
+            } else {
+                ks = kg + (int64_t)j * p.k_seq;
+                vs = vg + (int64_t)j * p.v_seq;
+            }
+        }
         // A zero-byte copy reads nothing; point it at the cache base, which is always mapped.
-        flash::cp_async16(smem + swz<D>(r, c), src[it] ? src[it] + c * 8 : cache, src[it] ? 16 : 0);
+        flash::cp_async16(sK + swz<D>(r, c), ks ? ks + c * 8 : kc, ks ? 16 : 0);
+        flash::cp_async16(sV + swz<D>(r, c), vs ? vs + c * 8 : vc, vs ? 16 : 0);
     }
+}
+
+// The block-table entry of key j of sequence b (paged caches), or -1 past the sequence's sk
+// keys. Only the load is issued here: the value is first used when it is stored to shared
+// memory, after the tile's compute, so the load's latency hides behind it.
+__device__ __forceinline__ int table_entry(const FlashParams& p, int b, int j, int sk) {
+    int blk = -1;
+    if (j < sk) {
+        const int pg = p.page_shift >= 0 ? j >> p.page_shift : j / p.page;
+        blk = p.block_table[(int64_t)b * p.max_blocks + pg];
+    }
+    return blk;
 }
 
 template <typename T, int D, int WARPS, int STAGES, bool MODS>
@@ -192,122 +221,146 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     const int t_begin = g.n_lo / BC;
     const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BC - 1) / BC : t_begin;
 
+    // Block-table entries of two consecutive K/V tiles (paged caches, tile t in blk[t % 2])
+    // during the key loop; the warps' row maxima and sums in the merge after it.
+    __shared__ union {
+        int blk[2][BC];
+        struct {
+            float m[WARPS][ROWS], l[WARPS][ROWS];
+        } ml;
+    } sh_u;
+    const bool paged = p.block_table != nullptr;
+    // Thread tid < BC fetches the table entry of key tid of tile t (-1 elsewhere).
+    auto fetch = [&](int t) {
+        return paged && tid < BC && t < t_end ? table_entry(p, b, t * BC + tid, g.sk) : -1;
+    };
+    // Only tiles the loop will issue: the buffer of a later one may still be read.
+    auto put = [&](int t, int blk) {
+        if (paged && tid < BC && t < t_end) sh_u.blk[t % 2][tid] = blk;
+    };
+    // Issues the copies of tile t into ring stage `stage` (the table entries of a paged tile
+    // must be in shared memory, behind a barrier).
+    auto issue = [&](int t, int stage) {
+        T* sK = sKV + stage * 2 * BC * D;
+        load_kv<T, D, BC, THREADS>(sK, sK + BC * D, p, kg, vg, (int64_t)kvh * p.k_head,
+                                   (int64_t)kvh * p.v_head, t * BC, min(BC, g.sk - t * BC),
+                                   paged ? sh_u.blk[t % 2] : nullptr);
+    };
+
     load_q<T, D, THREADS>(sQ, p, b, g, m0, kvh);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         const int t = t_begin + s;
         if (t < t_end) {
-            T* sK = sKV + s * 2 * BC * D;
-            const int rows = min(BC, g.sk - t * BC);
-            load_kv<T, D, BC, THREADS>(sK, p, kg, kc, p.k_batch, p.k_seq,
-                                       (int64_t)kvh * p.k_head, b, t * BC, rows);
-            load_kv<T, D, BC, THREADS>(sK + BC * D, p, vg, vc, p.v_batch, p.v_seq,
-                                       (int64_t)kvh * p.v_head, b, t * BC, rows);
+            if (paged) {
+                put(t, fetch(t));
+                __syncthreads();
+            }
+            issue(t, s);
         }
         cp_async_commit();
     }
+    // The first tile the loop issues: its table entries are in place before its first barrier.
+    put(t_begin + STAGES - 1, fetch(t_begin + STAGES - 1));
 
     for (int t = t_begin; t < t_end; ++t) {
         const int it = t - t_begin;
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        {
-            const int tn = t + STAGES - 1;
-            if (tn < t_end) {
-                T* sK = sKV + ((it + STAGES - 1) % STAGES) * 2 * BC * D;
-                const int rows = min(BC, g.sk - tn * BC);
-                load_kv<T, D, BC, THREADS>(sK, p, kg, kc, p.k_batch, p.k_seq,
-                                           (int64_t)kvh * p.k_head, b, tn * BC, rows);
-                load_kv<T, D, BC, THREADS>(sK + BC * D, p, vg, vc, p.v_batch, p.v_seq,
-                                           (int64_t)kvh * p.v_head, b, tn * BC, rows);
-            }
-            cp_async_commit();
-        }
+        const int tn = t + STAGES - 1;
+        if (tn < t_end) issue(tn, (it + STAGES - 1) % STAGES);
+        cp_async_commit();
+        // The table entries of the tile after: loaded now, stored after this tile's compute
+        // (its buffer was last read by the copies of tile tn - 1, before the barrier above).
+        const int next_blk = fetch(tn + 1);
+
         const T* sK = sKV + (it % STAGES) * 2 * BC * D;
         const T* sV = sK + BC * D;
         const int k0 = t * BC + 16 * warp;  // this warp's first key
-        if (k0 >= g.n_hi || k0 + 16 <= g.n_lo) continue;
-
-        // S = Q K^T: 16 rows x this warp's 16 keys (two n8 tiles).
-        float acc_s[2][4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[j][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t qa[4], kb[4];
-            ldsm_x4(qa, sQ + q_off.at(0, kk));
-            ldsm_x4(kb, sK + k_off.at(0, kk));
-            Mma<T>::run(acc_s[0], qa, kb[0], kb[1]);
-            Mma<T>::run(acc_s[1], qa, kb[2], kb[3]);
-        }
-
-        const int col = k0 + 2 * (lane % 4);
-        if constexpr (MODS) {
+        if (k0 < g.n_hi && k0 + 16 > g.n_lo) {
+            // S = Q K^T: 16 rows x this warp's 16 keys (two n8 tiles).
+            float acc_s[2][4];
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc_s[j][e] = modded_score(p, acc_s[j][e], slope_log2[e / 2], diag[e / 2],
-                                               col + j * 8 + e % 2);
-        }
-        // Keys outside the row's visible range within this split are masked; the split bounds
-        // are in that range, so two splits never count one key twice.
+                for (int e = 0; e < 4; ++e) acc_s[j][e] = 0.f;
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = col + j * 8 + e % 2;
-                if (key < row_lo[e / 2] || key >= row_hi[e / 2]) acc_s[j][e] = -INFINITY;
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t qa[4], kb[4];
+                ldsm_x4(qa, sQ + q_off.at(0, kk));
+                ldsm_x4(kb, sK + k_off.at(0, kk));
+                Mma<T>::run(acc_s[0], qa, kb[0], kb[1]);
+                Mma<T>::run(acc_s[1], qa, kb[2], kb[3]);
             }
 
+            const int col = k0 + 2 * (lane % 4);
+            if constexpr (MODS) {
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            float mx = row_m[hf];
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc_s[j][e] = modded_score(p, acc_s[j][e], slope_log2[e / 2], diag[e / 2],
+                                                   col + j * 8 + e % 2);
+            }
+            // Keys outside the row's visible range within this split are masked; the split bounds
+            // are in that range, so two splits never count one key twice.
 #pragma unroll
             for (int j = 0; j < 2; ++j)
-                mx = fmaxf(mx, fmaxf(acc_s[j][2 * hf], acc_s[j][2 * hf + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float m_scaled = mx == -INFINITY ? 0.f : mx * unit;
-            const float alpha = fast_exp2(fmaf(row_m[hf], unit, -m_scaled));
-            row_m[hf] = mx;
-            float sum = 0.f;
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float pv = fast_exp2(fmaf(acc_s[j][2 * hf + e], unit, -m_scaled));
-                    acc_s[j][2 * hf + e] = pv;
-                    sum += pv;
+                for (int e = 0; e < 4; ++e) {
+                    const int key = col + j * 8 + e % 2;
+                    if (key < row_lo[e / 2] || key >= row_hi[e / 2]) acc_s[j][e] = -INFINITY;
                 }
-            row_l[hf] = row_l[hf] * alpha + sum;
+
 #pragma unroll
-            for (int j = 0; j < DT; ++j) {
-                acc_o[j][2 * hf] *= alpha;
-                acc_o[j][2 * hf + 1] *= alpha;
+            for (int hf = 0; hf < 2; ++hf) {
+                float mx = row_m[hf];
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    mx = fmaxf(mx, fmaxf(acc_s[j][2 * hf], acc_s[j][2 * hf + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+                const float m_scaled = mx == -INFINITY ? 0.f : mx * unit;
+                const float alpha = fast_exp2(fmaf(row_m[hf], unit, -m_scaled));
+                row_m[hf] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float pv = fast_exp2(fmaf(acc_s[j][2 * hf + e], unit, -m_scaled));
+                        acc_s[j][2 * hf + e] = pv;
+                        sum += pv;
+                    }
+                row_l[hf] = row_l[hf] * alpha + sum;
+#pragma unroll
+                for (int j = 0; j < DT; ++j) {
+                    acc_o[j][2 * hf] *= alpha;
+                    acc_o[j][2 * hf + 1] *= alpha;
+                }
+            }
+            // O += P V (one k16 step: this warp's 16 keys).
+            uint32_t pa[4];
+            pa[0] = Mma<T>::pack(acc_s[0][0], acc_s[0][1]);
+            pa[1] = Mma<T>::pack(acc_s[0][2], acc_s[0][3]);
+            pa[2] = Mma<T>::pack(acc_s[1][0], acc_s[1][1]);
+            pa[3] = Mma<T>::pack(acc_s[1][2], acc_s[1][3]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                uint32_t vb[4];
+                ldsm_x4_t(vb, sV + v_off.at(0, dp));
+                Mma<T>::run(acc_o[2 * dp], pa, vb[0], vb[1]);
+                Mma<T>::run(acc_o[2 * dp + 1], pa, vb[2], vb[3]);
             }
         }
-        // O += P V (one k16 step: this warp's 16 keys).
-        uint32_t pa[4];
-        pa[0] = Mma<T>::pack(acc_s[0][0], acc_s[0][1]);
-        pa[1] = Mma<T>::pack(acc_s[0][2], acc_s[0][3]);
-        pa[2] = Mma<T>::pack(acc_s[1][0], acc_s[1][1]);
-        pa[3] = Mma<T>::pack(acc_s[1][2], acc_s[1][3]);
-#pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-            uint32_t vb[4];
-            ldsm_x4_t(vb, sV + v_off.at(0, dp));
-            Mma<T>::run(acc_o[2 * dp], pa, vb[0], vb[1]);
-            Mma<T>::run(acc_o[2 * dp + 1], pa, vb[2], vb[3]);
-        }
+        put(tn + 1, next_blk);
     }
     cp_async_wait<0>();
     __syncthreads();
 
     // ---- merge the warps' partial states, in warp order -------------------------------------
-    __shared__ float sh_m[WARPS][ROWS], sh_l[WARPS][ROWS];
+    float(*sh_m)[ROWS] = sh_u.ml.m;
+    float(*sh_l)[ROWS] = sh_u.ml.l;
     __shared__ float sh_scale[WARPS][ROWS];  // 2^(m_w - M) per warp and row
     __shared__ float sh_inv[ROWS], sh_lse2[ROWS];
 #pragma unroll
@@ -381,7 +434,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         if (x.valid) {
             const int64_t row_g = g.out_row0 + x.i;
             if (final_out) {
-                const int64_t li = p.cu_q ? (int64_t)x.h * p.lse_head + row_g
+                const int64_t li = p.cu_q || p.q_uniform ? (int64_t)x.h * p.lse_head + row_g
                                           : ((int64_t)b * p.heads + x.h) * p.seq_q + x.i;
                 p.lse[li] = sh_lse2[tid] * LN2_F;
             } else {
@@ -391,35 +444,53 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     }
 }
 
-// One block per (output row, head): merges the splits' partials.
+// Widest head the combine kernel merges (the widest decode instance).
+constexpr int COMBINE_MAX_D = 256;
+constexpr int COMBINE_THREADS = 128;
+
+// One block of COMBINE_THREADS per (output row, head): merges the splits' partials.
 template <typename T>
 __device__ __forceinline__ void combine(const FlashParams& p) {
+    constexpr int WARPS = COMBINE_THREADS / 32;
+    constexpr int CPL = COMBINE_MAX_D / 32;  // columns per lane
     const int64_t row_g = blockIdx.x;
     const int h = blockIdx.y;
-    __shared__ float sh_w[128];
-    __shared__ float sh_lse;
-    if (threadIdx.x == 0) {
-        float m = -INFINITY;
-        bool nan = false;
-        for (int s = 0; s < p.num_splits; ++s) {
-            const float l = p.lse_part[((int64_t)s * p.heads + h) * p.total_q + row_g];
-            nan |= l != l;
-            m = fmaxf(m, l);
-        }
-        float sum = 0.f;
-        for (int s = 0; s < p.num_splits; ++s) {
-            const float l = p.lse_part[((int64_t)s * p.heads + h) * p.total_q + row_g];
-            const float w = m == -INFINITY ? 0.f : exp2f(l - m);
-            sh_w[s] = w;
-            sum += w;
-        }
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int ns = p.num_splits;  // <= COMBINE_THREADS (the planner's MAX_SPLITS)
+    __shared__ float sh_w[COMBINE_THREADS];
+    __shared__ float sh_red[2][WARPS];
+    __shared__ float sh_o[WARPS][COMBINE_MAX_D];
+
+    // Thread s holds split s's base-2 lse: M = max, sum = sum_s 2^(lse_s - M), both reduced in a
+    // fixed order (lanes by a butterfly, then warps in order).
+    const float l = tid < ns ? p.lse_part[((int64_t)tid * p.heads + h) * p.total_q + row_g]
+                             : -INFINITY;
+    // A NaN partial (a NaN score) makes the row NaN, as in the unsplit kernel.
+    const bool nan = __syncthreads_or(l != l);
+    float m = l;
+#pragma unroll
+    for (int o = 16; o >= 1; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    if (lane == 0) sh_red[0][warp] = m;
+    __syncthreads();
+    m = sh_red[0][0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) m = fmaxf(m, sh_red[0][w]);
+    const float e = tid < ns && m != -INFINITY ? exp2f(l - m) : 0.f;
+    float sum = e;
+#pragma unroll
+    for (int o = 16; o >= 1; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    if (lane == 0) sh_red[1][warp] = sum;
+    __syncthreads();
+    sum = sh_red[1][0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) sum += sh_red[1][w];
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    sh_w[tid] = e * inv;
+    if (tid == 0) {
         const float lse2 = nan ? NAN : (m == -INFINITY ? -INFINITY : m + log2f(sum));
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int s = 0; s < p.num_splits; ++s) sh_w[s] *= inv;
-        sh_lse = lse2;
         // lse output index: dense (b, h, i) or varlen (h, row).
         int64_t li;
-        if (p.cu_q) {
+        if (p.cu_q || p.q_uniform) {
             li = (int64_t)h * p.lse_head + row_g;
         } else {
             const int64_t bb = row_g / p.seq_q, i = row_g % p.seq_q;
@@ -428,17 +499,43 @@ __device__ __forceinline__ void combine(const FlashParams& p) {
         p.lse[li] = lse2 * LN2_F;
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < p.d_out; c += blockDim.x) {
-        float acc = 0.f;
-        for (int s = 0; s < p.num_splits; ++s) {
-            const float w = sh_w[s];
-            // A split that saw no key has weight 0 and O = 0: skip it so nothing of it is read.
-            if (w != 0.f || sh_lse != sh_lse)
-                acc += w * p.o_part[((int64_t)s * p.total_q + row_g) * p.o_seq +
-                                    (int64_t)h * p.o_head + c];
+
+    // Warp w sums splits w, w + WARPS, ... for columns lane + 32 c; four splits per step, so
+    // their loads are in flight together. A split that saw no key has weight 0 and O = 0: it is
+    // not read (unless the row is NaN, which every split then carries into the sum).
+    float acc[CPL];
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) acc[c] = 0.f;
+    const float* part = p.o_part + row_g * p.o_seq + (int64_t)h * p.o_head;
+    const int64_t split_stride = (int64_t)p.total_q * p.o_seq;
+    for (int s0 = warp; s0 < ns; s0 += 4 * WARPS) {
+        float x[4][CPL];
+        float w[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int s = s0 + u * WARPS;
+            w[u] = s < ns ? sh_w[s] : 0.f;
+            const bool read = s < ns && (w[u] != 0.f || nan);
+#pragma unroll
+            for (int c = 0; c < CPL; ++c) {
+                const int col = lane + 32 * c;
+                x[u][c] = read && col < p.d_out ? part[s * split_stride + col] : 0.f;
+            }
         }
-        static_cast<T*>(p.o)[row_g * p.o_seq + (int64_t)h * p.o_head + c] =
-            rowwise::from_f32<T>(acc);
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+            for (int c = 0; c < CPL; ++c) acc[c] += w[u] * x[u][c];
+    }
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) sh_o[warp][lane + 32 * c] = acc[c];
+    __syncthreads();
+    for (int col = tid; col < p.d_out; col += COMBINE_THREADS) {
+        float o = sh_o[0][col];
+#pragma unroll
+        for (int w = 1; w < WARPS; ++w) o += sh_o[w][col];
+        static_cast<T*>(p.o)[row_g * p.o_seq + (int64_t)h * p.o_head + col] =
+            rowwise::from_f32<T>(o);
     }
 }
 
@@ -449,6 +546,7 @@ __device__ __forceinline__ void combine(const FlashParams& p) {
 #define FLASH_DECODE_INSTANCE(NAME, T, D, WARPS, STAGES, SMEM_BYTES)                           \
     static_assert(decode::Traits<T, D, WARPS, STAGES>::SMEM == SMEM_BYTES,                      \
                   "src/cuda/instances.rs and the kernel disagree on shared memory");           \
+    static_assert(D <= decode::COMBINE_MAX_D, "the combine kernel merges heads up to 256");     \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(const FlashParams p) {        \
         decode::partial<T, D, WARPS, STAGES, false>(p);                                         \
     }                                                                                           \
@@ -457,4 +555,7 @@ __device__ __forceinline__ void combine(const FlashParams& p) {
     }
 
 #define FLASH_DECODE_COMBINE(NAME, T) \
-    extern "C" __global__ void __launch_bounds__(128) NAME(const FlashParams p) { decode::combine<T>(p); }
+    extern "C" __global__ void __launch_bounds__(decode::COMBINE_THREADS) NAME(                 \
+        const FlashParams p) {                                                                  \
+        decode::combine<T>(p);                                                                  \
+    }

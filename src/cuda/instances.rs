@@ -157,6 +157,13 @@ pub const DECODE_INSTANCES: &[DecodeInstance] = &[
         warps: 4,
         stages: 2,
     },
+    // Two tiles in flight per block, but two blocks per H100 SM instead of three: the planner
+    // switches to it when the SMs hold the whole grid with it (few sequences; plan.rs).
+    DecodeInstance {
+        d: 128,
+        warps: 4,
+        stages: 3,
+    },
     DecodeInstance {
         d: 256,
         warps: 4,

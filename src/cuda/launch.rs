@@ -15,8 +15,10 @@ use candle::{bail, CudaStorage, DType, Result, Storage, Tensor};
 use half::{bf16, f16};
 
 use super::params::Params;
-use super::plan::{plan, DeviceCaps, LaunchPlan, Module, MAX_SEQ, STATIC_SMEM_RESERVE};
-use crate::problem::{Problem, Strides};
+use super::plan::{
+    override_decode, plan, DeviceCaps, LaunchPlan, Module, MAX_SEQ, STATIC_SMEM_RESERVE,
+};
+use crate::problem::{Paged, Problem, Strides};
 use crate::semantics::LOG2_E;
 
 /// The PTX text and candle's cache name of a module.
@@ -56,6 +58,20 @@ fn caps(stream: &CudaStream) -> Result<DeviceCaps> {
         attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
         attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
     ))
+}
+
+/// `CANDLE_FLASH_DECODE_WAVES=n` and `CANDLE_FLASH_DECODE_STAGES=s`, read once: decode calls are
+/// split for n blocks per SM, and run the instance with an s-deep ring, instead of the planner's
+/// choices. For benchmarks comparing variants in one run; unset in normal use.
+fn decode_overrides() -> (Option<usize>, Option<usize>) {
+    static KNOBS: std::sync::OnceLock<(Option<usize>, Option<usize>)> = std::sync::OnceLock::new();
+    *KNOBS.get_or_init(|| {
+        let var = |name| std::env::var(name).ok()?.parse().ok();
+        (
+            var("CANDLE_FLASH_DECODE_WAVES"),
+            var("CANDLE_FLASH_DECODE_STAGES"),
+        )
+    })
 }
 
 /// Window sides for the kernels: -1 unbounded, otherwise clamped so `int` arithmetic on
@@ -112,7 +128,12 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     if p.has_alibi != alibi.is_some() {
         bail!("flash-attn: ALiBi slopes do not match the validated problem")
     }
-    let plan = plan(p, T::DTYPE, &caps(&stream)?)?;
+    let caps = caps(&stream)?;
+    let mut plan = plan(p, T::DTYPE, &caps)?;
+    let (waves, stages) = decode_overrides();
+    if waves.is_some() || stages.is_some() {
+        override_decode(&mut plan, p, &caps, waves, stages);
+    }
     let esize = std::mem::size_of::<T>();
     let d = p.head_dim;
 
@@ -158,17 +179,31 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     let mut lse = unsafe { dev.alloc::<f32>(p.total_q * p.heads)? };
 
     // Lengths, block table and prefix ranges: the caller's device tensors where validation left
-    // them on the GPU (no host round trip), else uploads of the host copies.
+    // them on the GPU (no host round trip), else uploads of the host copies. Host query lengths
+    // that are all `max_seqlen_q` (every KV-cache call) are not uploaded: the kernels find
+    // sequence b at row b * seq_q (`q_uniform`), so a decode step allocates nothing but its
+    // output and split scratch.
+    let q_uniform = p.varlen.as_ref().is_some_and(|vl| {
+        vl.device.is_none()
+            && vl
+                .cu_q
+                .iter()
+                .enumerate()
+                .all(|(b, &c)| c as usize == b * vl.max_seqlen_q)
+    });
     let cu = match &p.varlen {
         None => None,
         Some(vl) => Some(match &vl.device {
             Some(d) => (
-                DevInts::Tensor(d.cu_q.clone()),
+                Some(DevInts::Tensor(d.cu_q.clone())),
                 DevInts::Tensor(d.cu_k.clone()),
             ),
             // KV-cache calls take their key counts from `seqused_k`; `cu_k` is not read.
             None => (
-                DevInts::Host(stream.clone_htod(&vl.cu_q).w()?),
+                match q_uniform {
+                    true => None,
+                    false => Some(DevInts::Host(stream.clone_htod(&vl.cu_q).w()?)),
+                },
                 match &p.seqused_k {
                     Some((t, _)) => DevInts::Tensor(t.clone()),
                     None => DevInts::Host(stream.clone_htod(&vl.cu_k).w()?),
@@ -176,7 +211,17 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             ),
         }),
     };
-    let table = match &p.paged {
+    // A contiguous KV cache (one block per sequence, in order: the table forward_kvcache builds)
+    // is read without a table: with key counts from `seqused_k`, the kernels address row j of
+    // sequence b as block b, row j, the same element.
+    let identity = |pg: &Paged| {
+        p.seqused_k.is_some()
+            && pg.device_table.is_none()
+            && pg.max_blocks == 1
+            && pg.num_blocks == p.batch
+            && pg.table.iter().enumerate().all(|(b, &t)| t as usize == b)
+    };
+    let table = match p.paged.as_ref().filter(|pg| !identity(pg)) {
         None => None,
         Some(pg) => Some(match &pg.device_table {
             Some(t) => DevInts::Tensor(t.clone()),
@@ -201,7 +246,10 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     };
     let cu_ptrs = match &cu {
         None => (0, 0),
-        Some((a, b)) => (a.ptr(&stream)?, b.ptr(&stream)?),
+        Some((a, b)) => (
+            a.as_ref().map_or(Ok(0), |a| a.ptr(&stream))?,
+            b.ptr(&stream)?,
+        ),
     };
     let table_ptr = table.as_ref().map_or(Ok(0), |t| t.ptr(&stream))?;
     let prefix_ptr = prefix.as_ref().map_or(Ok(0), |t| t.ptr(&stream))?;
@@ -318,7 +366,7 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             .as_ref()
             .filter(|pg| pg.page.is_power_of_two())
             .map_or(-1, |pg| pg.page.trailing_zeros() as i32),
-        reserved_: 0,
+        q_uniform: q_uniform as i32,
     };
     launch(dev, &plan, &params)?;
     if let Some(combine) = split.and_then(|s| s.combine.as_deref()) {

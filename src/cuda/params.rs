@@ -70,7 +70,9 @@ pub struct Params {
     pub max_ranges: i32,
     /// `log2(page)` for power-of-two pages (shifts instead of divisions), else -1.
     pub page_shift: i32,
-    pub reserved_: i32,
+    /// Varlen q whose sequences all hold `seq_q` rows, passed without `cu_q` (null): sequence
+    /// `b` is rows `b * seq_q ..` of q and of the output, lse in the varlen layout. 0 or 1.
+    pub q_uniform: i32,
 }
 
 /// The size both sides agree on (also asserted in C by the generated header).

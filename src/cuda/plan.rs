@@ -276,13 +276,37 @@ fn decode_plan(
 ) -> Result<LaunchPlan> {
     let group = p.heads / p.kv_heads;
     let m_tiles = (group * p.max_seq_q).div_ceil(DECODE_ROWS);
-    let blocks = p.batch * p.kv_heads * m_tiles;
-    let bc = i.bc();
-    let want = (2 * caps.sms as usize).div_ceil(blocks.max(1));
-    let most = p.max_seq_k.div_ceil(2 * bc).clamp(1, MAX_SPLITS);
-    let splits = want.clamp(1, most);
-    let split_keys = p.max_seq_k.div_ceil(splits).next_multiple_of(bc).max(bc);
-    let splits = p.max_seq_k.div_ceil(split_keys).max(1);
+    let (splits, split_keys) = decode_splits(p, caps, i, m_tiles, DECODE_WAVES);
+    // A grid the SMs hold at once with a deeper ring too (few sequences: each SM then holds at
+    // most two blocks) takes it: two tiles in flight per block instead of one. Measured on the
+    // H100 (bf16, d 128, batch 1, kv 32768, 256 blocks): 60 us instead of 61, and a shuffled
+    // 16-row paged cache 64 us instead of 68; at batch 8 (320 blocks, more than the 264 the deeper
+    // ring leaves room for) it would cost a second wave: 72 us instead of 62 at kv 4096.
+    let ctas = splits * p.batch * p.kv_heads * m_tiles;
+    let (i, function, smem) = match DECODE_INSTANCES
+        .iter()
+        .filter(|j| {
+            (j.d, j.warps) == (i.d, i.warps)
+                && j.stages > i.stages
+                && j.smem() + STATIC_SMEM_RESERVE <= caps.smem_optin
+                && blocks_per_sm(caps, j.smem()) * caps.sms as usize >= ctas
+        })
+        .max_by_key(|j| j.stages)
+    {
+        None => (i, function, smem),
+        Some(&j) => {
+            let mods = if function.ends_with("_mods") {
+                "_mods"
+            } else {
+                ""
+            };
+            (
+                j,
+                format!("flash_decode_{dname}_{}{mods}", j.suffix()),
+                j.smem(),
+            )
+        }
+    };
     if p.kv_heads * m_tiles > 65535 || p.batch > 65535 || p.heads > 65535 {
         bail!(
             "flash-attn: decode grid ({splits}, {}, {}) exceeds the CUDA limits",
@@ -307,6 +331,79 @@ fn decode_plan(
             combine: (splits > 1).then(|| format!("flash_decode_combine_{dname}")),
         }),
     })
+}
+
+/// Overrides a decode plan's choices for benchmarks that compare variants in one run: `waves`
+/// blocks per SM instead of [`DECODE_WAVES`], and the instance of the same width and warps
+/// with `stages` ring stages (if there is one that fits). Other plans are left as they are.
+pub(crate) fn override_decode(
+    plan: &mut LaunchPlan,
+    p: &Problem,
+    caps: &DeviceCaps,
+    waves: Option<usize>,
+    stages: Option<usize>,
+) {
+    let Kernel::Decode(mut i) = plan.kernel else {
+        return;
+    };
+    let dname = match plan.module {
+        Module::Bf16 => "bf16",
+        Module::F16 => "f16",
+        Module::F32 => "f32",
+    };
+    if let Some(&j) = DECODE_INSTANCES.iter().find(|j| {
+        Some(j.stages) == stages
+            && (j.d, j.warps) == (i.d, i.warps)
+            && j.smem() + STATIC_SMEM_RESERVE <= caps.smem_optin
+    }) {
+        let mods = if plan.function.ends_with("_mods") {
+            "_mods"
+        } else {
+            ""
+        };
+        i = j;
+        plan.kernel = Kernel::Decode(j);
+        plan.smem = j.smem();
+        plan.function = format!("flash_decode_{dname}_{}{mods}", j.suffix());
+    }
+    let Some(d) = plan.decode.as_mut() else {
+        return;
+    };
+    let (splits, split_keys) = decode_splits(p, caps, i, d.m_tiles, waves.unwrap_or(DECODE_WAVES));
+    d.splits = splits;
+    d.split_keys = split_keys;
+    d.combine = (splits > 1).then(|| format!("flash_decode_combine_{dname}"));
+    plan.grid.0 = splits as u32;
+}
+
+/// Blocks of `smem` bytes of dynamic shared memory one SM holds at once. An SM's shared memory is
+/// the per-block opt-in limit plus the 1 KB the driver reserves per block (sm_80: 164 KB, sm_86
+/// and sm_89: 100 KB, sm_90: 228 KB); each block also takes that 1 KB and its static shared
+/// memory (at most [`STATIC_SMEM_RESERVE`]).
+pub(crate) fn blocks_per_sm(caps: &DeviceCaps, smem: usize) -> usize {
+    (caps.smem_optin + 1024) / (smem + STATIC_SMEM_RESERVE + 1024)
+}
+
+/// Blocks per SM a decode call aims for (the split count fills `DECODE_WAVES * sms` blocks).
+pub(crate) const DECODE_WAVES: usize = 2;
+
+/// Key splits of a decode call of `m_tiles` packed tiles per K/V head: enough blocks for
+/// `waves` blocks per SM, each split at least two K/V tiles long. Returns (splits, keys per
+/// split).
+pub(crate) fn decode_splits(
+    p: &Problem,
+    caps: &DeviceCaps,
+    i: DecodeInstance,
+    m_tiles: usize,
+    waves: usize,
+) -> (usize, usize) {
+    let blocks = p.batch * p.kv_heads * m_tiles;
+    let bc = i.bc();
+    let want = (waves.max(1) * caps.sms as usize).div_ceil(blocks.max(1));
+    let most = p.max_seq_k.div_ceil(2 * bc).clamp(1, MAX_SPLITS);
+    let splits = want.clamp(1, most);
+    let split_keys = p.max_seq_k.div_ceil(splits).next_multiple_of(bc).max(bc);
+    (p.max_seq_k.div_ceil(split_keys).max(1), split_keys)
 }
 
 /// Can the tensor-core kernel read this operand in place? It copies 16-byte chunks of rows, so
@@ -441,6 +538,51 @@ mod tests {
         // Short caches are not split below two tiles per split.
         let s = split(&mk(1, 1, 100)).unwrap();
         assert_eq!(s.splits, 1);
+        // The deeper ring where the SMs hold the whole grid with it: batch 1 on the H100, not
+        // batch 8 (320 blocks, 2 x 132 fit), nor the A100 (one such block per SM).
+        let stages = |p: &Problem, caps: &DeviceCaps| match plan(p, DType::BF16, caps).unwrap() {
+            LaunchPlan {
+                kernel: Kernel::Decode(i),
+                function,
+                smem,
+                ..
+            } => {
+                assert_eq!(function, format!("flash_decode_bf16_{}", i.suffix()));
+                assert_eq!(smem, i.smem());
+                i.stages
+            }
+            pl => panic!("{pl:?}"),
+        };
+        assert_eq!(stages(&mk(1, 1, 32768), &caps), 3);
+        assert_eq!(stages(&mk(8, 1, 4096), &caps), 2);
+        assert_eq!(stages(&mk(8, 1, 32768), &caps), 2);
+        assert_eq!(stages(&mk(1, 1, 32768), &DeviceCaps::SM80), 2);
+        assert_eq!(stages(&mk(1, 1, 32768), &DeviceCaps::SM86), 2);
+        assert_eq!(blocks_per_sm(&caps, DECODE_INSTANCES[1].smem()), 3);
+    }
+
+    /// The benchmark overrides change only the split count and the ring depth of a decode plan.
+    #[test]
+    fn decode_overrides_resplit_and_swap_the_ring() {
+        let dev = Device::Cpu;
+        let q = Tensor::zeros((1, 1, 32, 128), DType::BF16, &dev).unwrap();
+        let k = Tensor::zeros((1, 32768, 8, 128), DType::BF16, &dev).unwrap();
+        let p = FlashAttn::new(0.1).problem(&q, &k, &k, None).unwrap();
+        let caps = DeviceCaps::SM90;
+        let base = plan(&p, DType::BF16, &caps).unwrap();
+        let mut pl = base.clone();
+        override_decode(&mut pl, &p, &caps, Some(4), Some(3));
+        let (s0, s1) = (base.decode.clone().unwrap(), pl.decode.clone().unwrap());
+        assert!(s1.splits > s0.splits, "{s0:?} {s1:?}");
+        assert!(s1.splits * s1.split_keys >= 32768);
+        assert_eq!(pl.grid, (s1.splits as u32, base.grid.1, base.grid.2));
+        assert!(matches!(pl.kernel, Kernel::Decode(i) if i.d == 128 && i.stages == 3));
+        assert_eq!(pl.function, "flash_decode_bf16_d128_w4_s3");
+        assert_eq!(pl.smem, (16 * 128 + 3 * 2 * 64 * 128) * 2);
+        // No such instance: the ring stays; the default waves give the planner's own plan.
+        let mut same = base.clone();
+        override_decode(&mut same, &p, &caps, None, Some(7));
+        assert_eq!(same, base);
     }
 
     /// The big tiles where they fit, smaller ones (not the row-wise fallback) where they do not.

@@ -33,8 +33,13 @@ impl FlashAttn {
     /// `cache_seqlens` not an integer `(batch,)` tensor or negative; `k_new`/`v_new` of another
     /// shape, dtype or device than the cache rows; a sequence whose new length exceeds the
     /// cache (`max_len`, or `max_blocks · page_block_size` paged); a bad block table (as
-    /// [`paged`](Self::paged)); and everything [`forward`](Self::forward) refuses. On CUDA the
-    /// append is not implemented yet and returns an error.
+    /// [`paged`](Self::paged)); and everything [`forward`](Self::forward) refuses.
+    ///
+    /// On CUDA nothing is read back to the host: the kernels take the key counts from
+    /// `cache_seqlens` on the device, find each sequence's queries from its index (every
+    /// sequence has `seq_q` rows, so no cumulative lengths are uploaded) and read a contiguous
+    /// cache without a block table. The attention allocates only its output and, for split-KV
+    /// decode, the split scratch.
     ///
     /// # Example
     ///
@@ -141,6 +146,8 @@ impl FlashAttn {
                 candle::Error::Msg("flash-attn: the total cache length overflows u32".into())
             })?;
         }
+        // Uniform query lengths: on CUDA the kernels derive sequence b's rows from b (q_uniform),
+        // so this host copy is never uploaded.
         let cu_q = (0..=batch)
             .map(|b| u32::try_from(b * seq_q))
             .collect::<std::result::Result<Vec<_>, _>>()
