@@ -469,11 +469,16 @@ fn varlen_against_reference() {
     }
 }
 
+/// Tests that read or set `CANDLE_FLASH_BWD_DETERMINISTIC` take this lock (the variable is
+/// process-wide and tests may run in parallel).
+static MODE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The default backward is deterministic: repeated runs give the same bits, on the
 /// tensor-core kernels (causal and not, GQA) and on the exact ones.
 #[test]
 fn deterministic_by_default() {
     let Some(dev) = gpu() else { return };
+    let _mode = MODE.lock().unwrap_or_else(|e| e.into_inner());
     let runs = if small() { 2 } else { 20 };
     for (c, causal) in [
         (case(2, 1000, 1100, 8, 2, 128, DType::BF16), true),
@@ -516,4 +521,81 @@ fn large_scores_stay_finite() {
             );
         }
     }
+}
+
+/// `CANDLE_FLASH_BWD_DETERMINISTIC=0`: the tensor-core dK/dV kernel adds dQ with f32 atomics;
+/// same parity rules (odd lengths, GQA, softcap / ALiBi / windows, masked rows, varlen).
+#[test]
+fn atomic_dq_mode() {
+    let Some(dev) = gpu() else { return };
+    let _mode = MODE.lock().unwrap_or_else(|e| e.into_inner());
+    std::env::set_var("CANDLE_FLASH_BWD_DETERMINISTIC", "0");
+    let cpu = Device::Cpu;
+    let slopes = Tensor::new(&[0.5f32, 0.25, 0.125, 0.0625, 0.3, 0.2], &cpu).unwrap();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        for (d, dtype) in [
+            (64, DType::BF16),
+            (128, DType::BF16),
+            (128, DType::F16),
+            (64, DType::F16),
+        ] {
+            let s = scale(d);
+            for (c, opts) in [
+                (case(2, 113, 203, 6, 2, d, dtype), FlashAttn::new(s)),
+                (
+                    case(2, 203, 113, 6, 3, d, dtype),
+                    FlashAttn::new(s).causal(),
+                ),
+                (case(1, 150, 40, 6, 1, d, dtype), FlashAttn::new(s).causal()),
+                (case(1, 1, 239, 6, 6, d, dtype), FlashAttn::new(s).causal()),
+                (
+                    case(2, 130, 201, 6, 2, d, dtype),
+                    FlashAttn::new(s)
+                        .window(Some(30), Some(5))
+                        .softcap(4.0)
+                        .alibi(&slopes),
+                ),
+            ] {
+                check(&dev, c, &opts, 90);
+            }
+        }
+    }));
+    std::env::remove_var("CANDLE_FLASH_BWD_DETERMINISTIC");
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+}
+
+/// A handful of tiny ragged calls covering every backward kernel family (tensor-core d 64 / 128,
+/// plain and `_mods`, deterministic and atomic; the exact kernels), for compute-sanitizer:
+/// `compute-sanitizer --tool racecheck gpu_backward sanitizer_`.
+#[test]
+fn sanitizer_shapes() {
+    let Some(dev) = gpu() else { return };
+    let _mode = MODE.lock().unwrap_or_else(|e| e.into_inner());
+    let slopes = Tensor::new(&[0.5f32, 0.25, 0.125, 0.0625], &Device::Cpu).unwrap();
+    let cases = |dtype: DType, d: usize| {
+        let s = scale(d);
+        [
+            (case(1, 37, 70, 4, 2, d, dtype), FlashAttn::new(s).causal()),
+            (
+                case(1, 70, 33, 4, 1, d, dtype),
+                FlashAttn::new(s)
+                    .window(Some(9), Some(2))
+                    .softcap(3.0)
+                    .alibi(&slopes),
+            ),
+        ]
+    };
+    for atomic in [false, true] {
+        if atomic {
+            std::env::set_var("CANDLE_FLASH_BWD_DETERMINISTIC", "0");
+        }
+        for (d, dtype) in [(64, DType::BF16), (128, DType::F16), (40, DType::F32)] {
+            for (c, opts) in cases(dtype, d) {
+                check(&dev, c, &opts, 95);
+            }
+        }
+    }
+    std::env::remove_var("CANDLE_FLASH_BWD_DETERMINISTIC");
 }

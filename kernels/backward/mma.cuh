@@ -74,9 +74,11 @@ struct DkdvTraits {
     static constexpr int THREADS = 32 * WARPS;
     static constexpr int STEP = 2 * BM * D;  // elements of one Q + dO stage
     static constexpr int SMEM = (2 * BN * D + 2 * STEP) * (int)sizeof(T) + 2 * 2 * BM * 4;
+    // The atomic-dQ variant also stages dS (BM x BN, rows = queries) for the dQ product.
+    static constexpr int SMEM_ATOMIC = SMEM + BM * BN * (int)sizeof(T);
 };
 
-template <typename T, int D, int BM, int WARPS, bool MODS>
+template <typename T, int D, int BM, int WARPS, bool MODS, bool ATOMIC>
 __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
     using Tr = DkdvTraits<T, D, BM, WARPS>;
     constexpr int BN = Tr::BN, THREADS = Tr::THREADS, STEP = Tr::STEP;
@@ -90,6 +92,7 @@ __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
     T* sV = sK + BN * D;
     T* sQ0 = sV + BN * D;  // stage s: Q (BM x D) at sQ0 + s STEP, dO right after
     float* sL0 = reinterpret_cast<float*>(sQ0 + 2 * STEP);  // stage s: lse at sL0 + 2 s BM, D after
+    T* sdS = reinterpret_cast<T*>(sL0 + 2 * 2 * BM);         // ATOMIC: dS, BM x BN, swizzled
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int kvh = blockIdx.y, b = blockIdx.z;
@@ -209,27 +212,80 @@ __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
                 acc_dp[j][e] = pv * (acc_dp[j][e] - sL[BM + cq]) * chain;
             }
 
+        // P^T and dS^T rounded to T right away, as the A operands of the next products (the C
+        // layout of n-tiles 2 kk, 2 kk + 1 is the A layout of k-step kk): half the registers.
+        uint32_t pa[BM / 16][4], da[BM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const int j = 2 * kk + x / 2, e = 2 * (x % 2);
+                pa[kk][x] = Mma<T>::pack(acc_s[j][e], acc_s[j][e + 1]);
+                da[kk][x] = Mma<T>::pack(acc_dp[j][e], acc_dp[j][e + 1]);
+            }
+
+        if constexpr (ATOMIC) {
+            // dS^T element (key r, query c) goes to row c, column r of the query-major tile:
+            // register da[kk][x] holds queries c, c + 1 of key r in its low and high halves.
+            uint16_t* sds = reinterpret_cast<uint16_t*>(sdS);
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    const int r = warp * 16 + lane / 4 + 8 * (x % 2);
+                    const int c = 16 * kk + 8 * (x / 2) + 2 * (lane % 4);
+                    sds[swz<BN>(c, r / 8) + r % 8] = (uint16_t)(da[kk][x] & 0xffff);
+                    sds[swz<BN>(c + 1, r / 8) + r % 8] = (uint16_t)(da[kk][x] >> 16);
+                }
+        }
+
         // dV += P^T dO and dK += dS^T Q; the k dimension is the BM queries.
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
-            uint32_t pa[4], da[4];
-            pa[0] = Mma<T>::pack(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-            pa[1] = Mma<T>::pack(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-            pa[2] = Mma<T>::pack(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-            pa[3] = Mma<T>::pack(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
-            da[0] = Mma<T>::pack(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
-            da[1] = Mma<T>::pack(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
-            da[2] = Mma<T>::pack(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
-            da[3] = Mma<T>::pack(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 uint32_t ob[4], qb[4];
                 ldsm_x4_t(ob, sdO + t_off.at(kk, dp));
-                Mma<T>::run(acc_dv[2 * dp], pa, ob[0], ob[1]);
-                Mma<T>::run(acc_dv[2 * dp + 1], pa, ob[2], ob[3]);
+                Mma<T>::run(acc_dv[2 * dp], pa[kk], ob[0], ob[1]);
+                Mma<T>::run(acc_dv[2 * dp + 1], pa[kk], ob[2], ob[3]);
                 ldsm_x4_t(qb, sQ + t_off.at(kk, dp));
-                Mma<T>::run(acc_dk[2 * dp], da, qb[0], qb[1]);
-                Mma<T>::run(acc_dk[2 * dp + 1], da, qb[2], qb[3]);
+                Mma<T>::run(acc_dk[2 * dp], da[kk], qb[0], qb[1]);
+                Mma<T>::run(acc_dk[2 * dp + 1], da[kk], qb[2], qb[3]);
+            }
+        }
+        if constexpr (ATOMIC) {
+            // dQ += dS K for the BM x D tile, split in 16 x 16 pieces across the warps (A = dS
+            // rows, B = K .trans), added to the f32 sums with atomics.
+            __syncthreads();
+            constexpr int PIECES = (BM / 16) * (D / 16);
+            static_assert(PIECES % WARPS == 0, "dQ pieces split evenly across the warps");
+            const SwzRow<BN> s_off(lane % 16, lane / 16);
+            float* dqa = bp.dq_accum + (g.out_row0 + m0) * p.o_seq + (int64_t)h * p.o_head;
+            // Not unrolled: the pieces share nothing, and unrolled they cost registers (spills).
+#pragma unroll 1
+            for (int pc = 0; pc < PIECES / WARPS; ++pc) {
+                const int piece = warp * (PIECES / WARPS) + pc;
+                const int mb = piece / (D / 16), dp = piece % (D / 16);
+                float acc[2][4] = {};
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk) {
+                    uint32_t sa[4], kb[4];
+                    ldsm_x4(sa, sdS + s_off.at(mb, kk));
+                    ldsm_x4_t(kb, sK + t_off.at(kk, dp));
+                    Mma<T>::run(acc[0], sa, kb[0], kb[1]);
+                    Mma<T>::run(acc[1], sa, kb[2], kb[3]);
+                }
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = mb * 16 + lane / 4 + 8 * hf;
+                    if (m0 + r >= g.sq) continue;
+#pragma unroll
+                    for (int n = 0; n < 2; ++n) {
+                        float* dst = dqa + (int64_t)r * p.o_seq + dp * 16 + n * 8 + 2 * (lane % 4);
+                        atomicAdd(dst, acc[n][2 * hf] * bp.scale);
+                        atomicAdd(dst + 1, acc[n][2 * hf + 1] * bp.scale);
+                    }
+                }
             }
         }
     }
@@ -252,6 +308,15 @@ __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
                 Mma<T>::pack(acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
         }
     }
+}
+
+// Atomic mode: dQ = T(scale-applied f32 sums), elementwise over the contiguous output.
+template <typename T>
+__device__ __forceinline__ void dq_convert(const BwdParams& bp) {
+    const int64_t n = (int64_t)bp.f.total_q * bp.f.o_seq;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        static_cast<T*>(bp.dq)[i] = from_f32<T>(bp.dq_accum[i]);
 }
 
 template <typename T, int D, int BN, int WARPS>
@@ -413,20 +478,19 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
 // Entry points of one (dtype, head dim): dK/dV and dQ, plain and `_mods` (softcap / ALiBi).
 // Tiles come from the table in src/cuda/backward/plan.rs through the generated
 // bwd_instances.cuh, with the shared memory the planner assumes (checked here).
-#define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_WARPS, KV_MINB, KV_SMEM, Q_BN, Q_WARPS,  \
-                               Q_MINB, Q_SMEM)                                                \
+#define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_WARPS, KV_MINB, KV_SMEM, KV_SMEM_ATOMIC,  \
+                               Q_BN, Q_WARPS, Q_MINB, Q_SMEM)                                  \
     static_assert(bwd::DkdvTraits<T, D, KV_BM, KV_WARPS>::SMEM == KV_SMEM,                    \
+                  "src/cuda/backward/plan.rs and the dkdv kernel disagree on shared memory"); \
+    static_assert(bwd::DkdvTraits<T, D, KV_BM, KV_WARPS>::SMEM_ATOMIC == KV_SMEM_ATOMIC,      \
                   "src/cuda/backward/plan.rs and the dkdv kernel disagree on shared memory"); \
     static_assert(bwd::DqTraits<T, D, Q_BN, Q_WARPS>::SMEM == Q_SMEM,                         \
                   "src/cuda/backward/plan.rs and the dq kernel disagree on shared memory");   \
-    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                      \
-        PREFIX##_dkdv_d##D(const BwdParams p) {                                               \
-        bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, false>(p);                                       \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                      \
-        PREFIX##_dkdv_d##D##_mods(const BwdParams p) {                                        \
-        bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, true>(p);                                        \
-    }                                                                                         \
+    FLASH_BWD_DKDV_ENTRY(PREFIX##_dkdv_d##D, T, D, KV_BM, KV_WARPS, KV_MINB, false, false)     \
+    FLASH_BWD_DKDV_ENTRY(PREFIX##_dkdv_d##D##_mods, T, D, KV_BM, KV_WARPS, KV_MINB, true, false) \
+    FLASH_BWD_DKDV_ENTRY(PREFIX##_dkdv_d##D##_atomic, T, D, KV_BM, KV_WARPS, KV_MINB, false, true) \
+    FLASH_BWD_DKDV_ENTRY(PREFIX##_dkdv_d##D##_mods_atomic, T, D, KV_BM, KV_WARPS, KV_MINB, true,  \
+                         true)                                                                \
     extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                        \
         PREFIX##_dq_d##D(const BwdParams p) {                                                 \
         bwd::dq_mma<T, D, Q_BN, Q_WARPS, false>(p);                                           \
@@ -435,9 +499,16 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
         PREFIX##_dq_d##D##_mods(const BwdParams p) {                                          \
         bwd::dq_mma<T, D, Q_BN, Q_WARPS, true>(p);                                            \
     }
+#define FLASH_BWD_DKDV_ENTRY(NAME, T, D, BM, WARPS, MINB, MODS, ATOMIC)                       \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) NAME(const BwdParams p) {  \
+        bwd::dkdv_mma<T, D, BM, WARPS, MODS, ATOMIC>(p);                                      \
+    }
 
 // Every backward entry point of one 16-bit dtype: the D pass, the exact kernels (other head dims
 // and strided operands) and the tensor-core instances.
-#define FLASH_BWD_INSTANCES(PREFIX, T)      \
-    FLASH_BWD_GENERIC_INSTANCES(PREFIX, T) \
-    FLASH_BWD_MMA_INSTANCES(PREFIX, T)
+#define FLASH_BWD_INSTANCES(PREFIX, T)                                                        \
+    FLASH_BWD_GENERIC_INSTANCES(PREFIX, T)                                                    \
+    FLASH_BWD_MMA_INSTANCES(PREFIX, T)                                                        \
+    extern "C" __global__ void __launch_bounds__(256) PREFIX##_dq_convert(const BwdParams p) { \
+        bwd::dq_convert<T>(p);                                                                \
+    }

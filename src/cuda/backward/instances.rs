@@ -32,6 +32,10 @@ impl BwdMma {
     pub const fn kv_smem(&self) -> usize {
         (2 * self.kv_bn() * self.d + 2 * 2 * self.kv_bm * self.d) * 2 + 2 * 2 * self.kv_bm * 4
     }
+    /// The atomic-dQ dK/dV kernel also stages dS (`kv_bm x kv_bn`, 2 bytes an element).
+    pub const fn kv_smem_atomic(&self) -> usize {
+        self.kv_smem() + self.kv_bm * self.kv_bn() * 2
+    }
     /// dQ: Q and dO of the query tile, two stages of K + V.
     pub const fn q_smem(&self) -> usize {
         (2 * self.q_bm() * self.d + 2 * 2 * self.q_bn * self.d) * 2
@@ -50,7 +54,7 @@ pub const BWD_MMA: &[BwdMma] = &[
     },
     BwdMma {
         d: 128,
-        kv_bm: 48,
+        kv_bm: 32,
         kv_warps: 8,
         kv_min_blocks: 1,
         q_bn: 64,

@@ -140,7 +140,13 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     let max_smem = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .w()? as usize;
-    let pl = plan(p, T::DTYPE, [offsets[0], offsets[1]], max_smem)?;
+    let pl = plan(
+        p,
+        T::DTYPE,
+        [offsets[0], offsets[1]],
+        max_smem,
+        deterministic(),
+    )?;
 
     // SAFETY (all three): zero-initialised; the kernels overwrite the rows that belong to a
     // sequence and leave the rest (dk/dv rows past a sequence's keys) at zero.
@@ -152,6 +158,12 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     }
     // SAFETY: the D pass writes every (head, row) of the call before the other passes read it.
     let mut dsum = unsafe { dev.alloc::<f32>(rows)? };
+    // Atomic plans: the f32 dQ sums start at zero.
+    let mut dq_accum = if pl.atomic {
+        Some(dev.alloc_zeros::<f32>(rows * d)?)
+    } else {
+        None
+    };
 
     // Cumulative lengths: the caller's device tensors, or uploads of the host copies.
     let host_cu = match &p.varlen {
@@ -204,6 +216,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         dv.device_ptr_mut(&stream),
         dsum.device_ptr_mut(&stream),
     );
+    let acc_g = dq_accum.as_mut().map(|a| a.device_ptr_mut(&stream));
     let (win_left, win_right) = p.window.as_i64();
     let softcap = p.score.softcap;
     let fwd = Params {
@@ -262,6 +275,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         dq: dq_g.0,
         dk: dk_g.0,
         dv: dv_g.0,
+        dq_accum: acc_g.as_ref().map_or(0, |g| g.0),
         dkv_seq: (p.kv_heads * d) as i64,
         dkv_batch: match p.varlen {
             None => (p.max_seq_k * p.kv_heads * d) as i64,
@@ -273,10 +287,18 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     for l in [&pl.dsum, &pl.dkdv, &pl.dq] {
         launch(dev, T::DTYPE, l, &params)?;
     }
-    drop((q_g, k_g, v_g, o_g, go_g, lse_g, dq_g, dk_g, dv_g, ds_g));
-    drop((dsum, host_cu, alibi_storage));
+    drop((
+        q_g, k_g, v_g, o_g, go_g, lse_g, dq_g, dk_g, dv_g, ds_g, acc_g,
+    ));
+    drop((dsum, dq_accum, host_cu, alibi_storage));
     drop(alibi);
     Ok(wrap(dev, dq, dk, dv))
+}
+
+/// Whether the backward must be bitwise reproducible: `CANDLE_FLASH_BWD_DETERMINISTIC=0` allows
+/// the atomic dQ of the tensor-core path; anything else (or unset) keeps the deterministic one.
+fn deterministic() -> bool {
+    std::env::var("CANDLE_FLASH_BWD_DETERMINISTIC").map_or(true, |v| v != "0")
 }
 
 fn wrap<T: CudaDType>(

@@ -4,7 +4,9 @@
 //! f16/bf16 calls with head dim 64 or 128 whose q, k, v have unit column stride and 16-byte
 //! aligned rows run the tensor-core kernels (`kernels/backward/mma.cuh`); everything else (f32,
 //! other head dims up to 512, strided columns) runs the exact f32-arithmetic kernels
-//! (`kernels/backward/generic.cuh`). Both are deterministic: dQ has its own pass, no atomics.
+//! (`kernels/backward/generic.cuh`). Deterministic plans (the default) give dQ its own pass;
+//! otherwise the tensor-core dK/dV kernel also adds dS K into f32 sums with atomics (one matmul
+//! fewer per pair of tiles, run-to-run bit differences in dq) and a last pass converts them.
 
 use candle::{bail, DType, Result};
 
@@ -29,7 +31,13 @@ pub(crate) struct BwdPlan {
     pub dq: Launch,
     /// The tensor-core instance, or `None` for the exact kernels.
     pub mma: Option<BwdMma>,
+    /// dQ is summed with atomics into an f32 buffer (`dq` is then the conversion pass).
+    pub atomic: bool,
 }
+
+/// Threads and most blocks of the atomic plan's f32 -> T conversion of dq (grid-stride).
+const CONVERT_THREADS: usize = 256;
+const CONVERT_MAX_BLOCKS: usize = 1 << 16;
 
 /// Element offsets that the tensor-core kernels need 16-byte aligned (8 elements of 2 bytes):
 /// every stride and start offset of q, k, v, plus the start offsets of the output and its
@@ -49,12 +57,14 @@ fn to_u32(x: usize, what: &str) -> Result<u32> {
 }
 
 /// The plan for `p` in `dtype`. `offsets` are the start offsets (elements) of the output and of
-/// its gradient; `max_smem` the device's opt-in shared memory per block.
+/// its gradient; `max_smem` the device's opt-in shared memory per block; `deterministic`
+/// forbids atomics (the exact kernels never use them).
 pub(crate) fn plan(
     p: &Problem,
     dtype: DType,
     offsets: [usize; 2],
     max_smem: usize,
+    deterministic: bool,
 ) -> Result<BwdPlan> {
     let d = p.head_dim;
     if d == 0 || d > 32 * BWD_GENERIC_NT[BWD_GENERIC_NT.len() - 1] {
@@ -100,10 +110,36 @@ pub(crate) fn plan(
             i.d == d
                 && dtype != DType::F32
                 && aligned(p, offsets)
-                && i.kv_smem().max(i.q_smem()) <= max_smem
+                && i.kv_smem_atomic().max(i.q_smem()) <= max_smem
         })
         .copied();
+    let atomic = mma.is_some() && !deterministic;
     let (dkdv, dq) = match mma {
+        Some(i) if atomic => {
+            let n = p.total_q * p.heads * d;
+            (
+                Launch {
+                    function: format!("{prefix}_dkdv_d{d}{suffix}_atomic"),
+                    grid: (
+                        to_u32(p.max_seq_k.div_ceil(i.kv_bn()), "key tiles")?,
+                        kv_heads,
+                        batch,
+                    ),
+                    threads: (32 * i.kv_warps) as u32,
+                    smem: i.kv_smem_atomic(),
+                },
+                Launch {
+                    function: format!("{prefix}_dq_convert"),
+                    grid: (
+                        n.div_ceil(CONVERT_THREADS).min(CONVERT_MAX_BLOCKS) as u32,
+                        1,
+                        1,
+                    ),
+                    threads: CONVERT_THREADS as u32,
+                    smem: 0,
+                },
+            )
+        }
         Some(i) => (
             Launch {
                 function: format!("{prefix}_dkdv_d{d}{suffix}"),
@@ -160,6 +196,7 @@ pub(crate) fn plan(
         dkdv,
         dq,
         mma,
+        atomic,
     })
 }
 
@@ -196,19 +233,29 @@ mod tests {
                 for o in &opts {
                     for d in 1..=512 {
                         let p = problem(d, dtype, o, 37, 141);
-                        let pl = plan(&p, dtype, [0, 0], smem).unwrap();
+                        let pl = plan(&p, dtype, [0, 0], smem, true).unwrap();
                         let what = format!("{dtype:?} d {d} {o:?}: {pl:?}");
                         let fast = dtype != DType::F32 && (d == 64 || d == 128);
                         assert_eq!(pl.mma.is_some(), fast, "{what}");
                         let mods = o.softcap.is_some() || o.alibi_slopes.is_some();
                         match pl.mma {
                             Some(i) => {
-                                assert!(i.kv_smem() <= smem && i.q_smem() <= smem, "{what}");
+                                assert!(i.kv_smem_atomic() <= smem && i.q_smem() <= smem, "{what}");
+                                assert!(!pl.atomic, "{what}");
+                                let fast = plan(&p, dtype, [0, 0], smem, false).unwrap();
+                                assert!(fast.atomic && fast.dkdv.function.ends_with("_atomic"));
+                                assert!(fast.dq.function.ends_with("_dq_convert"), "{what}");
+                                assert!(
+                                    fast.dq.grid.0 as usize * CONVERT_THREADS
+                                        >= (2 * 37 * 6 * d).min(CONVERT_MAX_BLOCKS * 256)
+                                );
                                 assert!(pl.dkdv.grid.0 as usize * i.kv_bn() >= 141, "{what}");
                                 assert!(pl.dq.grid.0 as usize * i.q_bm() >= 37, "{what}");
                                 assert_eq!(pl.dq.function.ends_with("_mods"), mods, "{what}");
                             }
                             None => {
+                                let exact = plan(&p, dtype, [0, 0], smem, false).unwrap();
+                                assert!(!exact.atomic, "{what}: the exact kernels use no atomics");
                                 let nt: usize =
                                     pl.dq.function.rsplit('_').next().unwrap().parse().unwrap();
                                 assert!(32 * nt >= d && (nt == 2 || 16 * nt < d), "{what}");
@@ -225,8 +272,10 @@ mod tests {
                 }
             }
         }
-        let p = problem(513, DType::BF16, &opts[0], 3, 3);
-        let err = plan(&p, DType::BF16, [0, 0], H100_SMEM).unwrap_err();
+        // Validation already refuses it; the planner names head_dim on its own too.
+        let mut p = problem(512, DType::BF16, &opts[0], 3, 3);
+        p.head_dim = 513;
+        let err = plan(&p, DType::BF16, [0, 0], H100_SMEM, true).unwrap_err();
         assert!(err.to_string().contains("head_dim 513"), "{err}");
     }
 
@@ -236,27 +285,27 @@ mod tests {
     fn unaligned_operands_take_the_exact_kernels() {
         let o = FlashAttn::new(0.1);
         let p = problem(128, DType::BF16, &o, 64, 64);
-        assert!(plan(&p, DType::BF16, [0, 0], H100_SMEM)
+        assert!(plan(&p, DType::BF16, [0, 0], H100_SMEM, false)
             .unwrap()
             .mma
             .is_some());
-        assert!(plan(&p, DType::BF16, [4, 0], H100_SMEM)
+        assert!(plan(&p, DType::BF16, [4, 0], H100_SMEM, false)
             .unwrap()
             .mma
             .is_none());
-        assert!(plan(&p, DType::BF16, [0, 0], 101_376)
+        assert!(plan(&p, DType::BF16, [0, 0], 101_376, true)
             .unwrap()
             .mma
             .is_none());
         let mut strided = p.clone();
         strided.k.dim = 2;
-        assert!(plan(&strided, DType::BF16, [0, 0], H100_SMEM)
+        assert!(plan(&strided, DType::BF16, [0, 0], H100_SMEM, false)
             .unwrap()
             .mma
             .is_none());
         let mut offset = p.clone();
         offset.v.offset = 3;
-        assert!(plan(&offset, DType::BF16, [0, 0], H100_SMEM)
+        assert!(plan(&offset, DType::BF16, [0, 0], H100_SMEM, false)
             .unwrap()
             .mma
             .is_none());
