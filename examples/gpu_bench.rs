@@ -4,6 +4,7 @@
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --quick
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --csv bench/gpu.csv
+//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --backward [--quick]
 //! ```
 //!
 //! Part 1: bf16 and f16, head dims 64 and 128, seq 512 / 2048 / 8192 / 16384, causal and not, at
@@ -16,6 +17,12 @@
 //! batches of back-to-back calls (synchronised before and after each batch) after two warm-up
 //! calls; scripts/sdpa_bench.py times PyTorch the same way.
 //! Lines starting with `RESULT` are for scripts (scripts/gpu-run.sh builds its table from them).
+//!
+//! `--backward` times the backward pass instead (only): bf16 and f16, d 64 and 128, the same
+//! shapes, causal and not. The forward runs once outside the clock; each timed call is
+//! `out.backward()` on the same graph (candle seeds dO with ones and allocates the gradients, as
+//! PyTorch's `out.backward(dO)` does). TFLOP/s counts 2.5 times the forward's flops (FA's
+//! convention: five matmuls instead of two). Lines start with `RESULT_BWD`.
 
 use std::time::Instant;
 
@@ -38,6 +45,9 @@ struct Args {
     /// Also write every timing as CSV (the prefill schema of scripts/plot.py).
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
+    /// Time the backward pass (only) instead of the forward.
+    #[arg(long)]
+    backward: bool,
 }
 
 /// Columns of `--csv` (one row per implementation and shape), as scripts/plot.py reads them.
@@ -125,6 +135,9 @@ fn main() -> Result<()> {
         &[512, 2048, 8192, 16384]
     };
     let budget = if args.quick { 0.15 } else { args.budget };
+    if args.backward {
+        return backward_section(&dev, seqs, budget, args.quick);
+    }
 
     let mut csv = String::from(CSV_HEADER);
     println!("candle-flash CUDA forward, hidden {HIDDEN}, {TOKENS} tokens per batch");
@@ -250,6 +263,55 @@ fn f32_section(args: &Args, dev: &Device, budget: f64, csv: &mut String) -> Resu
                 );
                 println!("RESULT32 {d} {s} {causal} {tf_flash:.2} {naive_s}");
                 dev.synchronize()?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `--backward`: seconds per backward pass on the forward shapes, 2.5x the forward's flops.
+/// `quick` keeps bf16 only.
+fn backward_section(dev: &Device, seqs: &[usize], budget: f64, quick: bool) -> Result<()> {
+    println!("candle-flash CUDA backward, hidden {HIDDEN}, {TOKENS} tokens per batch");
+    println!(
+        "{:<6} {:>4} {:>6} {:>6} {:>4} {:>7} {:>10} {:>9}",
+        "dtype", "d", "seq", "batch", "h", "causal", "ms", "TFLOP/s"
+    );
+    let dtypes: &[DType] = if quick {
+        &[DType::BF16]
+    } else {
+        &[DType::BF16, DType::F16]
+    };
+    for &dtype in dtypes {
+        for d in [64, 128] {
+            for &s in seqs {
+                for causal in [false, true] {
+                    let (b, h) = (TOKENS / s, HIDDEN / d);
+                    let var = || -> candle::Result<candle::Var> {
+                        candle::Var::from_tensor(
+                            &Tensor::randn(0f32, 1.0, (b, s, h, d), dev)?.to_dtype(dtype)?,
+                        )
+                    };
+                    let (q, k, v) = (var()?, var()?, var()?);
+                    let mut op = FlashAttn::new(1.0 / (d as f32).sqrt());
+                    if causal {
+                        op = op.causal();
+                    }
+                    let out = op.forward(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+                    let t = time(dev, budget, || {
+                        let g = out.backward()?;
+                        g.get(q.as_tensor())
+                            .cloned()
+                            .ok_or_else(|| candle::Error::Msg("no gradient reached q".into()))
+                    })?;
+                    let tf = 2.5 * flops(b, h, s, d, causal) / t / 1e12;
+                    let dname = format!("{dtype:?}").to_lowercase();
+                    println!(
+                        "{dname:<6} {d:>4} {s:>6} {b:>6} {h:>4} {causal:>7} {:>10.3} {tf:>9.1}",
+                        t * 1e3
+                    );
+                    println!("RESULT_BWD candle {dname} {d} {s} {causal} {tf:.2}");
+                }
             }
         }
     }

@@ -7,6 +7,11 @@ backends. TFLOP/s counts 4*b*h*s^2*d, halved when causal; each time is the media
 of back-to-back calls timed with CUDA events, after warm-up. Lines starting with RESULT are parsed by scripts/gpu-run.sh.
 
     python3 scripts/sdpa_bench.py [--quick] [--csv PATH]
+    python3 scripts/sdpa_bench.py --backward [--quick]
+
+--backward times the backward pass only (--quick: bf16 only) (torch.autograd.grad of one forward graph, kept with
+retain_graph, with a random dO) on the same shapes, flash and cuDNN backends, TFLOP/s counting
+2.5x the forward's flops (FA's convention); lines start with RESULT_BWD.
 
 --csv PATH also writes every timing as CSV, in the prefill schema of scripts/plot.py
 (impl,dtype,d,seq,batch,heads,causal,ms,tflops,note; impl torch-flash or torch-cudnn).
@@ -50,7 +55,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--csv", metavar="PATH", help="also write the timings as CSV (scripts/plot.py)")
+    ap.add_argument("--backward", action="store_true", help="time the backward pass instead")
     args = ap.parse_args()
+    if args.backward:
+        return backward(args)
     rows = []
     seqs = [2048, 8192] if args.quick else [512, 2048, 8192, 16384]
     reps = 3 if args.quick else 7
@@ -86,6 +94,39 @@ def main():
             w.writerow(["impl", "dtype", "d", "seq", "batch", "heads", "causal", "ms", "tflops", "note"])
             w.writerows(rows)
         print(f"CSV written to {args.csv}")
+
+
+def backward(args):
+    """Backward-only TFLOP/s (2.5x the forward's flops) of SDPA flash and cuDNN."""
+    seqs = [2048, 8192] if args.quick else [512, 2048, 8192, 16384]
+    reps = 3 if args.quick else 7
+    dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, backward")
+    print(f"{'backend':<8} {'dtype':<6} {'d':>4} {'seq':>6} {'causal':>7} {'ms':>9} {'TFLOP/s':>9}")
+    backends = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]
+    for name, backend in backends:
+        for dtype in dtypes:
+            dname = "bf16" if dtype == torch.bfloat16 else "f16"
+            for d in (64, 128):
+                for s in seqs:
+                    for causal in (False, True):
+                        b, h = TOKENS // s, HIDDEN // d
+                        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
+                                   for _ in range(3))
+                        do = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
+                        flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+                        try:
+                            with sdpa_kernel([backend]):
+                                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                                t = bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), reps)
+                            tf = flops / t / 1e12
+                            print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} {t * 1e3:>9.3f} {tf:>9.1f}")
+                            print(f"RESULT_BWD torch_{name} {dname} {d} {s} {str(causal).lower()} {tf:.2f}")
+                        except RuntimeError as e:
+                            why = str(e).splitlines()[0]
+                            print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} unavailable: {why}")
+                        del q, k, v, do
+                        out = None
 
 
 if __name__ == "__main__":
