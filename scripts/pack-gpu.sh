@@ -26,12 +26,14 @@ for l in sys.stdin:
 }
 gpu_bin=$(test_bin gpu)
 paged_bin=$(test_bin paged)
+bwd_bin=$(test_bin gpu_backward)
 cargo build --release --features "$features" --example gpu_bench --example decode_bench
 cp "$gpu_bin" .gpu/gpu_tests
 cp "$paged_bin" .gpu/paged_tests
+cp "$bwd_bin" .gpu/gpu_backward_tests
 cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .gpu/gpu_bench
 cp "$CARGO_TARGET_DIR/release/examples/decode_bench" .gpu/decode_bench
 cp scripts/sdpa_bench.py scripts/sdpa_decode.py .gpu/
-strip .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_bench .gpu/decode_bench
-gzip -9 .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_bench .gpu/decode_bench
+strip .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_backward_tests .gpu/gpu_bench .gpu/decode_bench
+gzip -9 .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_backward_tests .gpu/gpu_bench .gpu/decode_bench
 ls -l .gpu

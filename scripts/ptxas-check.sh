@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Assembles every PTX module the crate emits for sm_90 (ptxas -v) and prints registers, stack
 # and spills per kernel. Fails when a main kernel spills: the plain tensor-core instances
-# (flash_fwd_{bf16,f16}_d*, not the *_mods variants for softcap/ALiBi) and the f32 kernels.
+# (flash_fwd_{bf16,f16}_d*, not the *_mods variants for softcap/ALiBi) and the f32 kernels, and
+# every backward kernel (flash_bwd_*, all variants).
 #   scripts/ptxas-check.sh [ptx dir]   (default: the newest cuda build under target*/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,10 @@ for ptx in "$dir"/*.ptx; do
     while IFS=$'\t' read -r name regs spill; do
         printf '%-32s %s %s\n' "$name" "$regs" "$spill"
         case "$name" in
+            flash_bwd_*)
+                if ! grep -q "0 bytes spill stores, 0 bytes spill loads" <<<"$spill"; then
+                    echo "  ^ SPILLS in a backward kernel"; fail=1
+                fi ;;
             *_mods) ;;
             flash_fwd_*)
                 if ! grep -q "0 bytes spill stores, 0 bytes spill loads" <<<"$spill"; then
