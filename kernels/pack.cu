@@ -24,9 +24,10 @@ extern "C" __global__ void pack_b16(const uint16_t* __restrict__ src, uint16_t* 
 
 // Appends new keys or values (batch, seq_new, heads, d) to a KV cache in place: row (b, t, h)
 // goes to position start[b] + t of sequence b, i.e. row (pos % page) of block
-// table[b][pos / page] (a contiguous cache is one block per sequence). Positions past the
-// table's capacity and blocks outside the cache are skipped, so bad lengths or indices never
-// write out of bounds. One thread per element; W is the element width (u16 or u32 bits).
+// table[b][pos / page]; a contiguous cache is one block per sequence and passes no table.
+// Positions past the table's capacity and blocks outside the cache are skipped, so bad lengths or
+// indices never write out of bounds. One thread per element; W is the element width (u16 or u32
+// bits).
 template <typename W>
 __device__ void append_kv(W* __restrict__ cache, const W* __restrict__ src,
                           const int32_t* __restrict__ table, const uint32_t* __restrict__ start,
@@ -45,7 +46,8 @@ __device__ void append_kv(W* __restrict__ cache, const W* __restrict__ src,
         const int64_t b = rest / seq_new;
         const int64_t pos = (int64_t)start[b] + t;
         if (pos >= max_blocks * page) continue;
-        const int64_t blk = table[b * max_blocks + pos / page];
+        // No table: a contiguous cache, one block per sequence (max_blocks = 1).
+        const int64_t blk = table ? (int64_t)table[b * max_blocks + pos / page] : b;
         if (blk < 0 || blk >= num_blocks) continue;
         cache[blk * c_batch + (pos % page) * c_seq + h * c_head + x * c_dim] =
             src[b * s_batch + t * s_seq + h * s_head + x * s_dim];

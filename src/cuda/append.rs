@@ -42,8 +42,18 @@ pub(crate) fn append_kv(
     let (c, s) = (Strides::dense(cl), Strides::dense(nl));
     let start_ptr = int_ptr(start, &stream)?;
     let host_table;
+    // A contiguous cache (one block per sequence, block b for sequence b) needs no table, so a
+    // decode step uploads nothing and stays capturable in a CUDA graph.
+    let identity = paged.max_blocks == 1
+        && paged.table.len() == batch
+        && paged
+            .table
+            .iter()
+            .enumerate()
+            .all(|(b, &t)| t as usize == b);
     let table_ptr = match &paged.device_table {
         Some(t) => int_ptr(t, &stream)?,
+        None if identity => 0,
         None => {
             host_table = stream.clone_htod(&paged.table).w()?;
             host_table.device_ptr(&stream).0
