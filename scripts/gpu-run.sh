@@ -8,10 +8,14 @@
 #   decode-candle.csv and decode-torch.csv.
 #   The backward pass (gpu_backward_tests, its sanitizer shapes, gpu_bench --backward and
 #   sdpa_bench.py --backward side by side) runs unless --no-backward.
-#   scripts/gpu-run.sh [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-decode] [--no-backward]
+#   examples/train.rs on the GPU (naive and flash in lockstep, f32) runs unless --no-train.
+#   --ab-old: the forward benchmark alternates with .gpu/gpu_bench_old, a gpu_bench built from an
+#   older commit (placed there by hand), twice each, for a same-machine A/B.
+#   scripts/gpu-run.sh [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-decode]
+#                      [--no-backward] [--no-train] [--ab-old]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-QUICK=""; TESTS=1; SAN=1; BENCH=1; DECODE=1; BACKWARD=1
+QUICK=""; TESTS=1; SAN=1; BENCH=1; DECODE=1; BACKWARD=1; TRAIN=1; AB=0
 for a in "$@"; do
     case "$a" in
         --quick) QUICK=--quick ;;
@@ -20,13 +24,20 @@ for a in "$@"; do
         --no-bench) BENCH=0 ;;
         --no-decode) DECODE=0 ;;
         --no-backward) BACKWARD=0 ;;
+        --no-train) TRAIN=0 ;;
+        --ab-old) AB=1 ;;
     esac
 done
 LOG=${OUT:-/tmp}
 export LD_LIBRARY_PATH=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))'):${LD_LIBRARY_PATH:-}
-for f in .gpu/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
-chmod +x .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_bench .gpu/decode_bench
-[ -e .gpu/gpu_backward_tests ] && chmod +x .gpu/gpu_backward_tests
+# scripts/pack-gpu.sh leaves xz files; Python's lzma unpacks them where xz is not installed.
+for f in .gpu/*.xz; do
+    [ -e "$f" ] || continue
+    python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$f" "${f%.xz}" && rm -f "$f"
+done
+for f in .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_backward_tests .gpu/gpu_bench .gpu/decode_bench .gpu/train .gpu/gpu_bench_old; do
+    [ -e "$f" ] && chmod +x "$f"
+done
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 status=0
 if [ $TESTS = 1 ]; then
@@ -120,5 +131,33 @@ if [ $DECODE = 1 ]; then
     ./.gpu/decode_bench --device cuda --dtype bf16 --batch 1,8 --kv 4096,32768 --page 16 --csv "$LOG/decode-candle.csv" 2>&1 | tee "$LOG/decode.log"
     echo "== decode: PyTorch SDPA (flash, cuDNN), same shapes"
     python3 .gpu/sdpa_decode.py --csv "$LOG/decode-torch.csv" 2>&1 | tee "$LOG/decode-torch.log"
+fi
+if [ $TRAIN = 1 ]; then
+    echo "== examples/train.rs on the GPU (f32, naive and flash in lockstep)"
+    ./.gpu/train --device cuda --plot "$LOG/train-loss-cuda.svg" 2>&1 | tee "$LOG/train.log" | tail -8
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ $AB = 1 ] && [ -e .gpu/gpu_bench_old ]; then
+    echo "== forward A/B: this build (new) against .gpu/gpu_bench_old (old), alternating"
+    for r in 1 2; do
+        ./.gpu/gpu_bench --no-f32 > "$LOG/ab-new$r.log" 2>&1
+        ./.gpu/gpu_bench_old --no-f32 > "$LOG/ab-old$r.log" 2>&1
+    done
+    python3 - "$LOG" <<'PY' | tee "$LOG/table-ab.md"
+import glob, os, statistics as st, sys
+runs = {}
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "ab-*.log"))):
+    side = "new" if "ab-new" in f else "old"
+    for l in open(f):
+        p = l.split()
+        if len(p) == 7 and p[:2] == ["RESULT", "candle"]:
+            runs.setdefault(tuple(p[2:6]), {}).setdefault(side, []).append(float(p[6]))
+print("| dtype | d | seq | causal | new runs | old runs | new / old |")
+print("|---|---|---|---|---|---|---:|")
+for k, r in runs.items():
+    if "new" in r and "old" in r:
+        fmt = lambda xs: " / ".join(f"{x:.1f}" for x in xs)
+        print(f"| {' | '.join(k)} | {fmt(r['new'])} | {fmt(r['old'])} | {st.mean(r['new']) / st.mean(r['old']):.3f} |")
+PY
 fi
 exit $status

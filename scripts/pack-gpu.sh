@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the GPU test binary and the GPU benchmark here (no GPU needed) and leaves them stripped
-# and gzipped in .gpu/, ready to be carried to the device machine and run by scripts/gpu-run.sh.
+# and xz-compressed in .gpu/ (the PTX text they embed compresses ~10x; gzip left them too big
+# to carry together), ready to be carried to the device machine and run by scripts/gpu-run.sh.
 # Uses the nvcc already on PATH (or CUDA_HOME/NVCC), else installs one with scripts/setup-cuda.sh.
 #   scripts/pack-gpu.sh
 set -euo pipefail
@@ -14,7 +15,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
 # they share every compiled crate.
 features=cuda,candle-nn/cuda
 mkdir -p .gpu
-rm -f .gpu/*
+rm -rf .gpu/*
 # A test binary's path is only known from cargo's JSON messages.
 test_bin() {
     cargo test --release --features "$features" --test "$1" --no-run --message-format=json 2>/dev/null \
@@ -27,13 +28,19 @@ for l in sys.stdin:
 gpu_bin=$(test_bin gpu)
 paged_bin=$(test_bin paged)
 bwd_bin=$(test_bin gpu_backward)
-cargo build --release --features "$features" --example gpu_bench --example decode_bench
+cargo build --release --features "$features" --example gpu_bench --example decode_bench --example train
 cp "$gpu_bin" .gpu/gpu_tests
 cp "$paged_bin" .gpu/paged_tests
 cp "$bwd_bin" .gpu/gpu_backward_tests
 cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" .gpu/gpu_bench
 cp "$CARGO_TARGET_DIR/release/examples/decode_bench" .gpu/decode_bench
+cp "$CARGO_TARGET_DIR/release/examples/train" .gpu/train
 cp scripts/sdpa_bench.py scripts/sdpa_decode.py .gpu/
-strip .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_backward_tests .gpu/gpu_bench .gpu/decode_bench
-gzip -9 .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_backward_tests .gpu/gpu_bench .gpu/decode_bench
+bins=".gpu/gpu_tests .gpu/paged_tests .gpu/gpu_backward_tests .gpu/gpu_bench .gpu/decode_bench .gpu/train"
+# A stale build script output once left a binary without the backward kernels: refuse to ship it.
+for b in $bins; do
+    grep -q flash_bwd "$b" || { echo "$b lacks the backward kernels (stale PTX?)" >&2; exit 1; }
+done
+strip $bins
+xz -6 -T2 $bins
 ls -l .gpu
