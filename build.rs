@@ -274,9 +274,10 @@ fn bwd_instances_header() -> String {
     for i in bwd_instances::BWD_MMA {
         write!(
             h,
-            " \\\n    FLASH_BWD_MMA_INSTANCE(PREFIX, T, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})",
+            " \\\n    FLASH_BWD_MMA_INSTANCE(PREFIX, T, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})",
             i.d,
             i.kv_bm,
+            i.kv_bm_atomic,
             i.kv_warps,
             i.kv_min_blocks,
             i.kv_smem(),

@@ -478,19 +478,20 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
 // Entry points of one (dtype, head dim): dK/dV and dQ, plain and `_mods` (softcap / ALiBi).
 // Tiles come from the table in src/cuda/backward/plan.rs through the generated
 // bwd_instances.cuh, with the shared memory the planner assumes (checked here).
-#define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_WARPS, KV_MINB, KV_SMEM, KV_SMEM_ATOMIC,  \
-                               Q_BN, Q_WARPS, Q_MINB, Q_SMEM)                                  \
+#define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_BM_ATOMIC, KV_WARPS, KV_MINB, KV_SMEM,  \
+                               KV_SMEM_ATOMIC, Q_BN, Q_WARPS, Q_MINB, Q_SMEM)                  \
     static_assert(bwd::DkdvTraits<T, D, KV_BM, KV_WARPS>::SMEM == KV_SMEM,                    \
                   "src/cuda/backward/plan.rs and the dkdv kernel disagree on shared memory"); \
-    static_assert(bwd::DkdvTraits<T, D, KV_BM, KV_WARPS>::SMEM_ATOMIC == KV_SMEM_ATOMIC,      \
+    static_assert(bwd::DkdvTraits<T, D, KV_BM_ATOMIC, KV_WARPS>::SMEM_ATOMIC == KV_SMEM_ATOMIC, \
                   "src/cuda/backward/plan.rs and the dkdv kernel disagree on shared memory"); \
     static_assert(bwd::DqTraits<T, D, Q_BN, Q_WARPS>::SMEM == Q_SMEM,                         \
                   "src/cuda/backward/plan.rs and the dq kernel disagree on shared memory");   \
     FLASH_BWD_DKDV_ENTRY(PREFIX##_dkdv_d##D, T, D, KV_BM, KV_WARPS, KV_MINB, false, false)     \
     FLASH_BWD_DKDV_ENTRY(PREFIX##_dkdv_d##D##_mods, T, D, KV_BM, KV_WARPS, KV_MINB, true, false) \
-    FLASH_BWD_DKDV_ENTRY(PREFIX##_dkdv_d##D##_atomic, T, D, KV_BM, KV_WARPS, KV_MINB, false, true) \
-    FLASH_BWD_DKDV_ENTRY(PREFIX##_dkdv_d##D##_mods_atomic, T, D, KV_BM, KV_WARPS, KV_MINB, true,  \
+    FLASH_BWD_DKDV_ENTRY(PREFIX##_dkdv_d##D##_atomic, T, D, KV_BM_ATOMIC, KV_WARPS, KV_MINB, false, \
                          true)                                                                \
+    FLASH_BWD_DKDV_ENTRY(PREFIX##_dkdv_d##D##_mods_atomic, T, D, KV_BM_ATOMIC, KV_WARPS, KV_MINB, \
+                         true, true)                                                          \
     extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                        \
         PREFIX##_dq_d##D(const BwdParams p) {                                                 \
         bwd::dq_mma<T, D, Q_BN, Q_WARPS, false>(p);                                           \

@@ -293,7 +293,7 @@ mod tests {
             .unwrap()
             .mma
             .is_none());
-        assert!(plan(&p, DType::BF16, [0, 0], 101_376, true)
+        assert!(plan(&p, DType::BF16, [0, 0], 49_152, true)
             .unwrap()
             .mma
             .is_none());
