@@ -10,9 +10,9 @@
 
 mod common;
 
-use candle::{DType, Device, Result, Tensor, Var};
+use candle::{DType, Device, Result, Tensor};
 use candle_flash::{naive_attention, FlashAttn};
-use common::grad::{reference_grads, reference_grads_varlen, RefGrads};
+use common::grad::{autograd, reference_grads, reference_grads_varlen, Grads, RefGrads};
 use common::{
     assert_bitwise_eq, max_abs_err_slice, max_err_beyond, naive_varlen, randn, scale_of,
     tolerances, transposed_view, values, SCALE_FLOOR,
@@ -56,40 +56,12 @@ fn poison_pool(dev: &Device, bytes: &[usize]) -> Result<()> {
     Ok(())
 }
 
-type Grads = (Tensor, Tensor, Tensor);
-
-/// Gradients of `loss = Σ f(q, k, v) ∘ g` (f32) by candle autograd; a gradient that does not
-/// reach q, k or v is an error, never a zero.
-fn autograd(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
-) -> Result<Grads> {
-    let (qv, kv, vv) = (
-        Var::from_tensor(q)?,
-        Var::from_tensor(k)?,
-        Var::from_tensor(v)?,
-    );
-    let out = f(qv.as_tensor(), kv.as_tensor(), vv.as_tensor())?;
-    let loss = (out.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?;
-    let grads = loss.backward()?;
-    let get = |x: &Var, name: &str| {
-        grads
-            .get(x.as_tensor())
-            .cloned()
-            .ok_or_else(|| candle::Error::Msg(format!("no gradient reached {name}")))
-    };
-    Ok((get(&qv, "q")?, get(&kv, "k")?, get(&vv, "v")?))
-}
-
 /// FlashAttention's rule on each gradient, per element:
 /// `|fast - ref| <= 2 · naive_err + u · |ref| + SCALE_FLOOR · scale`, `scale` the largest
 /// |reference| over dq, dk and dv together (one gradient can be exactly 0 while the rounding of
 /// its terms is not). `naive_err` is the error of candle autograd through `naive_attention` in
-/// the same dtype on the GPU, over its finite elements (its backward makes NaN in rows that see
-/// no key); where it has none, the dtype's relative backstop stands in. NaN or Inf in the fast
+/// the same dtype on the GPU, over its finite elements; where it has none, the dtype's relative
+/// backstop stands in. NaN or Inf in the fast
 /// gradients where the reference is finite always fails.
 fn check_grads(what: &str, fast: &Grads, naive: Option<&Grads>, r: &RefGrads, like: [&Tensor; 3]) {
     let scale = [&r.dq, &r.dk, &r.dv]
