@@ -536,6 +536,24 @@ fn no_keys_gives_zero_dq() {
     assert_eq!((dk.dims(), dv.dims()), (kv.dims(), kv.dims()));
 }
 
+/// No queries (`sq = 0`): the output is empty, yet q, k and v all get gradients (dk and dv are 0).
+#[test]
+fn no_queries_give_zero_dk_dv() {
+    let dev = Device::Cpu;
+    let q = Tensor::zeros((2, 0, 4, 8), DType::F32, &dev).unwrap();
+    let k = randn(&[2, 5, 2, 8], DType::F32, 102, &dev).unwrap();
+    let v = randn(&[2, 5, 2, 8], DType::F32, 103, &dev).unwrap();
+    let g = Tensor::zeros((2, 0, 4, 8), DType::F32, &dev).unwrap();
+    let (dq, dk, dv) = autograd(&q, &k, &v, &g, |q, k, v| {
+        FlashAttn::new(0.3).causal().forward(q, k, v)
+    })
+    .unwrap();
+    assert_eq!(dq.dims(), q.dims());
+    assert_eq!((dk.dims(), dv.dims()), (k.dims(), v.dims()));
+    assert!(values(&dk).unwrap().iter().all(|&x| x == 0.0));
+    assert!(values(&dv).unwrap().iter().all(|&x| x == 0.0));
+}
+
 /// Scores around 1e4 with one winning key (common::planted_winner), in every dtype: P is
 /// one-hot, so dq and dk are 0 up to rounding, dv of the winner is the sum of dO, and nothing
 /// overflows.

@@ -124,3 +124,64 @@ impl candle::CustomOp3 for FlashAttnOp {
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
+
+/// The op of a call with nothing to compute (the output has no element: q has none either):
+/// under autograd it still links the empty output to q, k and v, so `backward()` gives each a
+/// gradient (all zeros) as for any other call. Candle's own ops would not: they return an empty
+/// operand unchanged and drop the others from the graph.
+pub(crate) struct EmptyAttnOp {
+    pub out_shape: Vec<usize>,
+}
+
+impl candle::CustomOp3 for EmptyAttnOp {
+    fn name(&self) -> &'static str {
+        "flash-attn-empty"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        use candle::backend::BackendDevice;
+        let shape = Shape::from(self.out_shape.clone());
+        Ok((
+            candle::cpu_backend::CpuDevice.zeros_impl(&shape, q.dtype())?,
+            shape,
+        ))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle::CudaStorage,
+        _: &Layout,
+        _: &candle::CudaStorage,
+        _: &Layout,
+        _: &candle::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        use candle::backend::BackendDevice;
+        let shape = Shape::from(self.out_shape.clone());
+        Ok((q.device().zeros_impl(&shape, q.dtype())?, shape))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _out: &Tensor,
+        _grad_out: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        Ok((
+            Some(q.zeros_like()?),
+            Some(k.zeros_like()?),
+            Some(v.zeros_like()?),
+        ))
+    }
+}

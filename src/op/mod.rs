@@ -12,7 +12,7 @@ use candle::{bail, DType, Result, Tensor};
 
 use crate::problem::Problem;
 use crate::semantics::Window;
-use custom::FlashAttnOp;
+use custom::{EmptyAttnOp, FlashAttnOp};
 use validate::{read_paged, read_seqlens};
 
 /// Largest supported head dimension (every size from 1 up to it works on every backend).
@@ -262,8 +262,12 @@ impl FlashAttn {
         let lse_shape = problem.lse_shape();
         if out_shape.iter().product::<usize>() == 0 {
             // Nothing to compute (empty batch, seq_q = 0 or heads = 0): no launch.
-            let out = Tensor::zeros(out_shape, q.dtype(), q.device())?;
             let lse = Tensor::zeros(lse_shape, DType::F32, q.device())?;
+            if !(q.track_op() || k.track_op() || v.track_op()) {
+                return Ok((Tensor::zeros(out_shape, q.dtype(), q.device())?, lse));
+            }
+            // Under autograd the empty output is still linked to q, k and v (EmptyAttnOp).
+            let out = q.apply_op3(k, v, EmptyAttnOp { out_shape })?;
             return Ok((out, lse));
         }
         let op = FlashAttnOp::new(problem, self.alibi_slopes.clone());
