@@ -15,9 +15,7 @@ use candle::{bail, CudaStorage, DType, Result, Storage, Tensor};
 use half::{bf16, f16};
 
 use super::params::Params;
-use super::plan::{
-    override_decode, plan, DeviceCaps, LaunchPlan, Module, MAX_SEQ, STATIC_SMEM_RESERVE,
-};
+use super::plan::{override_decode, plan, DeviceCaps, Module, MAX_SEQ, STATIC_SMEM_RESERVE};
 use crate::problem::{Paged, Problem, Strides};
 use crate::semantics::LOG2_E;
 
@@ -368,7 +366,15 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             .map_or(-1, |pg| pg.page.trailing_zeros() as i32),
         q_uniform: q_uniform as i32,
     };
-    launch(dev, &plan, &params)?;
+    launch_function(
+        dev,
+        plan.module,
+        &plan.function,
+        plan.grid,
+        plan.threads,
+        plan.smem,
+        &params,
+    )?;
     if let Some(combine) = split.and_then(|s| s.combine.as_deref()) {
         let cfg = LaunchConfig {
             grid_dim: (p.total_q as u32, p.heads as u32, 1),
@@ -394,40 +400,48 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     Ok((out, lse))
 }
 
-/// Loads the plan's function, opts into its shared memory and launches it with `params`.
-fn launch(dev: &CudaDevice, plan: &LaunchPlan, params: &Params) -> Result<()> {
-    let (module, text) = ptx(plan.module);
-    let func = dev.get_or_load_custom_func(&plan.function, module, text)?;
+/// Loads `function` from `module`, opts into its `smem` bytes of dynamic shared memory and
+/// launches it with one parameter struct: every forward and backward kernel goes through here.
+pub(crate) fn launch_function<P: DeviceRepr>(
+    dev: &CudaDevice,
+    module: Module,
+    function: &str,
+    grid: (u32, u32, u32),
+    threads: u32,
+    smem: usize,
+    params: &P,
+) -> Result<()> {
+    let (module, text) = ptx(module);
+    let func = dev.get_or_load_custom_func(function, module, text)?;
     // The plan left room for the kernels' few bytes of static shared memory; make sure it did.
     let static_smem = func
         .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
         .w()? as usize;
     if static_smem > STATIC_SMEM_RESERVE {
         bail!(
-            "flash-attn: kernel {} holds {static_smem} bytes of static shared memory, more than \
-             the {STATIC_SMEM_RESERVE} its plan reserves",
-            plan.function
+            "flash-attn: kernel {function} holds {static_smem} bytes of static shared memory, \
+             more than the {STATIC_SMEM_RESERVE} its plan reserves"
         )
     }
-    if plan.smem + static_smem > 48 * 1024 {
+    if smem + static_smem > 48 * 1024 {
         // Above 48 KB per block, dynamic shared memory must be opted into per function.
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            plan.smem as i32,
+            smem as i32,
         )
         .w()?;
     }
     let cfg = LaunchConfig {
-        grid_dim: plan.grid,
-        block_dim: (plan.threads, 1, 1),
-        shared_mem_bytes: plan.smem as u32,
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem as u32,
     };
     let mut builder = func.builder();
     builder.arg(params);
-    // SAFETY: `params` matches the kernel's parameter struct (checked at build time); every
-    // pointer in it is kept alive by the caller until after the launch, and `check_bounds` plus
-    // the per-sequence lengths bound every element the kernel reads; the grid and shared memory
-    // fit the device limits the plan was made for.
+    // SAFETY: `params` matches the kernel's parameter struct (both sides are checked at build
+    // time); the caller keeps every pointer in it alive until after the launch, and
+    // `check_bounds` plus the kernels' clamped per-sequence lengths bound every element read or
+    // written; the grid and shared memory fit the device limits the plan was made for.
     unsafe { builder.launch(cfg) }.w()?;
     Ok(())
 }

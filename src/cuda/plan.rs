@@ -60,6 +60,18 @@ pub(crate) enum Module {
     F32,
 }
 
+impl Module {
+    /// The module holding the kernels of `dtype`.
+    pub fn of(dtype: DType) -> Result<Self> {
+        Ok(match dtype {
+            DType::BF16 => Self::Bf16,
+            DType::F16 => Self::F16,
+            DType::F32 => Self::F32,
+            dt => bail!("flash-attn: no CUDA kernel for dtype {dt:?}"),
+        })
+    }
+}
+
 /// The kernel family and instance of a plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kernel {

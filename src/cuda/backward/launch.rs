@@ -3,9 +3,9 @@
 //! candle's stream.
 
 use candle::backend::BackendStorage;
-use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle::cuda_backend::cudarc::driver::{
-    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use candle::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle::{bail, CudaStorage, DType, Result, Storage, Tensor};
@@ -13,33 +13,15 @@ use half::{bf16, f16};
 
 use super::params::BwdParams;
 use super::plan::{plan, Launch};
+use crate::cuda::launch::launch_function;
 use crate::cuda::params::Params;
-use crate::cuda::plan::MAX_SEQ;
+use crate::cuda::plan::{Module, MAX_SEQ};
 use crate::problem::Problem;
 use crate::semantics::LOG2_E;
 
 // SAFETY: `BwdParams` is `#[repr(C)]`, `Copy`, made of plain integers and floats (the forward
 // `Params` included), and its C twin is checked field by field at build time (see params.rs).
 unsafe impl DeviceRepr for BwdParams {}
-
-/// The PTX module of a dtype and candle's cache name for it (the forward's modules: the
-/// backward entry points are compiled into the same files).
-fn ptx(dtype: DType) -> (&'static str, &'static str) {
-    match dtype {
-        DType::BF16 => (
-            "candle_flash_bf16",
-            include_str!(concat!(env!("OUT_DIR"), "/flash_bf16.ptx")),
-        ),
-        DType::F16 => (
-            "candle_flash_f16",
-            include_str!(concat!(env!("OUT_DIR"), "/flash_f16.ptx")),
-        ),
-        _ => (
-            "candle_flash_f32",
-            include_str!(concat!(env!("OUT_DIR"), "/flash_f32.ptx")),
-        ),
-    }
-}
 
 /// dq (contiguous like the output), dk and dv (contiguous, `k_rows × kv_heads × d`).
 /// `offsets` are the start offsets (elements) of `out`, `grad_out` and `lse`, which are
@@ -314,31 +296,11 @@ fn wrap<T: CudaDType>(
     )
 }
 
-/// Loads one planned function, opts into its shared memory and launches it with `params`.
+/// Launches one planned function (an empty grid launches nothing).
 fn launch(dev: &CudaDevice, dtype: DType, l: &Launch, params: &BwdParams) -> Result<()> {
     if l.grid.0 == 0 {
         return Ok(());
     }
-    let (module, text) = ptx(dtype);
-    let func = dev.get_or_load_custom_func(&l.function, module, text)?;
-    if l.smem > 48 * 1024 {
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            l.smem as i32,
-        )
-        .w()?;
-    }
-    let cfg = LaunchConfig {
-        grid_dim: l.grid,
-        block_dim: (l.threads, 1, 1),
-        shared_mem_bytes: l.smem as u32,
-    };
-    let mut builder = func.builder();
-    builder.arg(params);
-    // SAFETY: `params` matches the kernels' parameter struct (checked at build time); every
-    // pointer in it stays alive until after the launch (the caller holds the storages and their
-    // guards); `check_bounds`, the size checks above and the kernels' clamped per-sequence
-    // lengths bound every element read or written; the plan fits the device's shared memory.
-    unsafe { builder.launch(cfg) }.w()?;
-    Ok(())
+    let module = Module::of(dtype)?;
+    launch_function(dev, module, &l.function, l.grid, l.threads, l.smem, params)
 }
