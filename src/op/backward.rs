@@ -2,7 +2,7 @@
 //! forward [`Problem`], its saved log-sum-exp and the output gradient in; dq, dk and dv out,
 //! shaped and typed like q, k and v (contiguous). Backends receive storages, never the op.
 
-use candle::{backend::BackendStorage, bail, CpuStorage, Device, Result, Storage, Tensor};
+use candle::{backend::BackendStorage, bail, CpuStorage, Result, Storage, Tensor};
 
 use candle::op::BackpropOp;
 
@@ -36,12 +36,28 @@ pub(crate) fn backward(
     let grad_out = grad_out.to_dtype(q.dtype())?.contiguous()?;
     let out = out.contiguous()?;
     let lse = lse.contiguous()?;
-    match q.device() {
-        Device::Cpu => cpu(p, alibi, q, k, v, &out, &grad_out, &lse),
+    // Storages and layouts of q, k, v, the output, its gradient and the lse, taken once.
+    let guards = [q, k, v, &out, &grad_out, &lse].map(|t| t.storage_and_layout());
+    let offsets = [3, 4, 5].map(|i| guards[i].1.start_offset());
+    let storages = match std::array::from_fn::<_, 6, _>(|i| &*guards[i].0) {
+        [Storage::Cpu(q), Storage::Cpu(k), Storage::Cpu(v), Storage::Cpu(o), Storage::Cpu(g), Storage::Cpu(l)] => {
+            cpu(p, alibi, [q, k, v, o, g, l], offsets)?
+        }
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => cuda(p, alibi, q, k, v, &out, &grad_out, &lse),
-        dev => bail!("flash-attn backward: unsupported device {dev:?}"),
-    }
+        [Storage::Cuda(q), Storage::Cuda(k), Storage::Cuda(v), Storage::Cuda(o), Storage::Cuda(g), Storage::Cuda(l)] =>
+        {
+            let (dq, dk, dv) =
+                crate::cuda::backward(p, alibi, q, k, v, o, g, l, offsets, k_rows(p))?;
+            [Storage::Cuda(dq), Storage::Cuda(dk), Storage::Cuda(dv)]
+        }
+        _ => bail!(
+            "flash-attn backward: q, k, v, the output and its gradient must all be on the CPU or \
+             all on one CUDA GPU, got {:?}",
+            q.device()
+        ),
+    };
+    drop(guards);
+    Ok(wrap(storages, [q, k, v]))
 }
 
 /// Contiguous gradient tensors from the backend's buffers, in the shapes of q, k and v.
@@ -51,43 +67,23 @@ fn wrap(storages: [Storage; 3], like: [&Tensor; 3]) -> Grads {
     (t(dq, like[0]), t(dk, like[1]), t(dv, like[2]))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The CPU arm: q, k, v, out, grad_out and lse storages; `offsets` are the start offsets of the
+/// last three, which are contiguous from there.
 fn cpu(
     p: &Problem,
     alibi: Option<&Tensor>,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    grad_out: &Tensor,
-    lse: &Tensor,
-) -> Result<Grads> {
+    [qs, ks, vs, os, gs, ls]: [&CpuStorage; 6],
+    [o_off, g_off, l_off]: [usize; 3],
+) -> Result<[Storage; 3]> {
     let slopes = match alibi {
         None => None,
         Some(s) => Some(s.flatten_all()?.to_vec1::<f32>()?),
     };
     let slopes = slopes.as_deref();
-    let (qs, _) = q.storage_and_layout();
-    let (ks, _) = k.storage_and_layout();
-    let (vs, _) = v.storage_and_layout();
-    let (os, ol) = out.storage_and_layout();
-    let (gs, gl) = grad_out.storage_and_layout();
-    let (ls, ll) = lse.storage_and_layout();
-    let (
-        Storage::Cpu(qs),
-        Storage::Cpu(ks),
-        Storage::Cpu(vs),
-        Storage::Cpu(os),
-        Storage::Cpu(gs),
-        Storage::Cpu(ls),
-    ) = (&*qs, &*ks, &*vs, &*os, &*gs, &*ls)
-    else {
-        bail!("flash-attn backward: q, k, v, the output and its gradient must all be on the CPU")
-    };
     let CpuStorage::F32(lse) = ls else {
         bail!("flash-attn backward: the saved log-sum-exp is not f32")
     };
-    let lse = &lse[ll.start_offset()..];
+    let lse = &lse[l_off..];
     macro_rules! run {
         ($variant:ident) => {{
             let (CpuStorage::$variant(q), CpuStorage::$variant(k), CpuStorage::$variant(v)) =
@@ -99,7 +95,7 @@ fn cpu(
                 bail!("flash-attn backward: the output gradient's dtype differs from q's")
             };
             p.check_bounds(q.len(), k.len(), v.len())?;
-            let (o, g) = (&o[ol.start_offset()..], &g[gl.start_offset()..]);
+            let (o, g) = (&o[o_off..], &g[g_off..]);
             let (dq, dk, dv) = crate::cpu::backward(p, slopes, q, k, v, o, g, lse, k_rows(p))?;
             [
                 Storage::Cpu(CpuStorage::$variant(dq)),
@@ -119,7 +115,7 @@ fn cpu(
             vs.dtype()
         ),
     };
-    Ok(wrap(storages, [q, k, v]))
+    Ok(storages)
 }
 
 /// Rows of the contiguous dk/dv: `batch * seq_k` dense, `total_k` varlen.
@@ -128,41 +124,4 @@ fn k_rows(p: &Problem) -> usize {
         None => p.batch * p.max_seq_k,
         Some(vl) => vl.total_k,
     }
-}
-
-#[cfg(feature = "cuda")]
-#[allow(clippy::too_many_arguments)]
-fn cuda(
-    p: &Problem,
-    alibi: Option<&Tensor>,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    grad_out: &Tensor,
-    lse: &Tensor,
-) -> Result<Grads> {
-    let (qs, _) = q.storage_and_layout();
-    let (ks, _) = k.storage_and_layout();
-    let (vs, _) = v.storage_and_layout();
-    let (os, ol) = out.storage_and_layout();
-    let (gs, gl) = grad_out.storage_and_layout();
-    let (ls, ll) = lse.storage_and_layout();
-    let (
-        Storage::Cuda(qs),
-        Storage::Cuda(ks),
-        Storage::Cuda(vs),
-        Storage::Cuda(os),
-        Storage::Cuda(gs),
-        Storage::Cuda(ls),
-    ) = (&*qs, &*ks, &*vs, &*os, &*gs, &*ls)
-    else {
-        bail!("flash-attn backward: q, k, v, the output and its gradient must all be on one GPU")
-    };
-    let offsets = [ol.start_offset(), gl.start_offset(), ll.start_offset()];
-    let (dq, dk, dv) = crate::cuda::backward(p, alibi, qs, ks, vs, os, gs, ls, offsets, k_rows(p))?;
-    Ok(wrap(
-        [Storage::Cuda(dq), Storage::Cuda(dk), Storage::Cuda(dv)],
-        [q, k, v],
-    ))
 }
