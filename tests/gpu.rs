@@ -11,40 +11,12 @@ mod common;
 
 use candle::{DType, Device, IndexOp, Tensor};
 use candle_flash::FlashAttn;
+use common::gpu::{gpu, poison_pool, ragged, small, Ragged};
 use common::{
     assert_bitwise_eq, assert_close, bits, check_mask_probe, mask_probe, max_abs_err_slice,
     naive_err, naive_varlen, planted_winner, randn, reference, reference_varlen, scale_of,
     tolerance, values, PROBE_WINDOWS,
 };
-
-/// The CUDA device, or `None` (after printing that the test skipped) when none answers and
-/// `CANDLE_FLASH_SKIP_GPU_TESTS=1` is set. Without that opt-out, no device is a failure: a GPU
-/// test that ran nothing must not read as a pass.
-fn gpu() -> Option<Device> {
-    // cudarc panics (rather than erring) when the driver library itself is missing.
-    let err = match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-        Ok(Ok(d)) => return Some(d),
-        // First line only: candle appends a backtrace to device errors.
-        Ok(Err(e)) => e.to_string().lines().next().unwrap_or_default().to_string(),
-        Err(p) => p
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "panic while opening the device".into()),
-    };
-    if std::env::var("CANDLE_FLASH_SKIP_GPU_TESTS").is_ok_and(|v| v == "1") {
-        eprintln!("SKIPPED (CANDLE_FLASH_SKIP_GPU_TESTS=1): no CUDA device: {err}");
-        return None;
-    }
-    panic!(
-        "no usable CUDA device ({err}); the GPU tests did not run. \
-         Set CANDLE_FLASH_SKIP_GPU_TESTS=1 to skip them explicitly."
-    );
-}
-
-fn small() -> bool {
-    std::env::var_os("CANDLE_FLASH_GPU_SMALL").is_some()
-}
 
 #[derive(Clone, Copy, Debug)]
 enum Mask {
@@ -105,20 +77,6 @@ impl Case {
             )?,
         ))
     }
-}
-
-/// Leaves 0xFF bytes (NaN in f32, f16 and bf16 alike) behind in the allocator's pool, one block
-/// of each byte count given, so the next allocations of those sizes (the op's output and lse)
-/// reuse them and an element the kernel fails to write comes back as NaN rather than a lucky
-/// zero. (An f32 NaN pattern would read as +0.0 in every other f16/bf16 element.)
-fn poison_pool(dev: &Device, bytes: &[usize]) -> candle::Result<()> {
-    let blocks = bytes
-        .iter()
-        .map(|&n| Tensor::full(255u8, n.max(1), dev))
-        .collect::<candle::Result<Vec<_>>>()?;
-    dev.synchronize()?;
-    drop(blocks);
-    Ok(())
 }
 
 /// Byte counts of the output and the lse of attention over `rows` query rows (all sequences) of
@@ -314,31 +272,15 @@ fn decode_gqa_mqa_and_leading_empty_rows() -> candle::Result<()> {
 #[test]
 fn varlen_against_reference() -> candle::Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    let lens: &[(u32, u32)] = if small() {
-        &[(5, 9), (70, 33), (1, 130)]
-    } else {
-        &[
-            (5, 9),
-            (130, 129),
-            (0, 7),
-            (1, 300),
-            (257, 64),
-            (64, 0),
-            (33, 33),
-        ]
-    };
-    let mut cu_q = vec![0u32];
-    let mut cu_k = vec![0u32];
-    for &(a, b) in lens {
-        cu_q.push(cu_q.last().unwrap() + a);
-        cu_k.push(cu_k.last().unwrap() + b);
-    }
-    let (tq, tk) = (
-        *cu_q.last().unwrap() as usize,
-        *cu_k.last().unwrap() as usize,
-    );
-    let max_q = lens.iter().map(|l| l.0).max().unwrap() as usize;
-    let max_k = lens.iter().map(|l| l.1).max().unwrap() as usize;
+    let Ragged {
+        lens,
+        cu_q,
+        cu_k,
+        total_q: tq,
+        total_k: tk,
+        max_q,
+        max_k,
+    } = ragged();
     for dtype in [DType::BF16, DType::F16, DType::F32] {
         for (d, mask, alibi) in [
             (64, Mask::Causal, false),

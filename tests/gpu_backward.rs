@@ -12,49 +12,12 @@ mod common;
 
 use candle::{DType, Device, Result, Tensor};
 use candle_flash::{naive_attention, FlashAttn};
+use common::gpu::{gpu, poison_pool, ragged, small, Ragged};
 use common::grad::{autograd, reference_grads, reference_grads_varlen, Grads, RefGrads};
 use common::{
     assert_bitwise_eq, max_abs_err_slice, max_err_beyond, naive_varlen, randn, scale_of,
     tolerances, transposed_view, values, SCALE_FLOOR,
 };
-
-/// The CUDA device, or `None` (after printing that the test skipped) when none answers and
-/// `CANDLE_FLASH_SKIP_GPU_TESTS=1` is set; otherwise no device is a failure.
-fn gpu() -> Option<Device> {
-    let err = match std::panic::catch_unwind(|| Device::new_cuda(0)) {
-        Ok(Ok(d)) => return Some(d),
-        Ok(Err(e)) => e.to_string().lines().next().unwrap_or_default().to_string(),
-        Err(p) => p
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "panic while opening the device".into()),
-    };
-    if std::env::var("CANDLE_FLASH_SKIP_GPU_TESTS").is_ok_and(|v| v == "1") {
-        eprintln!("SKIPPED (CANDLE_FLASH_SKIP_GPU_TESTS=1): no CUDA device: {err}");
-        return None;
-    }
-    panic!(
-        "no usable CUDA device ({err}); the GPU tests did not run. \
-         Set CANDLE_FLASH_SKIP_GPU_TESTS=1 to skip them explicitly."
-    );
-}
-
-fn small() -> bool {
-    std::env::var_os("CANDLE_FLASH_GPU_SMALL").is_some()
-}
-
-/// Fills fresh pool blocks of these byte sizes with 0xFF (NaN in every float dtype) and frees
-/// them, so gradient buffers allocated next start as NaN wherever a kernel fails to write.
-fn poison_pool(dev: &Device, bytes: &[usize]) -> Result<()> {
-    let blocks = bytes
-        .iter()
-        .map(|&n| Tensor::full(255u8, n.max(1), dev))
-        .collect::<Result<Vec<_>>>()?;
-    dev.synchronize()?;
-    drop(blocks);
-    Ok(())
-}
 
 /// FlashAttention's rule on each gradient, per element:
 /// `|fast - ref| <= 2 · naive_err + u · |ref| + SCALE_FLOOR · scale`, `scale` the largest
@@ -374,31 +337,15 @@ fn non_contiguous_layouts() {
 #[test]
 fn varlen_against_reference() {
     let Some(dev) = gpu() else { return };
-    let lens: &[(u32, u32)] = if small() {
-        &[(5, 9), (70, 33), (1, 130)]
-    } else {
-        &[
-            (5, 9),
-            (130, 129),
-            (0, 7),
-            (1, 300),
-            (257, 64),
-            (64, 0),
-            (33, 33),
-        ]
-    };
-    let mut cu_q = vec![0u32];
-    let mut cu_k = vec![0u32];
-    for &(a, b) in lens {
-        cu_q.push(cu_q.last().unwrap() + a);
-        cu_k.push(cu_k.last().unwrap() + b);
-    }
-    let (tq, tk) = (
-        *cu_q.last().unwrap() as usize,
-        *cu_k.last().unwrap() as usize,
-    );
-    let max_q = lens.iter().map(|l| l.0).max().unwrap() as usize;
-    let max_k = lens.iter().map(|l| l.1).max().unwrap() as usize;
+    let Ragged {
+        cu_q,
+        cu_k,
+        total_q: tq,
+        total_k: tk,
+        max_q,
+        max_k,
+        ..
+    } = ragged();
     let slopes = Tensor::new(&[0.5f32, 0.25, 0.125, 0.1, 0.05, 0.3], &Device::Cpu).unwrap();
     for (d, dtype) in [
         (64, DType::BF16),

@@ -3,6 +3,7 @@
 //! tolerance rule of shared/docs/testing.md.
 #![allow(dead_code)]
 
+pub mod gpu;
 pub mod grad;
 
 use candle::{DType, Device, IndexOp, Result, Tensor};
