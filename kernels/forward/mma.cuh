@@ -131,9 +131,11 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // Reverse tile order: with causal masks the last query tiles have the most keys, so the
     // longest blocks start first and the short ones fill the tail of the grid.
     // Column blocks of V/O are the slow part of blockIdx.x.
-    const int q_tiles = gridDim.x / p.dv_splits;
-    const int m_block = q_tiles - 1 - (int)(blockIdx.x % q_tiles);
-    const int v_col0 = (int)(blockIdx.x / q_tiles) * DV;
+    // With DV == D there is no split: v_col0 is the constant 0, so no register carries it through
+    // the loop and the instance compiles to the unsplit kernel.
+    const int q_tiles = DV == D ? (int)gridDim.x : (int)gridDim.x / p.dv_splits;
+    const int m_block = q_tiles - 1 - (int)(DV == D ? blockIdx.x : blockIdx.x % q_tiles);
+    const int v_col0 = DV == D ? 0 : (int)(blockIdx.x / q_tiles) * DV;
     // Without a column split V's columns are K's, so both loads share one column predicate; a
     // separate run-time bound cost the d 128 loop ~20 predicate ops per tile (2-4% measured).
     const int dv_load = DV == D ? p.d_load : min(DV, p.d_load - v_col0);
