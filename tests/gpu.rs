@@ -789,3 +789,53 @@ fn wide_heads_320_and_512() -> candle::Result<()> {
     }
     Ok(())
 }
+
+/// Operands with no element on the GPU (made as views, since candle cannot allocate an empty
+/// CUDA buffer): batch 0 and seq_q 0 give empty outputs and lse; seq_k 0 gives zeros and
+/// lse -inf; under autograd with seq_k 0, dq is exactly 0 and the empty k and v get no gradient
+/// entry (candle would seed one with a zero-byte allocation, which the driver refuses).
+#[test]
+fn empty_operands() -> candle::Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let empty = |s: &[usize], dtype: DType| -> candle::Result<Tensor> {
+        let grown: Vec<usize> = s.iter().map(|&d| d.max(1)).collect();
+        let mut t = randn(&grown, dtype, 7, &dev)?;
+        for (dim, &len) in s.iter().enumerate() {
+            if len == 0 {
+                t = t.narrow(dim, 0, 0)?;
+            }
+        }
+        Ok(t)
+    };
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let kv = randn(&[2, 9, 2, 64], dtype, 8, &dev)?;
+        for (q, causal) in [
+            (empty(&[0, 4, 2, 64], dtype)?, true),
+            (empty(&[2, 0, 4, 64], dtype)?, false),
+        ] {
+            let kv = kv.narrow(0, 0, q.dim(0)?)?;
+            let opts = FlashAttn::new(0.125);
+            let opts = if causal { opts.causal() } else { opts };
+            let (out, lse) = opts.forward_with_lse(&q, &kv, &kv)?;
+            assert_eq!(out.dims(), q.dims(), "{dtype:?}");
+            assert_eq!(lse.dims(), &[q.dim(0)?, q.dim(2)?, q.dim(1)?], "{dtype:?}");
+        }
+        let q = candle::Var::from_tensor(&randn(&[2, 3, 4, 64], dtype, 9, &dev)?)?;
+        let k = candle::Var::from_tensor(&empty(&[2, 0, 2, 64], dtype)?)?;
+        let v = candle::Var::from_tensor(&empty(&[2, 0, 2, 64], dtype)?)?;
+        let (out, lse) = FlashAttn::new(0.125).forward_with_lse(&q, &k, &v)?;
+        assert_eq!(out.dims(), q.dims());
+        assert!(values(&out)?.iter().all(|&x| x == 0.0), "{dtype:?}: out");
+        assert!(
+            values(&lse)?.iter().all(|&x| x == f64::NEG_INFINITY),
+            "{dtype:?}: lse"
+        );
+        let g = randn(q.dims(), dtype, 10, &dev)?;
+        let grads = (out * g)?.sum_all()?.backward()?;
+        let dq = grads.get(&q).expect("q gets a gradient");
+        assert_eq!(dq.dims(), q.dims());
+        assert!(values(dq)?.iter().all(|&x| x == 0.0), "{dtype:?}: dq");
+        assert!(grads.get(&k).is_none() && grads.get(&v).is_none());
+    }
+    Ok(())
+}

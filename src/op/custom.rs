@@ -121,7 +121,11 @@ impl candle::CustomOp3 for FlashAttnOp {
             grad_out,
             lse,
         )?;
-        Ok((Some(dq), Some(dk), Some(dv)))
+        Ok((
+            super::grad_for(q, dq),
+            super::grad_for(k, dk),
+            super::grad_for(v, dv),
+        ))
     }
 }
 
@@ -166,8 +170,9 @@ impl candle::CustomOp3 for EmptyAttnOp {
         _: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         use candle::backend::BackendDevice;
+        // One element backs the empty output: the driver refuses a zero-byte allocation.
         let shape = Shape::from(self.out_shape.clone());
-        Ok((q.device().zeros_impl(&shape, q.dtype())?, shape))
+        Ok((q.device().zeros_impl(&Shape::from(1), q.dtype())?, shape))
     }
 
     fn bwd(
@@ -178,10 +183,12 @@ impl candle::CustomOp3 for EmptyAttnOp {
         _out: &Tensor,
         _grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        Ok((
-            Some(q.zeros_like()?),
-            Some(k.zeros_like()?),
-            Some(v.zeros_like()?),
-        ))
+        let zeros = |t: &Tensor| -> Result<Option<Tensor>> {
+            Ok(super::grad_for(
+                t,
+                super::empty_zeros(t.dims(), t.dtype(), t.device())?,
+            ))
+        };
+        Ok((zeros(q)?, zeros(k)?, zeros(v)?))
     }
 }

@@ -262,9 +262,9 @@ impl FlashAttn {
         let lse_shape = problem.lse_shape();
         if out_shape.iter().product::<usize>() == 0 {
             // Nothing to compute (empty batch, seq_q = 0 or heads = 0): no launch.
-            let lse = Tensor::zeros(lse_shape, DType::F32, q.device())?;
+            let lse = empty_zeros(&lse_shape, DType::F32, q.device())?;
             if !(q.track_op() || k.track_op() || v.track_op()) {
-                return Ok((Tensor::zeros(out_shape, q.dtype(), q.device())?, lse));
+                return Ok((empty_zeros(&out_shape, q.dtype(), q.device())?, lse));
             }
             // Under autograd the empty output is still linked to q, k and v (EmptyAttnOp).
             let out = q.apply_op3(k, v, EmptyAttnOp { out_shape })?;
@@ -287,4 +287,30 @@ impl FlashAttn {
         let _ = saved.set(lse.clone());
         Ok((out, lse))
     }
+}
+
+/// Zeros of `shape`, which may hold no element, without a zero-byte allocation: candle 0.11 on
+/// CUDA asks the driver for exactly the bytes a tensor holds, and the driver refuses 0
+/// (`CUDA_ERROR_INVALID_VALUE`). Every zero dimension is allocated as 1 and then narrowed to 0.
+pub(crate) fn empty_zeros(
+    shape: &[usize],
+    dtype: DType,
+    device: &candle::Device,
+) -> Result<Tensor> {
+    let grown: Vec<usize> = shape.iter().map(|&d| d.max(1)).collect();
+    let mut t = Tensor::zeros(grown, dtype, device)?;
+    for (dim, &len) in shape.iter().enumerate() {
+        if len == 0 {
+            t = t.narrow(dim, 0, 0)?;
+        }
+    }
+    Ok(t)
+}
+
+/// The gradient handed back to candle's autograd for operand `t`. Candle seeds every gradient
+/// it accumulates with `t.zeros_like()`, a zero-byte allocation on CUDA when `t` holds no
+/// element, which the driver refuses; such an operand gets no gradient entry there (there is
+/// nothing in it to differentiate).
+pub(crate) fn grad_for(t: &Tensor, grad: Tensor) -> Option<Tensor> {
+    (t.elem_count() > 0 || !t.device().is_cuda()).then_some(grad)
 }
