@@ -532,8 +532,10 @@ pub fn flash_attn_varlen_alibi_windowed_softcap(
 /// As [`flash_attn_varlen`] (except that k and v are rank 4 and `seqlens_k` need not end at a
 /// packed token count), and when `block_table` is not an integer `(batch, max_blocks)` tensor,
 /// names a block out of range, holds fewer pages than a sequence needs, `page_block_size` is 0
-/// or differs from k's second dimension, `mm_prefix_ranges` is not `(batch, max_ranges, 2)`,
-/// or the tensors are on CUDA (not implemented yet there).
+/// or differs from k's second dimension, or `mm_prefix_ranges` is not `(batch, max_ranges, 2)`.
+/// On CUDA the table, the lengths and the ranges stay on the GPU unchecked: the kernels clamp
+/// them, so a bad entry never reads or writes out of bounds (a block index outside the cache
+/// reads as zero keys), but the rows it touches get unspecified values.
 ///
 /// # Example
 ///
@@ -592,8 +594,8 @@ pub fn flash_attn_varlen_paged_windowed(
 /// # Errors
 ///
 /// As [`FlashAttn::forward_kvcache`]: bad shapes, dtypes or devices, a sequence outgrowing
-/// the cache, a bad block table; the caches are left untouched then. The append is not yet
-/// implemented on CUDA.
+/// the cache, a bad block table; the caches are left untouched then (on CUDA, where the lengths
+/// stay on the GPU, as [`FlashAttn::forward_kvcache`] says).
 ///
 /// # Example
 ///

@@ -39,7 +39,10 @@ impl FlashAttn {
     /// `cache_seqlens` on the device, find each sequence's queries from its index (every
     /// sequence has `seq_q` rows, so no cumulative lengths are uploaded) and read a contiguous
     /// cache without a block table. The attention allocates only its output and, for split-KV
-    /// decode, the split scratch.
+    /// decode, the split scratch. So there the values of `cache_seqlens` and of the block table
+    /// are not checked (shapes, dtypes and devices are): the kernels clamp them, skipping
+    /// appended rows past the cache and reading blocks outside it as zero keys, so a bad value
+    /// never reads or writes out of bounds, but the rows it touches get unspecified values.
     ///
     /// # Example
     ///
