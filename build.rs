@@ -33,8 +33,13 @@ mod bwd_instances {
 }
 
 /// Extra modules built for a specific architecture, on top of one `compute_80` PTX per `.cu`:
-/// `(source file, output stem, nvcc target flags)`. Empty today.
-const ARCH_MODULES: &[(&str, &str, &[&str])] = &[];
+/// `(source file, output stem, nvcc target flags)`: the sm_90a (Hopper) forward module, loaded
+/// on compute capability 9.0 only (wgmma and setmaxnreg need the `a` target).
+const ARCH_MODULES: &[(&str, &str, &[&str])] = &[(
+    "kernels/sm90/flash_sm90.cu",
+    "flash_sm90",
+    &["-gencode=arch=compute_90a,code=compute_90a"],
+)];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

@@ -22,6 +22,9 @@ pub(crate) struct DeviceCaps {
     pub sms: u32,
     /// Largest dynamic plus static shared memory one block may opt into, in bytes.
     pub smem_optin: usize,
+    /// Run the sm_90a (wgmma + TMA) kernels where they cover the problem: compute capability
+    /// 9.0, unless `CANDLE_FLASH_PORTABLE=1` forces the portable compute_80 path.
+    pub hopper: bool,
 }
 
 impl DeviceCaps {
@@ -44,6 +47,15 @@ impl DeviceCaps {
             minor,
             sms,
             smem_optin,
+            hopper: major == 9 && minor == 0,
+        }
+    }
+
+    /// The same device with the sm_90a kernels off (the portable path).
+    pub const fn portable(self) -> Self {
+        Self {
+            hopper: false,
+            ..self
         }
     }
 }
@@ -58,6 +70,8 @@ pub(crate) enum Module {
     Bf16,
     F16,
     F32,
+    /// The sm_90a module (kernels/sm90/): f16 and bf16 Hopper forward kernels.
+    Sm90,
 }
 
 impl Module {
@@ -83,7 +97,57 @@ pub(crate) enum Kernel {
     Rowwise,
     /// Split-KV decode with GQA packing (f16/bf16), then a combine kernel when split.
     Decode(DecodeInstance),
+    /// Hopper wgmma + TMA tiles (f16/bf16, compute capability 9.0).
+    Sm90(Sm90Instance),
 }
+
+/// A forward instance of the sm_90a module (kernels/sm90/fwd.cuh, instantiated in
+/// kernels/sm90/flash_sm90.cu, whose static_asserts pin the shared-memory sizes below).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Sm90Instance {
+    /// Head dim of the tiles (inputs up to it are zero-padded by the tensor copies).
+    pub d: usize,
+    /// Consumer warpgroups, 64 query rows each.
+    pub nwg: usize,
+    /// Keys per K/V tile.
+    pub bn: usize,
+    /// Depth of the K/V ring.
+    pub stages: usize,
+}
+
+impl Sm90Instance {
+    pub const fn rows(&self) -> usize {
+        64 * self.nwg
+    }
+    /// One producer warpgroup plus the consumers.
+    pub const fn threads(&self) -> usize {
+        128 * (self.nwg + 1)
+    }
+    /// Dynamic shared memory: alignment slack, Q, the K and V rings, the output staging tile
+    /// and the mbarriers (`Traits::SMEM` in kernels/sm90/fwd.cuh).
+    pub const fn smem(&self) -> usize {
+        1024 + 2 * self.rows() * self.d * 2
+            + 2 * self.stages * self.bn * self.d * 2
+            + 8 * (1 + 4 * self.stages)
+    }
+}
+
+/// The sm_90a instances, narrowest first: d 64 with three consumer warpgroups (192 rows), d 128
+/// with two (128 rows), as FlashAttention-3 starts from.
+pub(crate) const SM90_INSTANCES: [Sm90Instance; 2] = [
+    Sm90Instance {
+        d: 64,
+        nwg: 3,
+        bn: 128,
+        stages: 2,
+    },
+    Sm90Instance {
+        d: 128,
+        nwg: 2,
+        bn: 128,
+        stages: 2,
+    },
+];
 
 /// The split-KV geometry of a decode plan.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -172,13 +236,25 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
             .map(|&i| Kernel::F32(i))
     } else {
         let d_load = d.next_multiple_of(8);
+        // Hopper: the sm_90a kernels where an instance is wide enough.
+        let sm90 = caps
+            .hopper
+            .then(|| {
+                SM90_INSTANCES
+                    .iter()
+                    .find(|i| i.d >= d_load && fits(i.smem()))
+            })
+            .flatten();
         // The table is ordered by width, the fastest tiles of a width first: the first wide
         // enough instance that fits is the narrowest width with the biggest tiles the device
         // can hold.
-        MMA_INSTANCES
-            .iter()
-            .find(|i| i.d >= d_load && fits(i.smem()))
-            .map(|&i| Kernel::Mma(i))
+        match sm90 {
+            Some(&i) => Some(Kernel::Sm90(i)),
+            None => MMA_INSTANCES
+                .iter()
+                .find(|i| i.d >= d_load && fits(i.smem()))
+                .map(|&i| Kernel::Mma(i)),
+        }
     };
     let kernel = match tiled {
         Some(k) => k,
@@ -188,7 +264,11 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
     let dname = match module {
         Module::Bf16 => "bf16",
         Module::F16 => "f16",
-        Module::F32 => "f32",
+        Module::F32 | Module::Sm90 => "f32",
+    };
+    let module = match kernel {
+        Kernel::Sm90(_) => Module::Sm90,
+        _ => module,
     };
     let (rows, threads, smem, d_load, dv_splits, function) = match kernel {
         Kernel::Decode(i) => (
@@ -214,6 +294,18 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
                 format!("{prefix}_{}{suffix}", i.suffix()),
             )
         }
+        Kernel::Sm90(i) => (
+            i.rows(),
+            i.threads(),
+            i.smem(),
+            d.next_multiple_of(8),
+            1,
+            format!(
+                "flash_fwd_sm90_{dname}_d{}{}",
+                i.d,
+                if mods { "_mods" } else { "" }
+            ),
+        ),
         Kernel::F32(i) => (
             F32_ROWS,
             F32_THREADS,
@@ -234,7 +326,7 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
     // Operands the kernel cannot read in place: the tensor-core kernels copy 16-byte chunks of
     // rows; the f32 and row-wise kernels read through any strides.
     let pack = match kernel {
-        Kernel::Mma(_) | Kernel::Decode(_) => {
+        Kernel::Mma(_) | Kernel::Decode(_) | Kernel::Sm90(_) => {
             let (q_rows, k_rows) = p.storage_rows();
             let (q_batch, k_batch) = p.storage_batches();
             [
@@ -361,7 +453,7 @@ pub(crate) fn override_decode(
     let dname = match plan.module {
         Module::Bf16 => "bf16",
         Module::F16 => "f16",
-        Module::F32 => "f32",
+        Module::F32 | Module::Sm90 => "f32",
     };
     if let Some(&j) = DECODE_INSTANCES.iter().find(|j| {
         Some(j.stages) == stages
