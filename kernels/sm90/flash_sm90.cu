@@ -1,13 +1,22 @@
 // The sm_90a module (Hopper): wgmma + TMA forward instances for f16 and bf16
 // (sm90/fwd.cuh). Compiled by build.rs for compute_90a only and loaded on compute capability 9.0;
-// every other case runs the portable compute_80 modules.
+// every other case runs the portable compute_80 modules. The table must match SM90_INSTANCES in
+// src/cuda/plan.rs (names, warpgroups, tiles; the static_asserts below pin shared memory).
 #include "sm90/fwd.cuh"
 
-FLASH_SM90_INSTANCE(flash_fwd_sm90_bf16_d64, __nv_bfloat16, 64, 3, 128, 2)
-FLASH_SM90_INSTANCE(flash_fwd_sm90_bf16_d128, __nv_bfloat16, 128, 2, 128, 2)
-FLASH_SM90_INSTANCE(flash_fwd_sm90_f16_d64, __half, 64, 3, 128, 2)
-FLASH_SM90_INSTANCE(flash_fwd_sm90_f16_d128, __half, 128, 2, 128, 2)
+// (name, T, D, consumer warpgroups, BN, stages, ping-pong, softcap/ALiBi)
+// d 64 with softcap / ALiBi runs two consumer warpgroups: at three (160 registers each) the
+// score modifiers spilled.
+#define SM90_TABLE(T, TN)                                                                     \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64, T, 64, 3, 128, 2, true, false)             \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_mods, T, 64, 2, 128, 2, true, true)         \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128, T, 128, 2, 128, 2, true, false)           \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128_mods, T, 128, 2, 128, 2, true, true)
+
+SM90_TABLE(__nv_bfloat16, bf16)
+SM90_TABLE(__half, f16)
 
 // Shared-memory bytes the Rust planner assumes (`Sm90Instance::smem` in src/cuda/plan.rs).
 static_assert(sm90::Traits<__half, 64, 3, 128, 2>::SMEM == 115784, "plan.rs: d 64 instance");
+static_assert(sm90::Traits<__half, 64, 2, 128, 2>::SMEM == 99400, "plan.rs: d 64 mods instance");
 static_assert(sm90::Traits<__half, 128, 2, 128, 2>::SMEM == 197704, "plan.rs: d 128 instance");

@@ -82,6 +82,9 @@ __device__ __forceinline__ void reg_fence(float (&r)[N]) {
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // Shared-memory matrix descriptor, 128-byte swizzle. K-major operands (Q, K): rows of 128 bytes,
 // 8-row groups 1024 bytes apart (SBO), LBO unused. MN-major V: LBO = distance between 64-column
@@ -140,7 +143,7 @@ struct Traits {
     static constexpr int CONSUMER_REGS = NWG == 2 ? 240 : 160;
 };
 
-template <typename T, int D, int NWG, int BN, int STAGES, bool MODS>
+template <typename T, int D, int NWG, int BN, int STAGES, bool PINGPONG, bool MODS>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMap* tq,
                                                const TmaMap* tk, const TmaMap* tv) {
     using Tr = Traits<T, D, NWG, BN, STAGES>;
@@ -238,29 +241,28 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     const uint32_t q_base = saddr(sQ) + wg * 64 * 128;
     mbar_wait(bar_q, 0);
 
-    for (int t = t_begin; t < t_end; ++t) {
-        const int it = t - t_begin, s = it % STAGES;
-        const uint32_t ph = (uint32_t)((it / STAGES) & 1);
-        float acc_s[BN / 2];
-        // S = Q K^T
-        mbar_wait(bar_fk(s), ph);
-        {
-            const uint32_t k_base = saddr(sK + s * BN * D);
-            wg_fence();
+    // Issue S = Q K^T of the tile in stage s (not waited for).
+    auto issue_s = [&](float* acc_s, int s) {
+        const uint32_t k_base = saddr(sK + s * BN * D);
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const uint64_t da =
-                    make_desc(q_base + (kk / 4) * BM * 128 + (kk % 4) * 32, 16, 1024);
-                const uint64_t db =
-                    make_desc(k_base + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
-                mma_ss<T, BN>(acc_s, da, db, kk > 0);
-            }
-            wg_commit();
-            wg_wait<0>();
-            reg_fence(acc_s);
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const uint64_t da = make_desc(q_base + (kk / 4) * BM * 128 + (kk % 4) * 32, 16, 1024);
+            const uint64_t db = make_desc(k_base + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
+            mma_ss<T, BN>(acc_s, da, db, kk > 0);
         }
-        if (lane == 0) mbar_arrive(bar_ek(s));
-
+    };
+    // Issue O += P V of the tile in stage s.
+    auto issue_pv = [&](const uint32_t (*pa)[4], int s) {
+        const uint32_t v_base = saddr(sV + s * BN * D);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const uint64_t db = make_desc(v_base + kk * 16 * 128, BN * 128, 1024);
+            mma_rs<T, D>(acc_o, pa[kk], db, 1);
+        }
+    };
+    // Masks, score modifiers and the online softmax of tile t in place (acc_s becomes P in
+    // f32); returns the factors O must be scaled by once the previous P V has completed.
+    auto softmax = [&](float* acc_s, int t, float* alpha) {
         const int k0 = t * BN;
         const int col = k0 + 2 * (lane % 4);
         if constexpr (MODS) {
@@ -287,8 +289,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                 mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * hf], acc_s[4 * j + 2 * hf + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps
+            // exp2 at 0 rather than NaN (-inf - -inf).
             const float m_scaled = mx == -INFINITY ? 0.f : mx * unit;
-            const float alpha = fast_exp2(fmaf(row_m[hf], unit, -m_scaled));
+            alpha[hf] = fast_exp2(fmaf(row_m[hf], unit, -m_scaled));
             row_m[hf] = mx;
             float sum = 0.f;
 #pragma unroll
@@ -299,14 +303,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                     acc_s[4 * j + 2 * hf + e] = pv;
                     sum += pv;
                 }
-            row_l[hf] = row_l[hf] * alpha + sum;
-#pragma unroll
-            for (int j = 0; j < DT; ++j) {
-                acc_o[4 * j + 2 * hf] *= alpha;
-                acc_o[4 * j + 2 * hf + 1] *= alpha;
-            }
+            row_l[hf] = row_l[hf] * alpha[hf] + sum;
         }
-        uint32_t pa[BN / 16][4];
+    };
+    auto pack_p = [&](const float* acc_s, uint32_t (*pa)[4]) {
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             pa[kk][0] = flash::Mma<T>::pack(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
@@ -314,21 +314,83 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             pa[kk][2] = flash::Mma<T>::pack(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
             pa[kk][3] = flash::Mma<T>::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
         }
-        // O += P V
-        mbar_wait(bar_fv(s), ph);
-        {
-            const uint32_t v_base = saddr(sV + s * BN * D);
+    };
+    // Ping-pong: warpgroups take turns issuing their GEMMs (named barrier 3 + w lets warpgroup w
+    // go; it then lets w + 1 go), so one warpgroup's softmax runs under another's GEMMs. Every
+    // warpgroup issues the same number of times (the tile range is the block's).
+    auto turn_begin = [&]() {
+        if constexpr (PINGPONG) named_sync(3 + wg, 256);
+    };
+    auto turn_end = [&]() {
+        if constexpr (PINGPONG) named_arrive(3 + (wg + 1) % NWG, 256);
+    };
+
+    if (t_end > t_begin) {
+        if constexpr (PINGPONG) {
+            if (wg == NWG - 1) named_arrive(3, 256);  // warpgroup 0 goes first
+        }
+        float acc_s[BN / 2];
+        uint32_t pa[BN / 16][4];
+        float alpha[2];
+        // First tile: S, softmax, P.
+        mbar_wait(bar_fk(0), 0);
+        turn_begin();
+        wg_fence();
+        issue_s(acc_s, 0);
+        wg_commit();
+        turn_end();
+        wg_wait<0>();
+        reg_fence(acc_s);
+        if (lane == 0) mbar_arrive(bar_ek(0));
+        softmax(acc_s, t_begin, alpha);
+        pack_p(acc_s, pa);
+        // Steady state: S of tile t and P V of tile t - 1 in flight together; the softmax of t
+        // runs while P V completes.
+        for (int t = t_begin + 1; t < t_end; ++t) {
+            const int it = t - t_begin, s = it % STAGES, sp = (it - 1) % STAGES;
+            const uint32_t ph = (uint32_t)((it / STAGES) & 1);
+            const uint32_t php = (uint32_t)(((it - 1) / STAGES) & 1);
+            mbar_wait(bar_fk(s), ph);
+            mbar_wait(bar_fv(sp), php);
+            turn_begin();
             wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                const uint64_t db = make_desc(v_base + kk * 16 * 128, BN * 128, 1024);
-                mma_rs<T, D>(acc_o, pa[kk], db, 1);
-            }
+            issue_s(acc_s, s);
             wg_commit();
+            issue_pv(pa, sp);
+            wg_commit();
+            turn_end();
+            wg_wait<1>();
+            reg_fence(acc_s);
+            if (lane == 0) mbar_arrive(bar_ek(s));
+            softmax(acc_s, t, alpha);
             wg_wait<0>();
             reg_fence(acc_o);
+            if (lane == 0) mbar_arrive(bar_ev(sp));
+#pragma unroll
+            for (int j = 0; j < DT; ++j) {
+                acc_o[4 * j + 0] *= alpha[0];
+                acc_o[4 * j + 1] *= alpha[0];
+                acc_o[4 * j + 2] *= alpha[1];
+                acc_o[4 * j + 3] *= alpha[1];
+            }
+            pack_p(acc_s, pa);
         }
-        if (lane == 0) mbar_arrive(bar_ev(s));
+        // Last tile's P V.
+        {
+            const int it = t_end - 1 - t_begin, sp = it % STAGES;
+            mbar_wait(bar_fv(sp), (uint32_t)((it / STAGES) & 1));
+            turn_begin();
+            wg_fence();
+            issue_pv(pa, sp);
+            wg_commit();
+            turn_end();
+            wg_wait<0>();
+            reg_fence(acc_o);
+            if (lane == 0) mbar_arrive(bar_ev(sp));
+        }
+        if constexpr (PINGPONG) {
+            if (wg == 0) named_sync(3, 256);  // the last warpgroup's final arrival
+        }
     }
 
     // Epilogue: normalise, lse, stage this warpgroup's 64 rows in sO (swizzled by 16-byte
@@ -374,16 +436,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
 
 }  // namespace sm90
 
-// Entry points: NAME and NAME_mods (softcap / ALiBi), as for the sm_80 kernels. The tensor maps
-// are __grid_constant__ so their addresses are those of the kernel parameters.
-#define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES)                                        \
+// One entry point per instance (kernels/sm90/flash_sm90.cu lists them, with the `_mods` ones for
+// softcap / ALiBi). The tensor maps are __grid_constant__ so their addresses are those of the
+// kernel parameters.
+#define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES, PP, MODS)                              \
     extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
         NAME(const FlashParams p, const __grid_constant__ TmaMap tq,                           \
              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv) {           \
-        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, false>(p, &tq, &tk, &tv);                  \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
-        NAME##_mods(const FlashParams p, const __grid_constant__ TmaMap tq,                    \
-                    const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv) {    \
-        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, true>(p, &tq, &tk, &tv);                   \
+        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, MODS>(p, &tq, &tk, &tv);               \
     }

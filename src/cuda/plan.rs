@@ -113,6 +113,8 @@ pub(crate) struct Sm90Instance {
     pub bn: usize,
     /// Depth of the K/V ring.
     pub stages: usize,
+    /// The `_mods` entry (softcap / ALiBi / non-positive scale).
+    pub mods: bool,
 }
 
 impl Sm90Instance {
@@ -132,20 +134,37 @@ impl Sm90Instance {
     }
 }
 
-/// The sm_90a instances, narrowest first: d 64 with three consumer warpgroups (192 rows), d 128
-/// with two (128 rows), as FlashAttention-3 starts from.
-pub(crate) const SM90_INSTANCES: [Sm90Instance; 2] = [
+/// The sm_90a instances, narrowest first: d 64 with three consumer warpgroups (192 rows; two
+/// with softcap / ALiBi, whose registers spilled at three), d 128 with two (128 rows), as
+/// FlashAttention-3 starts from.
+pub(crate) const SM90_INSTANCES: [Sm90Instance; 4] = [
     Sm90Instance {
         d: 64,
         nwg: 3,
         bn: 128,
         stages: 2,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 64,
+        nwg: 2,
+        bn: 128,
+        stages: 2,
+        mods: true,
     },
     Sm90Instance {
         d: 128,
         nwg: 2,
         bn: 128,
         stages: 2,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 128,
+        nwg: 2,
+        bn: 128,
+        stages: 2,
+        mods: true,
     },
 ];
 
@@ -242,7 +261,7 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
             .then(|| {
                 SM90_INSTANCES
                     .iter()
-                    .find(|i| i.d >= d_load && fits(i.smem()))
+                    .find(|i| i.d >= d_load && i.mods == mods && fits(i.smem()))
             })
             .flatten();
         // The table is ordered by width, the fastest tiles of a width first: the first wide
@@ -580,6 +599,13 @@ mod tests {
                                     || opts.softmax_scale <= 0.0;
                                 assert_eq!(pl.function.ends_with("_mods"), mods, "{what}");
                             }
+                            Kernel::Sm90(i) => {
+                                assert!(caps.hopper && dtype != DType::F32, "{what}");
+                                assert!(i.d >= pl.d_load && pl.d_load.is_multiple_of(8), "{what}");
+                                assert_eq!(pl.module, Module::Sm90, "{what}");
+                                assert_eq!(pl.function.ends_with("_mods"), i.mods, "{what}");
+                                assert_eq!(pl.threads as usize, i.threads(), "{what}");
+                            }
                             Kernel::F32(i) => {
                                 assert_eq!(dtype, DType::F32, "{what}");
                                 assert!(i.d >= d && pl.dv_splits == 1, "{what}");
@@ -606,10 +632,52 @@ mod tests {
     fn pl_rows(pl: &LaunchPlan) -> usize {
         match pl.kernel {
             Kernel::Mma(i) => i.rows(),
+            Kernel::Sm90(i) => i.rows(),
             Kernel::F32(_) => F32_ROWS,
             Kernel::Rowwise => ROWWISE_WARPS,
             Kernel::Decode(_) => DECODE_ROWS,
         }
+    }
+
+    /// Compute capability 9.0 runs f16/bf16 prefill with head dims up to 128 on the sm_90a
+    /// kernels (the `_mods` instances for softcap / ALiBi), everything else, and every call
+    /// under `CANDLE_FLASH_PORTABLE`, on the portable path.
+    #[test]
+    fn hopper_takes_the_sm90_kernels_where_they_cover_the_problem() {
+        let pick = |d, dtype, opts: &FlashAttn, caps: &DeviceCaps| {
+            plan(&problem(d, dtype, opts, 300, 300), dtype, caps).unwrap()
+        };
+        let plain = FlashAttn::new(0.1);
+        for dtype in [DType::BF16, DType::F16] {
+            for (d, tile) in [(40, 64), (64, 64), (80, 128), (128, 128)] {
+                let pl = pick(d, dtype, &plain, &DeviceCaps::SM90);
+                assert!(
+                    matches!(pl.kernel, Kernel::Sm90(i) if i.d == tile && !i.mods),
+                    "{pl:?}"
+                );
+                assert_eq!(pl.module, Module::Sm90);
+                assert_eq!(pl.grid.0 as usize, 300usize.div_ceil(pl_rows(&pl)));
+                let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
+                assert!(matches!(pl.kernel, Kernel::Sm90(i) if i.mods), "{pl:?}");
+                assert!(pl.function.ends_with("_mods"), "{pl:?}");
+                let pl = pick(d, dtype, &plain, &DeviceCaps::SM90.portable());
+                assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+                let pl = pick(d, dtype, &plain, &DeviceCaps::SM80);
+                assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+            }
+            let pl = pick(256, dtype, &plain, &DeviceCaps::SM90);
+            assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+        }
+        let pl = pick(128, DType::F32, &plain, &DeviceCaps::SM90);
+        assert!(matches!(pl.kernel, Kernel::F32(_)), "{pl:?}");
+        // Decode-sized calls keep the split-KV kernel.
+        let pl = plan(
+            &problem(128, DType::BF16, &plain, 1, 300),
+            DType::BF16,
+            &DeviceCaps::SM90,
+        )
+        .unwrap();
+        assert!(matches!(pl.kernel, Kernel::Decode(_)), "{pl:?}");
     }
 
     /// Few packed rows per K/V head take the split-KV decode kernel, split so that a small batch
