@@ -4,14 +4,16 @@
 // src/cuda/plan.rs (names, warpgroups, tiles; the static_asserts below pin shared memory).
 #include "sm90/fwd.cuh"
 
-// (name, T, D, consumer warpgroups, BN, stages, ping-pong, softcap/ALiBi)
+// (name, T, D, consumer warpgroups, BN, stages, ping-pong, softcap/ALiBi); d 64 plain also has a
+// two-warpgroup (128-row) instance, for CANDLE_FLASH_SM90_ROWS A/B runs.
 // d 64 with softcap / ALiBi runs two consumer warpgroups: at three (160 registers each) the
 // score modifiers spilled.
 #define SM90_TABLE(T, TN)                                                                     \
-    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64, T, 64, 3, 128, 2, true, false)             \
-    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_mods, T, 64, 2, 128, 2, true, true)         \
-    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128, T, 128, 2, 128, 2, true, false)           \
-    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128_mods, T, 128, 2, 128, 2, true, true)
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg3, T, 64, 3, 128, 2, true, false)         \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg2, T, 64, 2, 128, 2, true, false)         \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg2_mods, T, 64, 2, 128, 2, true, true)     \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128_wg2, T, 128, 2, 128, 2, true, false)       \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128_wg2_mods, T, 128, 2, 128, 2, true, true)
 
 SM90_TABLE(__nv_bfloat16, bf16)
 SM90_TABLE(__half, f16)

@@ -17,7 +17,7 @@ use half::{bf16, f16};
 
 use super::params::Params;
 use super::plan::{
-    override_decode, plan, DeviceCaps, Kernel, Module, MAX_SEQ, STATIC_SMEM_RESERVE,
+    override_decode, override_sm90, plan, DeviceCaps, Kernel, Module, MAX_SEQ, STATIC_SMEM_RESERVE,
 };
 use crate::problem::{Paged, Problem, Strides};
 use crate::semantics::LOG2_E;
@@ -158,6 +158,13 @@ fn decode_overrides() -> (Option<usize>, Option<usize>) {
     })
 }
 
+/// `CANDLE_FLASH_SM90_ROWS=n` (read once): sm_90a calls run the instance of n query rows where
+/// one exists for their width (d 64: 128 or 192). For benchmarks comparing tiles in one run.
+fn sm90_rows_override() -> Option<usize> {
+    static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| std::env::var("CANDLE_FLASH_SM90_ROWS").ok()?.parse().ok())
+}
+
 /// Window sides for the kernels: -1 unbounded, otherwise clamped so `int` arithmetic on
 /// diagonals (sequences < 2^30) cannot overflow; any window that wide already covers everything.
 fn window_side(w: i64) -> i64 {
@@ -217,6 +224,9 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     let (waves, stages) = decode_overrides();
     if waves.is_some() || stages.is_some() {
         override_decode(&mut plan, p, &caps, waves, stages);
+    }
+    if let Some(rows) = sm90_rows_override() {
+        override_sm90(&mut plan, p, rows);
     }
     let esize = std::mem::size_of::<T>();
     let d = p.head_dim;

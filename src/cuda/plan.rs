@@ -118,6 +118,11 @@ pub(crate) struct Sm90Instance {
 }
 
 impl Sm90Instance {
+    /// The entry point's suffix, after `flash_fwd_sm90_{dtype}_`.
+    pub fn suffix(&self) -> String {
+        let mods = if self.mods { "_mods" } else { "" };
+        format!("d{}_wg{}{mods}", self.d, self.nwg)
+    }
     pub const fn rows(&self) -> usize {
         64 * self.nwg
     }
@@ -137,10 +142,17 @@ impl Sm90Instance {
 /// The sm_90a instances, narrowest first: d 64 with three consumer warpgroups (192 rows; two
 /// with softcap / ALiBi, whose registers spilled at three), d 128 with two (128 rows), as
 /// FlashAttention-3 starts from.
-pub(crate) const SM90_INSTANCES: [Sm90Instance; 4] = [
+pub(crate) const SM90_INSTANCES: [Sm90Instance; 5] = [
     Sm90Instance {
         d: 64,
         nwg: 3,
+        bn: 128,
+        stages: 2,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 64,
+        nwg: 2,
         bn: 128,
         stages: 2,
         mods: false,
@@ -319,11 +331,7 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
             i.smem(),
             d.next_multiple_of(8),
             1,
-            format!(
-                "flash_fwd_sm90_{dname}_d{}{}",
-                i.d,
-                if mods { "_mods" } else { "" }
-            ),
+            format!("flash_fwd_sm90_{dname}_{}", i.suffix()),
         ),
         Kernel::F32(i) => (
             F32_ROWS,
@@ -454,6 +462,32 @@ fn decode_plan(
             combine: (splits > 1).then(|| format!("flash_decode_combine_{dname}")),
         }),
     })
+}
+
+/// Overrides an sm_90a plan's tile height for benchmarks that compare variants in one run: the
+/// instance of the same width and kind with `rows` query rows, if there is one. Other plans are
+/// left as they are.
+pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, rows: usize) {
+    let Kernel::Sm90(i) = plan.kernel else {
+        return;
+    };
+    let Some(&j) = SM90_INSTANCES
+        .iter()
+        .find(|j| (j.d, j.mods) == (i.d, i.mods) && j.rows() == rows)
+    else {
+        return;
+    };
+    let dname = plan
+        .function
+        .split('_')
+        .nth(3)
+        .unwrap_or("bf16")
+        .to_string();
+    plan.kernel = Kernel::Sm90(j);
+    plan.threads = j.threads() as u32;
+    plan.smem = j.smem();
+    plan.function = format!("flash_fwd_sm90_{dname}_{}", j.suffix());
+    plan.grid.0 = p.max_seq_q.div_ceil(rows) as u32;
 }
 
 /// Overrides a decode plan's choices for benchmarks that compare variants in one run: `waves`
@@ -644,6 +678,7 @@ mod tests {
     /// under `CANDLE_FLASH_PORTABLE`, on the portable path.
     #[test]
     fn hopper_takes_the_sm90_kernels_where_they_cover_the_problem() {
+        let dname = |dt| if dt == DType::BF16 { "bf16" } else { "f16" };
         let pick = |d, dtype, opts: &FlashAttn, caps: &DeviceCaps| {
             plan(&problem(d, dtype, opts, 300, 300), dtype, caps).unwrap()
         };
@@ -660,6 +695,17 @@ mod tests {
                 let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
                 assert!(matches!(pl.kernel, Kernel::Sm90(i) if i.mods), "{pl:?}");
                 assert!(pl.function.ends_with("_mods"), "{pl:?}");
+                let mut o = pick(d, dtype, &plain, &DeviceCaps::SM90);
+                override_sm90(&mut o, &problem(d, dtype, &plain, 300, 300), 128);
+                assert!(
+                    matches!(o.kernel, Kernel::Sm90(i) if i.rows() == 128),
+                    "{o:?}"
+                );
+                assert_eq!(o.grid.0, 3);
+                assert_eq!(
+                    o.function,
+                    format!("flash_fwd_sm90_{}_d{tile}_wg2", dname(dtype))
+                );
                 let pl = pick(d, dtype, &plain, &DeviceCaps::SM90.portable());
                 assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
                 let pl = pick(d, dtype, &plain, &DeviceCaps::SM80);
