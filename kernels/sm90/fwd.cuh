@@ -79,6 +79,12 @@ __device__ __forceinline__ void reg_fence(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+// The value through an opaque move: recomputed where used instead of hoisted into registers.
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+    uint32_t y;
+    asm volatile("mov.u32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -134,16 +140,16 @@ struct Traits {
     static constexpr int Q_BYTES = BM * D * 2;
     static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
     static constexpr int O_BYTES = BM * D * 2;   // output staging
-    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s].
-    static constexpr int BAR_BYTES = 8 * (1 + 4 * STAGES);
+    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q.
+    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
     // 1024 of slack to align the base to a swizzle atom.
     static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + BAR_BYTES;
     // setmaxnreg budgets (a multiple of 8; producer + NWG consumers within 512 per thread slot).
-    static constexpr int PRODUCER_REGS = NWG == 2 ? 24 : 32;
-    static constexpr int CONSUMER_REGS = NWG == 2 ? 240 : 160;
+    static constexpr int PRODUCER_REGS = NWG == 2 ? 40 : 32;
+    static constexpr int CONSUMER_REGS = NWG == 2 ? 232 : 160;
 };
 
-template <typename T, int D, int NWG, int BN, int STAGES, bool PINGPONG, bool MODS>
+template <typename T, int D, int NWG, int BN, int STAGES, bool PINGPONG, bool PERSIST, bool MODS>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMap* tq,
                                                const TmaMap* tk, const TmaMap* tv) {
     using Tr = Traits<T, D, NWG, BN, STAGES>;
@@ -152,8 +158,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     static_assert(D % 64 == 0 && BN % 64 == 0, "whole swizzle atoms");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    unsigned char* base = reinterpret_cast<unsigned char*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    // Aligned by an offset from smem_raw (not integer casts), so the compiler still knows every
+    // derived pointer is shared memory (32-bit addresses, STS instead of generic stores).
+    unsigned char* base = smem_raw + ((1024 - (saddr(smem_raw) & 1023)) & 1023);
     T* sQ = reinterpret_cast<T*>(base);
     T* sK = reinterpret_cast<T*>(base + Tr::Q_BYTES);
     T* sV = reinterpret_cast<T*>(base + Tr::Q_BYTES + STAGES * Tr::KV_BYTES);
@@ -165,18 +172,34 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     auto bar_fv = [&](int s) { return saddr(bars + 1 + STAGES + s); };
     auto bar_ek = [&](int s) { return saddr(bars + 1 + 2 * STAGES + s); };
     auto bar_ev = [&](int s) { return saddr(bars + 1 + 3 * STAGES + s); };
+    const uint32_t bar_qe = saddr(bars + 1 + 4 * STAGES);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int m_block = (int)gridDim.x - 1 - (int)blockIdx.x;  // longest causal tiles first
-    const int h = blockIdx.y, b = blockIdx.z;
-    BlockGeom g;
-    if (!block_geom(p, m_block, BM, h, b, g)) return;
-    const int kvh = h / p.kv_group;
-    const int t_begin = g.n_lo / BN;
-    const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
+    // PERSIST: block c computes tiles c, c + gridDim.x, ... of q_tiles x heads x batch, query
+    // tiles fastest (the tiles of one (batch, head) run together and share K/V in L2), the
+    // longest causal tile of each (batch, head) first; the next tile's Q and K/V loads overlap
+    // the current tile's last GEMMs and epilogue. Otherwise one block per tile, grid
+    // (q_tiles, heads, batch), in the same order.
+    const int q_tiles = PERSIST ? (p.seq_q + BM - 1) / BM : (int)gridDim.x;
+    const int total = PERSIST ? q_tiles * p.heads * p.batch : 1;
+    const int tile0 = PERSIST ? (int)blockIdx.x : 0;
+    const int tile_step = PERSIST ? (int)gridDim.x : 1;
+    auto tile_geom = [&](int tile, int& h, int& b, BlockGeom& g) {
+        if constexpr (PERSIST) {
+            const int m_block = q_tiles - 1 - tile % q_tiles;
+            h = (tile / q_tiles) % p.heads;
+            b = tile / (q_tiles * p.heads);
+            return block_geom(p, m_block, BM, h, b, g);
+        } else {
+            h = blockIdx.y;
+            b = blockIdx.z;
+            return block_geom(p, q_tiles - 1 - (int)blockIdx.x, BM, h, b, g);
+        }
+    };
 
     if (tid == 0) {
         mbar_init(bar_q, 1);
+        mbar_init(bar_qe, 4 * NWG);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_fk(s), 1);
             mbar_init(bar_fv(s), 1);
@@ -195,29 +218,41 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             prefetch_map(tq);
             prefetch_map(tk);
             prefetch_map(tv);
-            const int qb = (p.cu_q || p.q_uniform) ? 0 : b;
-            const int kb = p.cu_k ? 0 : b;
-            const int q_row = (int)(g.q_row0 + g.m0);
-            mbar_expect_tx(bar_q, Tr::Q_BYTES);
-#pragma unroll
-            for (int c = 0; c < CH; ++c)
-                tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
-            for (int t = t_begin; t < t_end; ++t) {
-                const int it = t - t_begin, s = it % STAGES;
-                const uint32_t ph = (uint32_t)((it / STAGES) & 1);
-                const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
-                if (it >= STAGES) mbar_wait(bar_ek(s), ph ^ 1);
-                mbar_expect_tx(bar_fk(s), Tr::KV_BYTES);
-#pragma unroll
-                for (int c = 0; c < CH; ++c)
-                    tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s), c * 64, kvh,
-                                k_row, kb);
-                if (it >= STAGES) mbar_wait(bar_ev(s), ph ^ 1);
-                mbar_expect_tx(bar_fv(s), Tr::KV_BYTES);
+            int kv_it = 0, n_tile = 0;
+            for (int tile = tile0; tile < total; tile += tile_step) {
+                int h, b;
+                BlockGeom g;
+                if (!tile_geom(tile, h, b, g)) continue;
+                const int kvh = h / p.kv_group;
+                const int t_begin = g.n_lo / BN;
+                const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
+                const int qb = (p.cu_q || p.q_uniform) ? 0 : b;
+                const int kb = p.cu_k ? 0 : b;
+                const int q_row = (int)(g.q_row0 + g.m0);
+                // The consumers are done with the previous tile's Q.
+                if (n_tile > 0) mbar_wait(bar_qe, (uint32_t)((n_tile - 1) & 1));
+                mbar_expect_tx(bar_q, Tr::Q_BYTES);
 #pragma unroll
                 for (int c = 0; c < CH; ++c)
-                    tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, bar_fv(s), c * 64, kvh,
-                                k_row, kb);
+                    tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
+                for (int t = t_begin; t < t_end; ++t) {
+                    const int it = kv_it++, s = it % STAGES;
+                    const uint32_t ph = (uint32_t)((it / STAGES) & 1);
+                    const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
+                    if (it >= STAGES) mbar_wait(bar_ek(s), ph ^ 1);
+                    mbar_expect_tx(bar_fk(s), Tr::KV_BYTES);
+#pragma unroll
+                    for (int c = 0; c < CH; ++c)
+                        tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s), c * 64,
+                                    kvh, k_row, kb);
+                    if (it >= STAGES) mbar_wait(bar_ev(s), ph ^ 1);
+                    mbar_expect_tx(bar_fv(s), Tr::KV_BYTES);
+#pragma unroll
+                    for (int c = 0; c < CH; ++c)
+                        tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, bar_fv(s), c * 64,
+                                    kvh, k_row, kb);
+                }
+                ++n_tile;
             }
         }
         return;
@@ -229,34 +264,50 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     const int wt = tid % 128;      // thread in the warpgroup
     const int ww = wt / 32;        // warp in the warpgroup
     const int row_base = 64 * wg + 16 * ww + lane / 4;  // this thread's rows: +0 and +8
+    const float unit = MODS ? 1.f : p.scale_log2;
+    const uint32_t q_base = saddr(sQ) + wg * 64 * 128;
+    int kv_it = 0, n_tile = 0;
+    // Ping-pong turns alternate strictly across all tiles of the block: warpgroup 0 goes first,
+    // and takes the last warpgroup's final arrival after the last tile.
+    if constexpr (PINGPONG) {
+        if (wg == NWG - 1) named_arrive(3, 256);
+    }
+    for (int tile = tile0; tile < total; tile += tile_step) {
+    int h, b;
+    BlockGeom g;
+    if (!tile_geom(tile, h, b, g)) continue;
+    const int t_begin = g.n_lo / BN;
+    const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
     const int diag_t = g.m0 + row_base + g.sk - g.sq;
     const float slope_log2 = MODS && p.alibi ? p.alibi[g.slope_idx] * LOG2E_F : 0.f;
-    const float unit = MODS ? 1.f : p.scale_log2;
 
     float acc_o[D / 2];
     float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
 
-    const uint32_t q_base = saddr(sQ) + wg * 64 * 128;
-    mbar_wait(bar_q, 0);
+    mbar_wait(bar_q, (uint32_t)(n_tile & 1));
 
     // Issue S = Q K^T of the tile in stage s (not waited for).
+    // Descriptors are built from one base each per call and offset by constants (the start
+    // address is the low field, in 16-byte units, and never carries out of it: shared memory is
+    // below 256 KB), so no per-step descriptor stays live across the key loop.
     auto issue_s = [&](float* acc_s, int s) {
-        const uint32_t k_base = saddr(sK + s * BN * D);
+        const uint64_t dq = make_desc(opaque(q_base), 16, 1024);
+        const uint64_t dk = make_desc(saddr(sK) + s * BN * D * 2, 16, 1024);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            const uint64_t da = make_desc(q_base + (kk / 4) * BM * 128 + (kk % 4) * 32, 16, 1024);
-            const uint64_t db = make_desc(k_base + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
+            const uint64_t da = dq + (uint64_t)(((kk / 4) * BM * 128 + (kk % 4) * 32) >> 4);
+            const uint64_t db = dk + (uint64_t)(((kk / 4) * BN * 128 + (kk % 4) * 32) >> 4);
             mma_ss<T, BN>(acc_s, da, db, kk > 0);
         }
     };
     // Issue O += P V of the tile in stage s.
     auto issue_pv = [&](const uint32_t (*pa)[4], int s) {
-        const uint32_t v_base = saddr(sV + s * BN * D);
+        const uint64_t dv = make_desc(saddr(sV) + s * BN * D * 2, BN * 128, 1024);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            const uint64_t db = make_desc(v_base + kk * 16 * 128, BN * 128, 1024);
+            const uint64_t db = dv + (uint64_t)((kk * 16 * 128) >> 4);
             mma_rs<T, D>(acc_o, pa[kk], db, 1);
         }
     };
@@ -326,28 +377,28 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     };
 
     if (t_end > t_begin) {
-        if constexpr (PINGPONG) {
-            if (wg == NWG - 1) named_arrive(3, 256);  // warpgroup 0 goes first
-        }
         float acc_s[BN / 2];
         uint32_t pa[BN / 16][4];
         float alpha[2];
         // First tile: S, softmax, P.
-        mbar_wait(bar_fk(0), 0);
-        turn_begin();
-        wg_fence();
-        issue_s(acc_s, 0);
-        wg_commit();
-        turn_end();
-        wg_wait<0>();
-        reg_fence(acc_s);
-        if (lane == 0) mbar_arrive(bar_ek(0));
+        {
+            const int s0 = kv_it % STAGES;
+            mbar_wait(bar_fk(s0), (uint32_t)((kv_it / STAGES) & 1));
+            turn_begin();
+            wg_fence();
+            issue_s(acc_s, s0);
+            wg_commit();
+            turn_end();
+            wg_wait<0>();
+            reg_fence(acc_s);
+            if (lane == 0) mbar_arrive(bar_ek(s0));
+        }
         softmax(acc_s, t_begin, alpha);
         pack_p(acc_s, pa);
         // Steady state: S of tile t and P V of tile t - 1 in flight together; the softmax of t
         // runs while P V completes.
         for (int t = t_begin + 1; t < t_end; ++t) {
-            const int it = t - t_begin, s = it % STAGES, sp = (it - 1) % STAGES;
+            const int it = kv_it + t - t_begin, s = it % STAGES, sp = (it - 1) % STAGES;
             const uint32_t ph = (uint32_t)((it / STAGES) & 1);
             const uint32_t php = (uint32_t)(((it - 1) / STAGES) & 1);
             mbar_wait(bar_fk(s), ph);
@@ -375,9 +426,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             }
             pack_p(acc_s, pa);
         }
+        // Every S of this tile is complete: the producer may load the next tile's Q.
+        if (lane == 0) mbar_arrive(bar_qe);
         // Last tile's P V.
         {
-            const int it = t_end - 1 - t_begin, sp = it % STAGES;
+            const int it = kv_it + t_end - 1 - t_begin, sp = it % STAGES;
             mbar_wait(bar_fv(sp), (uint32_t)((it / STAGES) & 1));
             turn_begin();
             wg_fence();
@@ -388,14 +441,17 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             reg_fence(acc_o);
             if (lane == 0) mbar_arrive(bar_ev(sp));
         }
-        if constexpr (PINGPONG) {
-            if (wg == 0) named_sync(3, 256);  // the last warpgroup's final arrival
-        }
+    } else if (lane == 0) {
+        mbar_arrive(bar_qe);  // no key: Q was loaded but is not read
     }
+    kv_it += t_end - t_begin;
 
     // Epilogue: normalise, lse, stage this warpgroup's 64 rows in sO (swizzled by 16-byte
     // chunks), then 16-byte coalesced stores.
     T* so = sO + wg * 64 * D;
+    named_sync(1 + wg, 128);  // this warpgroup's stores of the previous tile have read sO
+    // The geometry again rather than carried through the key loop (registers).
+    tile_geom(tile, h, b, g);
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float l = row_l[hf];
@@ -417,20 +473,28 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     T* og = static_cast<T*>(p.o) + (g.out_row0 + g.m0 + 64 * wg) * p.o_seq + (int64_t)h * p.o_head;
     constexpr int C = D / 8;
     const int rows = g.rows - 64 * wg;
+    // The thread index through a volatile read: the store addresses are computed here, not
+    // hoisted to the kernel's start and kept (spilled) across the key loop.
+    const int wt_e = flash::tid_volatile() % 128;
     if (p.d_out % 8 == 0) {
 #pragma unroll
         for (int i0 = 0; i0 < 64 * C; i0 += 128) {
-            const int i = i0 + wt;
+            const int i = i0 + wt_e;
             const int r = i / C, c = i % C;
             if (r < rows && c * 8 < p.d_out)
                 *reinterpret_cast<uint4*>(og + r * p.o_seq + c * 8) =
                     *reinterpret_cast<const uint4*>(so + flash::swz<D>(r, c));
         }
     } else {
-        for (int i = wt; i < 64 * p.d_out; i += 128) {
+        for (int i = wt_e; i < 64 * p.d_out; i += 128) {
             const int r = i / p.d_out, c = i % p.d_out;
             if (r < rows) og[r * p.o_seq + c] = so[flash::swz<D>(r, c / 8) + c % 8];
         }
+    }
+    ++n_tile;
+    }
+    if constexpr (PINGPONG) {
+        if (wg == 0) named_sync(3, 256);
     }
 }
 
@@ -439,9 +503,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
 // One entry point per instance (kernels/sm90/flash_sm90.cu lists them, with the `_mods` ones for
 // softcap / ALiBi). The tensor maps are __grid_constant__ so their addresses are those of the
 // kernel parameters.
-#define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES, PP, MODS)                              \
+#define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES, PP, PERSIST, MODS)                     \
     extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
         NAME(const FlashParams p, const __grid_constant__ TmaMap tq,                           \
              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv) {           \
-        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, MODS>(p, &tq, &tk, &tv);               \
+        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, PERSIST, MODS>(p, &tq, &tk, &tv);      \
     }

@@ -158,11 +158,14 @@ fn decode_overrides() -> (Option<usize>, Option<usize>) {
     })
 }
 
-/// `CANDLE_FLASH_SM90_ROWS=n` (read once): sm_90a calls run the instance of n query rows where
-/// one exists for their width (d 64: 128 or 192). For benchmarks comparing tiles in one run.
-fn sm90_rows_override() -> Option<usize> {
-    static ROWS: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| std::env::var("CANDLE_FLASH_SM90_ROWS").ok()?.parse().ok())
+/// `CANDLE_FLASH_SM90_VARIANT=v` (read once): sm_90a calls run the instance of variant v (`wg3`,
+/// `wg2`, `wg2p`: consumer warpgroups, `p` persistent) where one exists for their width and kind.
+/// For benchmarks comparing instances in one run; unset in normal use.
+fn sm90_variant_override() -> Option<&'static str> {
+    static VARIANT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    VARIANT
+        .get_or_init(|| std::env::var("CANDLE_FLASH_SM90_VARIANT").ok())
+        .as_deref()
 }
 
 /// Window sides for the kernels: -1 unbounded, otherwise clamped so `int` arithmetic on
@@ -225,8 +228,8 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     if waves.is_some() || stages.is_some() {
         override_decode(&mut plan, p, &caps, waves, stages);
     }
-    if let Some(rows) = sm90_rows_override() {
-        override_sm90(&mut plan, p, rows);
+    if let Some(v) = sm90_variant_override() {
+        override_sm90(&mut plan, p, &caps, v);
     }
     let esize = std::mem::size_of::<T>();
     let d = p.head_dim;
@@ -461,6 +464,7 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             .filter(|pg| pg.page.is_power_of_two())
             .map_or(-1, |pg| pg.page.trailing_zeros() as i32),
         q_uniform: q_uniform as i32,
+        batch: to_i32(p.batch, "batch")?,
     };
     if let Kernel::Sm90(i) = plan.kernel {
         let bf16 = T::DTYPE == DType::BF16;

@@ -113,6 +113,8 @@ pub(crate) struct Sm90Instance {
     pub bn: usize,
     /// Depth of the K/V ring.
     pub stages: usize,
+    /// Persistent: one block per SM (at most one per tile) walks the tiles.
+    pub persistent: bool,
     /// The `_mods` entry (softcap / ALiBi / non-positive scale).
     pub mods: bool,
 }
@@ -121,7 +123,11 @@ impl Sm90Instance {
     /// The entry point's suffix, after `flash_fwd_sm90_{dtype}_`.
     pub fn suffix(&self) -> String {
         let mods = if self.mods { "_mods" } else { "" };
-        format!("d{}_wg{}{mods}", self.d, self.nwg)
+        format!("d{}_{}{mods}", self.d, self.variant())
+    }
+    /// Warpgroups and persistence, as `CANDLE_FLASH_SM90_VARIANT` names them: `wg2`, `wg2p`.
+    pub fn variant(&self) -> String {
+        format!("wg{}{}", self.nwg, if self.persistent { "p" } else { "" })
     }
     pub const fn rows(&self) -> usize {
         64 * self.nwg
@@ -135,19 +141,21 @@ impl Sm90Instance {
     pub const fn smem(&self) -> usize {
         1024 + 2 * self.rows() * self.d * 2
             + 2 * self.stages * self.bn * self.d * 2
-            + 8 * (1 + 4 * self.stages)
+            + 8 * (2 + 4 * self.stages)
     }
 }
 
-/// The sm_90a instances, narrowest first: d 64 with three consumer warpgroups (192 rows; two
-/// with softcap / ALiBi, whose registers spilled at three), d 128 with two (128 rows), as
-/// FlashAttention-3 starts from.
-pub(crate) const SM90_INSTANCES: [Sm90Instance; 5] = [
+/// The sm_90a instances, narrowest first; the first of a width and kind is the default, the
+/// others are variants for `CANDLE_FLASH_SM90_VARIANT`. d 64: three consumer warpgroups (192 rows)
+/// or two, persistent (softcap / ALiBi: two, not persistent: their registers spilled otherwise);
+/// d 128: two warpgroups (128 rows), as FlashAttention-3 starts from.
+pub(crate) const SM90_INSTANCES: [Sm90Instance; 6] = [
     Sm90Instance {
         d: 64,
         nwg: 3,
         bn: 128,
         stages: 2,
+        persistent: false,
         mods: false,
     },
     Sm90Instance {
@@ -155,6 +163,7 @@ pub(crate) const SM90_INSTANCES: [Sm90Instance; 5] = [
         nwg: 2,
         bn: 128,
         stages: 2,
+        persistent: true,
         mods: false,
     },
     Sm90Instance {
@@ -162,6 +171,7 @@ pub(crate) const SM90_INSTANCES: [Sm90Instance; 5] = [
         nwg: 2,
         bn: 128,
         stages: 2,
+        persistent: false,
         mods: true,
     },
     Sm90Instance {
@@ -169,6 +179,7 @@ pub(crate) const SM90_INSTANCES: [Sm90Instance; 5] = [
         nwg: 2,
         bn: 128,
         stages: 2,
+        persistent: false,
         mods: false,
     },
     Sm90Instance {
@@ -176,6 +187,15 @@ pub(crate) const SM90_INSTANCES: [Sm90Instance; 5] = [
         nwg: 2,
         bn: 128,
         stages: 2,
+        persistent: true,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 128,
+        nwg: 2,
+        bn: 128,
+        stages: 2,
+        persistent: false,
         mods: true,
     },
 ];
@@ -375,12 +395,16 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
             p.batch
         )
     }
+    let grid = match kernel {
+        Kernel::Sm90(i) if i.persistent => sm90_persistent_grid(p, caps, i)?,
+        // Query tiles fastest: the blocks of one (batch, head) run together and share K/V in L2.
+        _ => (q_tiles as u32, p.heads as u32, p.batch as u32),
+    };
     Ok(LaunchPlan {
         kernel,
         module,
         function,
-        // Query tiles fastest: the blocks of one (batch, head) run together and share K/V in L2.
-        grid: (q_tiles as u32, p.heads as u32, p.batch as u32),
+        grid,
         threads: threads as u32,
         smem,
         d_load,
@@ -464,17 +488,41 @@ fn decode_plan(
     })
 }
 
-/// Overrides an sm_90a plan's tile height for benchmarks that compare variants in one run: the
-/// instance of the same width and kind with `rows` query rows, if there is one. Other plans are
-/// left as they are.
-pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, rows: usize) {
+/// The grid of a persistent sm_90a instance: one block per SM, at most one per tile.
+fn sm90_persistent_grid(
+    p: &Problem,
+    caps: &DeviceCaps,
+    i: Sm90Instance,
+) -> Result<(u32, u32, u32)> {
+    let tiles = p.max_seq_q.div_ceil(i.rows()) * p.heads * p.batch;
+    if tiles > i32::MAX as usize {
+        bail!("flash-attn: {tiles} query tiles exceed the sm_90a kernels' limit")
+    }
+    Ok((tiles.clamp(1, caps.sms as usize) as u32, 1, 1))
+}
+
+/// Overrides an sm_90a plan's instance for benchmarks that compare variants in one run: the
+/// instance of the same width and kind whose [`Sm90Instance::variant`] is `variant`, if there is
+/// one. Other plans are left as they are.
+pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, caps: &DeviceCaps, variant: &str) {
     let Kernel::Sm90(i) = plan.kernel else {
         return;
     };
     let Some(&j) = SM90_INSTANCES
         .iter()
-        .find(|j| (j.d, j.mods) == (i.d, i.mods) && j.rows() == rows)
+        .find(|j| (j.d, j.mods) == (i.d, i.mods) && j.variant() == variant)
     else {
+        return;
+    };
+    let Ok(grid) = (if j.persistent {
+        sm90_persistent_grid(p, caps, j)
+    } else {
+        Ok((
+            p.max_seq_q.div_ceil(j.rows()) as u32,
+            p.heads as u32,
+            p.batch as u32,
+        ))
+    }) else {
         return;
     };
     let dname = plan
@@ -487,7 +535,7 @@ pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, rows: usize) {
     plan.threads = j.threads() as u32;
     plan.smem = j.smem();
     plan.function = format!("flash_fwd_sm90_{dname}_{}", j.suffix());
-    plan.grid.0 = p.max_seq_q.div_ceil(rows) as u32;
+    plan.grid = grid;
 }
 
 /// Overrides a decode plan's choices for benchmarks that compare variants in one run: `waves`
@@ -654,6 +702,14 @@ mod tests {
                                 continue;
                             }
                         }
+                        if let Kernel::Sm90(_) = pl.kernel {
+                            assert_eq!(pl.grid, (8, 1, 1), "{what}");
+                            continue;
+                        }
+                        if matches!(pl.kernel, Kernel::Sm90(i) if i.persistent) {
+                            assert_eq!(pl.grid, (8, 1, 1), "{what}");
+                            continue;
+                        }
                         let rows = pl.grid.0 as usize / pl.dv_splits;
                         assert!(rows * pl_rows(&pl) >= 3, "{what}");
                         assert_eq!((pl.grid.1, pl.grid.2), (4, 2), "{what}");
@@ -691,21 +747,20 @@ mod tests {
                     "{pl:?}"
                 );
                 assert_eq!(pl.module, Module::Sm90);
-                assert_eq!(pl.grid.0 as usize, 300usize.div_ceil(pl_rows(&pl)));
+                // The defaults are one block per tile (2 batches x 4 heads here).
+                let q_tiles = 300usize.div_ceil(pl_rows(&pl)) as u32;
+                assert_eq!(pl.grid, (q_tiles, 4, 2));
                 let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
                 assert!(matches!(pl.kernel, Kernel::Sm90(i) if i.mods), "{pl:?}");
                 assert!(pl.function.ends_with("_mods"), "{pl:?}");
                 let mut o = pick(d, dtype, &plain, &DeviceCaps::SM90);
-                override_sm90(&mut o, &problem(d, dtype, &plain, 300, 300), 128);
-                assert!(
-                    matches!(o.kernel, Kernel::Sm90(i) if i.rows() == 128),
-                    "{o:?}"
-                );
-                assert_eq!(o.grid.0, 3);
-                assert_eq!(
-                    o.function,
-                    format!("flash_fwd_sm90_{}_d{tile}_wg2", dname(dtype))
-                );
+                let caps = DeviceCaps::SM90;
+                override_sm90(&mut o, &problem(d, dtype, &plain, 300, 300), &caps, "wg2p");
+                assert!(matches!(o.kernel, Kernel::Sm90(i) if i.persistent), "{o:?}");
+                // 3 tiles of 128 rows x 4 heads x 2 batches, fewer than the SMs.
+                assert_eq!(o.grid, (24, 1, 1));
+                let name = format!("flash_fwd_sm90_{}_d{tile}_wg2p", dname(dtype));
+                assert_eq!(o.function, name);
                 let pl = pick(d, dtype, &plain, &DeviceCaps::SM90.portable());
                 assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
                 let pl = pick(d, dtype, &plain, &DeviceCaps::SM80);
