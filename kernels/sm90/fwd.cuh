@@ -95,6 +95,12 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 // Shared-memory matrix descriptor, 128-byte swizzle. K-major operands (Q, K): rows of 128 bytes,
 // 8-row groups 1024 bytes apart (SBO), LBO unused. MN-major V: LBO = distance between 64-column
 // chunks, SBO = 1024 (8 keys).
+// Named barriers (0 is __syncthreads): EPI_BAR + w, warpgroup w's epilogue (128 threads);
+// PP_BAR + w, the ping-pong turn of warpgroup w (256 threads). The ranges must not overlap: a
+// barrier used with two thread counts is an illegal instruction.
+constexpr int EPI_BAR = 1;
+constexpr int PP_BAR = 8;
+
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
            ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
@@ -270,7 +276,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     // Ping-pong turns alternate strictly across all tiles of the block: warpgroup 0 goes first,
     // and takes the last warpgroup's final arrival after the last tile.
     if constexpr (PINGPONG) {
-        if (wg == NWG - 1) named_arrive(3, 256);
+        if (wg == NWG - 1) named_arrive(PP_BAR, 256);
     }
     for (int tile = tile0; tile < total; tile += tile_step) {
     int h, b;
@@ -366,14 +372,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             pa[kk][3] = flash::Mma<T>::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
         }
     };
-    // Ping-pong: warpgroups take turns issuing their GEMMs (named barrier 3 + w lets warpgroup w
+    // Ping-pong: warpgroups take turns issuing their GEMMs (named barrier PP_BAR + w lets warpgroup w
     // go; it then lets w + 1 go), so one warpgroup's softmax runs under another's GEMMs. Every
     // warpgroup issues the same number of times (the tile range is the block's).
     auto turn_begin = [&]() {
-        if constexpr (PINGPONG) named_sync(3 + wg, 256);
+        if constexpr (PINGPONG) named_sync(PP_BAR + wg, 256);
     };
     auto turn_end = [&]() {
-        if constexpr (PINGPONG) named_arrive(3 + (wg + 1) % NWG, 256);
+        if constexpr (PINGPONG) named_arrive(PP_BAR + (wg + 1) % NWG, 256);
     };
 
     if (t_end > t_begin) {
@@ -449,7 +455,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     // Epilogue: normalise, lse, stage this warpgroup's 64 rows in sO (swizzled by 16-byte
     // chunks), then 16-byte coalesced stores.
     T* so = sO + wg * 64 * D;
-    named_sync(1 + wg, 128);  // this warpgroup's stores of the previous tile have read sO
+    named_sync(EPI_BAR + wg, 128);  // this warpgroup's stores of the previous tile have read sO
     // The geometry again rather than carried through the key loop (registers).
     tile_geom(tile, h, b, g);
 #pragma unroll
@@ -469,7 +475,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                 flash::Mma<T>::pack(acc_o[4 * j + 2 * hf] * inv, acc_o[4 * j + 2 * hf + 1] * inv);
         }
     }
-    named_sync(1 + wg, 128);
+    named_sync(EPI_BAR + wg, 128);
     T* og = static_cast<T*>(p.o) + (g.out_row0 + g.m0 + 64 * wg) * p.o_seq + (int64_t)h * p.o_head;
     constexpr int C = D / 8;
     const int rows = g.rows - 64 * wg;
@@ -494,7 +500,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     ++n_tile;
     }
     if constexpr (PINGPONG) {
-        if (wg == 0) named_sync(3, 256);
+        if (wg == 0) named_sync(PP_BAR, 256);
     }
 }
 
