@@ -288,8 +288,12 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
     } else {
         let d_load = d.next_multiple_of(8);
         // Hopper: the sm_90a kernels where an instance is wide enough.
-        let sm90 = caps
-            .hopper
+        // Measured on an H100 (BENCHMARKS.md, 2026-11-22): d <= 64 causal at seq 512 ran 0.85x
+        // the portable kernel (192-row tiles, most blocks on the diagonal); such short banded
+        // calls stay portable. Everything else measured ran 1.16x to 1.97x.
+        let (left, right) = p.window.as_i64();
+        let short_banded = d_load <= 64 && (left >= 0 || right >= 0) && p.max_seq_q <= 512;
+        let sm90 = (caps.hopper && !short_banded)
             .then(|| {
                 SM90_INSTANCES
                     .iter()
@@ -769,6 +773,21 @@ mod tests {
             let pl = pick(256, dtype, &plain, &DeviceCaps::SM90);
             assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
         }
+        // Short banded d 64 calls stay portable (slower on the sm_90a tiles); longer ones do not.
+        let causal = FlashAttn::new(0.1).causal();
+        let pl = pick(64, DType::BF16, &causal, &DeviceCaps::SM90);
+        assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+        let pl = plan(
+            &problem(64, DType::BF16, &causal, 600, 600),
+            DType::BF16,
+            &DeviceCaps::SM90,
+        )
+        .unwrap();
+        assert!(matches!(pl.kernel, Kernel::Sm90(_)), "{pl:?}");
+        assert!(matches!(
+            pick(128, DType::BF16, &causal, &DeviceCaps::SM90).kernel,
+            Kernel::Sm90(_)
+        ));
         let pl = pick(128, DType::F32, &plain, &DeviceCaps::SM90);
         assert!(matches!(pl.kernel, Kernel::F32(_)), "{pl:?}");
         // Decode-sized calls keep the split-KV kernel.
