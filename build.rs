@@ -4,9 +4,9 @@
 //! Every `.cu` file at the top of `kernels/` is one module and becomes `$OUT_DIR/<stem>.ptx` for
 //! the virtual architecture `compute_80` (Ampere and later; the driver JIT-compiles it for the
 //! GPU at load time). Headers are grouped by pass under `kernels/common`, `kernels/forward` (and
-//! later `decode`, `backward`, `sm90`). An architecture-specific module (wgmma/TMA for sm_90a) is
-//! added to `ARCH_MODULES` with its own `-gencode` target and picked at run time by compute
-//! capability in `src/cuda/launch.rs`.
+//! later `decode`, `backward`, `sm90`). Architecture-specific modules live in subfolders and are
+//! listed in `ARCH_MODULES` with their own `-gencode` target: today `kernels/sm90/flash_sm90.cu`
+//! (wgmma/TMA, `compute_90a`), picked at run time by compute capability in `src/cuda/plan.rs`.
 //!
 //! Two headers are generated into `$OUT_DIR` from the Rust sources, so Rust and CUDA cannot
 //! drift apart:

@@ -12,6 +12,14 @@
 // The host builds one 4-D tensor map per operand: (column, head, row, batch), box (64, 1, rows, 1);
 // varlen operands use batch 1 and rows = the packed total. Rows and columns outside the tensor
 // read as zeros.
+//
+// Overlap (FlashAttention-3): within a warpgroup, S of tile t and P V of tile t - 1 are issued
+// together and the softmax of t runs while P V completes (O is rescaled after it); between
+// warpgroups (PINGPONG), named barriers hand the GEMM issue slot round-robin so one warpgroup's
+// softmax runs under another's GEMMs. PERSIST instances run one block per SM over all tiles
+// (the next tile's Q waits on an empty-Q barrier, so its loads overlap the last GEMMs and the
+// epilogue); the default instances are one block per tile. The output is staged per warpgroup in
+// shared memory for 16-byte stores; lse as in the sm_80 kernel.
 #pragma once
 #include "common/mask.cuh"
 #include "common/math.cuh"

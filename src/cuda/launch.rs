@@ -1,9 +1,11 @@
 //! Executes a [`LaunchPlan`]: operands the kernel cannot read in place are packed, one
 //! parameter struct is filled, and the kernel is launched on candle's stream.
 //!
-//! The kernels are compiled to PTX (`compute_80`) by `build.rs`, embedded here and loaded once
-//! per device; [`ptx`] maps a plan's module to its text, so an architecture-specific module (an
-//! sm_90a build) slots in by compute capability without touching the launch code.
+//! The kernels are compiled to PTX by `build.rs` (`compute_80`, plus the Hopper module for
+//! `compute_90a`), embedded here and loaded once per device; [`ptx`] maps a plan's module to its
+//! text. The planner picks the sm_90a module on compute capability 9.0 (not under
+//! `CANDLE_FLASH_PORTABLE=1`); its kernels also take the tensor maps of q, k and v, built here per
+//! call with `cuTensorMapEncodeTiled`.
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
