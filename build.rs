@@ -4,9 +4,9 @@
 //! Every `.cu` file at the top of `kernels/` is one module and becomes `$OUT_DIR/<stem>.ptx` for
 //! the virtual architecture `compute_80` (Ampere and later; the driver JIT-compiles it for the
 //! GPU at load time). Headers are grouped by pass under `kernels/common`, `kernels/forward` (and
-//! later `decode`, `backward`, `sm90`). An architecture-specific module (wgmma/TMA for sm_90a) is
-//! added to `ARCH_MODULES` with its own `-gencode` target and picked at run time by compute
-//! capability in `src/cuda/launch.rs`.
+//! later `decode`, `backward`, `sm90`). Architecture-specific modules live in subfolders and are
+//! listed in `ARCH_MODULES` with their own `-gencode` target: today `kernels/sm90/flash_sm90.cu`
+//! (wgmma/TMA, `compute_90a`), picked at run time by compute capability in `src/cuda/plan.rs`.
 //!
 //! Two headers are generated into `$OUT_DIR` from the Rust sources, so Rust and CUDA cannot
 //! drift apart:
@@ -33,8 +33,13 @@ mod bwd_instances {
 }
 
 /// Extra modules built for a specific architecture, on top of one `compute_80` PTX per `.cu`:
-/// `(source file, output stem, nvcc target flags)`. Empty today.
-const ARCH_MODULES: &[(&str, &str, &[&str])] = &[];
+/// `(source file, output stem, nvcc target flags)`: the sm_90a (Hopper) forward module, loaded
+/// on compute capability 9.0 only (wgmma and setmaxnreg need the `a` target).
+const ARCH_MODULES: &[(&str, &str, &[&str])] = &[(
+    "kernels/sm90/flash_sm90.cu",
+    "flash_sm90",
+    &["-gencode=arch=compute_90a,code=compute_90a"],
+)];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

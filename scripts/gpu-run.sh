@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What runs on the GPU machine (carry .gpu/, made by scripts/pack-gpu.sh):
-#   GPU tests, compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on small ragged shapes, the
+#   GPU tests (on a Hopper GPU twice: sm_90a default and CANDLE_FLASH_PORTABLE=1), compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on small ragged shapes, the
 #   candle-flash benchmark, PyTorch SDPA (flash and cuDNN) on the same shapes, and a
 #   side-by-side table with ratios. Logs, and the benchmarks' CSV (prefill-candle.csv,
 #   prefill-torch.csv: plot them with scripts/plot.py), go to $OUT when it is set.
@@ -44,6 +44,12 @@ if [ $TESTS = 1 ]; then
     echo "== GPU tests"
     ./.gpu/gpu_tests --test-threads=1 2>&1 | tee "$LOG/tests.log" | grep -E "^test |test result|passed|panicked|error" || true
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    if [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)" = "9.0" ]; then
+        # Hopper runs the sm_90a kernels by default: the whole suite again on the portable path.
+        echo "== GPU tests again with CANDLE_FLASH_PORTABLE=1 (the sm_80 kernels on this Hopper GPU)"
+        CANDLE_FLASH_PORTABLE=1 ./.gpu/gpu_tests --test-threads=1 2>&1 | tee "$LOG/tests-portable.log" | grep -E "^test |test result|passed|panicked|error" || true
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    fi
     echo "== paged KV cache, prefix ranges and KV-cache append tests (tests/paged.rs on the GPU)"
     CANDLE_FLASH_TEST_DEVICE=cuda ./.gpu/paged_tests --test-threads=1 2>&1 | tee "$LOG/paged.log" | grep -E "^test |test result|panicked" || true
     [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -52,6 +52,7 @@ struct FlashParams {
     int32_t max_ranges;     // prefix ranges per sequence
     int32_t page_shift;     // paged K/V: log2(page) for power-of-two pages, else -1
     int32_t q_uniform;      // varlen q with cu_q null: sequence b is rows [b seq_q, (b + 1) seq_q)
+    int32_t batch;          // sequences (the persistent sm_90a kernels count their tiles from it)
 };
 
 

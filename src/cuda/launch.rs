@@ -1,21 +1,26 @@
 //! Executes a [`LaunchPlan`]: operands the kernel cannot read in place are packed, one
 //! parameter struct is filled, and the kernel is launched on candle's stream.
 //!
-//! The kernels are compiled to PTX (`compute_80`) by `build.rs`, embedded here and loaded once
-//! per device; [`ptx`] maps a plan's module to its text, so an architecture-specific module (an
-//! sm_90a build) slots in by compute capability without touching the launch code.
+//! The kernels are compiled to PTX by `build.rs` (`compute_80`, plus the Hopper module for
+//! `compute_90a`), embedded here and loaded once per device; [`ptx`] maps a plan's module to its
+//! text. The planner picks the sm_90a module on compute capability 9.0 (not under
+//! `CANDLE_FLASH_PORTABLE=1`); its kernels also take the tensor maps of q, k and v, built here per
+//! call with `cuTensorMapEncodeTiled`.
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchArgs, LaunchConfig,
+    PushKernelArg,
 };
 use candle::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle::{bail, CudaStorage, DType, Result, Storage, Tensor};
 use half::{bf16, f16};
 
 use super::params::Params;
-use super::plan::{override_decode, plan, DeviceCaps, Module, MAX_SEQ, STATIC_SMEM_RESERVE};
+use super::plan::{
+    override_decode, override_sm90, plan, DeviceCaps, Kernel, Module, MAX_SEQ, STATIC_SMEM_RESERVE,
+};
 use crate::problem::{Paged, Problem, Strides};
 use crate::semantics::LOG2_E;
 
@@ -34,6 +39,10 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
             "candle_flash_f32",
             include_str!(concat!(env!("OUT_DIR"), "/flash_f32.ptx")),
         ),
+        Module::Sm90 => (
+            "candle_flash_sm90",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_sm90.ptx")),
+        ),
     }
 }
 
@@ -50,12 +59,91 @@ unsafe impl DeviceRepr for Params {}
 fn caps(stream: &CudaStream) -> Result<DeviceCaps> {
     let ctx = stream.context();
     let attr = |a| -> Result<usize> { Ok(ctx.attribute(a).w()? as usize) };
-    Ok(DeviceCaps::new(
+    let caps = DeviceCaps::new(
         attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as u32,
         attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as u32,
         attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
         attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
-    ))
+    );
+    Ok(if force_portable() {
+        caps.portable()
+    } else {
+        caps
+    })
+}
+
+/// `CANDLE_FLASH_PORTABLE=1` (read once): the sm_90a kernels stay off and every call takes the
+/// portable compute_80 path, for A/B runs and as an escape hatch.
+fn force_portable() -> bool {
+    static PORTABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PORTABLE.get_or_init(|| {
+        std::env::var("CANDLE_FLASH_PORTABLE").is_ok_and(|v| !v.is_empty() && v != "0")
+    })
+}
+
+/// The driver's `CUtensorMap`: 128 opaque bytes (the kernels' `TmaMap`), passed by value as a
+/// `__grid_constant__` kernel parameter.
+#[repr(C, align(128))]
+#[derive(Clone, Copy)]
+struct TmaMap([u64; 16]);
+
+// SAFETY: plain bytes, copied as the kernel parameter of the same size.
+unsafe impl DeviceRepr for TmaMap {}
+
+/// A 4-D tensor map (column, head, row, batch) over one operand for the sm_90a kernels: boxes of
+/// 64 columns x `box_rows` rows of one head, 128-byte swizzle, zero fill outside the tensor.
+fn tma_map(
+    ptr: u64,
+    s: &Strides,
+    esize: usize,
+    bf16: bool,
+    [cols, heads, rows, batch]: [usize; 4],
+    box_rows: usize,
+) -> Result<TmaMap> {
+    use candle::cuda_backend::cudarc::driver::sys;
+    // Strides of axes of extent 1 are never used; the driver still wants multiples of 16.
+    let stride = |st: usize, n: usize| -> u64 {
+        if n <= 1 {
+            (cols * esize).next_multiple_of(16) as u64
+        } else {
+            (st * esize) as u64
+        }
+    };
+    let dims = [cols, heads, rows, batch].map(|x| x.max(1) as u64);
+    let strides = [
+        stride(s.head, heads),
+        stride(s.seq, rows),
+        stride(s.batch, batch),
+    ];
+    let boxes = [64u32, 1, box_rows as u32, 1];
+    let elem_strides = [1u32; 4];
+    let mut map = TmaMap([0; 16]);
+    // SAFETY: every pointer is to a live local array of the lengths the rank (4) implies; `map`
+    // is 128 writable bytes, as large and as aligned as a CUtensorMap.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map as *mut TmaMap as *mut sys::CUtensorMap,
+            if bf16 {
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+            } else {
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+            },
+            4,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        bail!("flash-attn: cuTensorMapEncodeTiled failed ({r:?}) for dims {dims:?}, strides {strides:?}")
+    }
+    Ok(map)
 }
 
 /// `CANDLE_FLASH_DECODE_WAVES=n` and `CANDLE_FLASH_DECODE_STAGES=s`, read once: decode calls are
@@ -70,6 +158,16 @@ fn decode_overrides() -> (Option<usize>, Option<usize>) {
             var("CANDLE_FLASH_DECODE_STAGES"),
         )
     })
+}
+
+/// `CANDLE_FLASH_SM90_VARIANT=v` (read once): sm_90a calls run the instance of variant v (`wg3`,
+/// `wg2`, `wg2p`: consumer warpgroups, `p` persistent) where one exists for their width and kind.
+/// For benchmarks comparing instances in one run; unset in normal use.
+fn sm90_variant_override() -> Option<&'static str> {
+    static VARIANT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    VARIANT
+        .get_or_init(|| std::env::var("CANDLE_FLASH_SM90_VARIANT").ok())
+        .as_deref()
 }
 
 /// Window sides for the kernels: -1 unbounded, otherwise clamped so `int` arithmetic on
@@ -131,6 +229,9 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     let (waves, stages) = decode_overrides();
     if waves.is_some() || stages.is_some() {
         override_decode(&mut plan, p, &caps, waves, stages);
+    }
+    if let Some(v) = sm90_variant_override() {
+        override_sm90(&mut plan, p, &caps, v);
     }
     let esize = std::mem::size_of::<T>();
     let d = p.head_dim;
@@ -365,16 +466,48 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             .filter(|pg| pg.page.is_power_of_two())
             .map_or(-1, |pg| pg.page.trailing_zeros() as i32),
         q_uniform: q_uniform as i32,
+        batch: to_i32(p.batch, "batch")?,
     };
-    launch_function(
-        dev,
-        plan.module,
-        &plan.function,
-        plan.grid,
-        plan.threads,
-        plan.smem,
-        &params,
-    )?;
+    if let Kernel::Sm90(i) = plan.kernel {
+        let bf16 = T::DTYPE == DType::BF16;
+        // Varlen operands are one packed run of rows (batch 1); the kernel then addresses rows
+        // from cu_q / cu_k.
+        let map = |o: &Operand, heads: usize, rows: usize, batches: usize, box_rows: usize| {
+            tma_map(
+                o.ptr,
+                &o.s,
+                esize,
+                bf16,
+                [plan.d_load, heads, rows, batches],
+                box_rows,
+            )
+        };
+        let maps = [
+            map(&qo, p.heads, q_rows, q_batches, i.rows())?,
+            map(&ko, p.kv_heads, k_rows, k_batches, i.bn)?,
+            map(&vo, p.kv_heads, k_rows, k_batches, i.bn)?,
+        ];
+        let args = Sm90Args(params, maps);
+        launch_args::<Params>(
+            dev,
+            plan.module,
+            &plan.function,
+            plan.grid,
+            plan.threads,
+            plan.smem,
+            Args::Sm90(&args),
+        )?;
+    } else {
+        launch_function(
+            dev,
+            plan.module,
+            &plan.function,
+            plan.grid,
+            plan.threads,
+            plan.smem,
+            &params,
+        )?;
+    }
     if let Some(combine) = split.and_then(|s| s.combine.as_deref()) {
         let cfg = LaunchConfig {
             grid_dim: (p.total_q as u32, p.heads as u32, 1),
@@ -400,8 +533,20 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     Ok((out, lse))
 }
 
+/// The sm_90a kernels' parameters: the parameter struct, then the tensor maps of q, k and v.
+struct Sm90Args(Params, [TmaMap; 3]);
+
+impl Sm90Args {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.0)
+            .arg(&self.1[0])
+            .arg(&self.1[1])
+            .arg(&self.1[2]);
+    }
+}
+
 /// Loads `function` from `module`, opts into its `smem` bytes of dynamic shared memory and
-/// launches it with one parameter struct: every forward and backward kernel goes through here.
+/// launches it with its parameters: every forward and backward kernel goes through here.
 pub(crate) fn launch_function<P: DeviceRepr>(
     dev: &CudaDevice,
     module: Module,
@@ -410,6 +555,32 @@ pub(crate) fn launch_function<P: DeviceRepr>(
     threads: u32,
     smem: usize,
     params: &P,
+) -> Result<()> {
+    launch_args(
+        dev,
+        module,
+        function,
+        grid,
+        threads,
+        smem,
+        Args::One(params),
+    )
+}
+
+/// What a launch pushes: one parameter struct, or the sm_90a kernels' four parameters.
+enum Args<'p, P: DeviceRepr> {
+    One(&'p P),
+    Sm90(&'p Sm90Args),
+}
+
+fn launch_args<P: DeviceRepr>(
+    dev: &CudaDevice,
+    module: Module,
+    function: &str,
+    grid: (u32, u32, u32),
+    threads: u32,
+    smem: usize,
+    args: Args<'_, P>,
 ) -> Result<()> {
     let (module, text) = ptx(module);
     let func = dev.get_or_load_custom_func(function, module, text)?;
@@ -437,11 +608,17 @@ pub(crate) fn launch_function<P: DeviceRepr>(
         shared_mem_bytes: smem as u32,
     };
     let mut builder = func.builder();
-    builder.arg(params);
-    // SAFETY: `params` matches the kernel's parameter struct (both sides are checked at build
-    // time); the caller keeps every pointer in it alive until after the launch, and
-    // `check_bounds` plus the kernels' clamped per-sequence lengths bound every element read or
-    // written; the grid and shared memory fit the device limits the plan was made for.
+    match args {
+        Args::One(p) => {
+            builder.arg(p);
+        }
+        Args::Sm90(a) => a.push(&mut builder),
+    }
+    // SAFETY: the pushed arguments match the kernel's parameters (the parameter structs are
+    // checked at build time, the tensor maps are the driver's 128-byte CUtensorMap); the caller
+    // keeps every pointer in them alive until after the launch, and `check_bounds` plus the
+    // kernels' clamped per-sequence lengths bound every element read or written; the grid and
+    // shared memory fit the device limits the plan was made for.
     unsafe { builder.launch(cfg) }.w()?;
     Ok(())
 }

@@ -73,8 +73,10 @@ pub struct Params {
     /// Varlen q whose sequences all hold `seq_q` rows, passed without `cu_q` (null): sequence
     /// `b` is rows `b * seq_q ..` of q and of the output, lse in the varlen layout. 0 or 1.
     pub q_uniform: i32,
+    /// Sequences (the persistent sm_90a kernels count their tiles from it).
+    pub batch: i32,
 }
 
 /// The size both sides agree on (also asserted in C by the generated header).
-pub const PARAMS_SIZE: usize = 8 * 30 + 4 * 24;
+pub const PARAMS_SIZE: usize = 8 * 30 + 4 * 25 + 4;
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);

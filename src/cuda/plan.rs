@@ -22,6 +22,9 @@ pub(crate) struct DeviceCaps {
     pub sms: u32,
     /// Largest dynamic plus static shared memory one block may opt into, in bytes.
     pub smem_optin: usize,
+    /// Run the sm_90a (wgmma + TMA) kernels where they cover the problem: compute capability
+    /// 9.0, unless `CANDLE_FLASH_PORTABLE=1` forces the portable compute_80 path.
+    pub hopper: bool,
 }
 
 impl DeviceCaps {
@@ -44,6 +47,15 @@ impl DeviceCaps {
             minor,
             sms,
             smem_optin,
+            hopper: major == 9 && minor == 0,
+        }
+    }
+
+    /// The same device with the sm_90a kernels off (the portable path).
+    pub const fn portable(self) -> Self {
+        Self {
+            hopper: false,
+            ..self
         }
     }
 }
@@ -58,6 +70,8 @@ pub(crate) enum Module {
     Bf16,
     F16,
     F32,
+    /// The sm_90a module (kernels/sm90/): f16 and bf16 Hopper forward kernels.
+    Sm90,
 }
 
 impl Module {
@@ -83,7 +97,108 @@ pub(crate) enum Kernel {
     Rowwise,
     /// Split-KV decode with GQA packing (f16/bf16), then a combine kernel when split.
     Decode(DecodeInstance),
+    /// Hopper wgmma + TMA tiles (f16/bf16, compute capability 9.0).
+    Sm90(Sm90Instance),
 }
+
+/// A forward instance of the sm_90a module (kernels/sm90/fwd.cuh, instantiated in
+/// kernels/sm90/flash_sm90.cu, whose static_asserts pin the shared-memory sizes below).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Sm90Instance {
+    /// Head dim of the tiles (inputs up to it are zero-padded by the tensor copies).
+    pub d: usize,
+    /// Consumer warpgroups, 64 query rows each.
+    pub nwg: usize,
+    /// Keys per K/V tile.
+    pub bn: usize,
+    /// Depth of the K/V ring.
+    pub stages: usize,
+    /// Persistent: one block per SM (at most one per tile) walks the tiles.
+    pub persistent: bool,
+    /// The `_mods` entry (softcap / ALiBi / non-positive scale).
+    pub mods: bool,
+}
+
+impl Sm90Instance {
+    /// The entry point's suffix, after `flash_fwd_sm90_{dtype}_`.
+    pub fn suffix(&self) -> String {
+        let mods = if self.mods { "_mods" } else { "" };
+        format!("d{}_{}{mods}", self.d, self.variant())
+    }
+    /// Warpgroups and persistence, as `CANDLE_FLASH_SM90_VARIANT` names them: `wg2`, `wg2p`.
+    pub fn variant(&self) -> String {
+        format!("wg{}{}", self.nwg, if self.persistent { "p" } else { "" })
+    }
+    pub const fn rows(&self) -> usize {
+        64 * self.nwg
+    }
+    /// One producer warpgroup plus the consumers.
+    pub const fn threads(&self) -> usize {
+        128 * (self.nwg + 1)
+    }
+    /// Dynamic shared memory: alignment slack, Q, the K and V rings, the output staging tile
+    /// and the mbarriers (`Traits::SMEM` in kernels/sm90/fwd.cuh).
+    pub const fn smem(&self) -> usize {
+        1024 + 2 * self.rows() * self.d * 2
+            + 2 * self.stages * self.bn * self.d * 2
+            + 8 * (2 + 4 * self.stages)
+    }
+}
+
+/// The sm_90a instances, narrowest first; the first of a width and kind is the default, the
+/// others are variants for `CANDLE_FLASH_SM90_VARIANT`. d 64: three consumer warpgroups (192 rows)
+/// or two, persistent (softcap / ALiBi: two, not persistent: their registers spilled otherwise);
+/// d 128: two warpgroups (128 rows), as FlashAttention-3 starts from.
+pub(crate) const SM90_INSTANCES: [Sm90Instance; 6] = [
+    Sm90Instance {
+        d: 64,
+        nwg: 3,
+        bn: 128,
+        stages: 2,
+        persistent: false,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 64,
+        nwg: 2,
+        bn: 128,
+        stages: 2,
+        persistent: true,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 64,
+        nwg: 2,
+        bn: 128,
+        stages: 2,
+        persistent: false,
+        mods: true,
+    },
+    Sm90Instance {
+        d: 128,
+        nwg: 2,
+        bn: 128,
+        stages: 2,
+        persistent: false,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 128,
+        nwg: 2,
+        bn: 128,
+        stages: 2,
+        persistent: true,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 128,
+        nwg: 2,
+        bn: 128,
+        stages: 2,
+        persistent: false,
+        mods: true,
+    },
+];
 
 /// The split-KV geometry of a decode plan.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -172,13 +287,29 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
             .map(|&i| Kernel::F32(i))
     } else {
         let d_load = d.next_multiple_of(8);
+        // Hopper: the sm_90a kernels where an instance is wide enough.
+        // Measured on an H100 (BENCHMARKS.md, 2026-11-22): d <= 64 causal at seq 512 ran 0.85x
+        // the portable kernel (192-row tiles, most blocks on the diagonal); such short banded
+        // calls stay portable. Everything else measured ran 1.16x to 1.97x.
+        let (left, right) = p.window.as_i64();
+        let short_banded = d_load <= 64 && (left >= 0 || right >= 0) && p.max_seq_q <= 512;
+        let sm90 = (caps.hopper && !short_banded)
+            .then(|| {
+                SM90_INSTANCES
+                    .iter()
+                    .find(|i| i.d >= d_load && i.mods == mods && fits(i.smem()))
+            })
+            .flatten();
         // The table is ordered by width, the fastest tiles of a width first: the first wide
         // enough instance that fits is the narrowest width with the biggest tiles the device
         // can hold.
-        MMA_INSTANCES
-            .iter()
-            .find(|i| i.d >= d_load && fits(i.smem()))
-            .map(|&i| Kernel::Mma(i))
+        match sm90 {
+            Some(&i) => Some(Kernel::Sm90(i)),
+            None => MMA_INSTANCES
+                .iter()
+                .find(|i| i.d >= d_load && fits(i.smem()))
+                .map(|&i| Kernel::Mma(i)),
+        }
     };
     let kernel = match tiled {
         Some(k) => k,
@@ -188,7 +319,11 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
     let dname = match module {
         Module::Bf16 => "bf16",
         Module::F16 => "f16",
-        Module::F32 => "f32",
+        Module::F32 | Module::Sm90 => "f32",
+    };
+    let module = match kernel {
+        Kernel::Sm90(_) => Module::Sm90,
+        _ => module,
     };
     let (rows, threads, smem, d_load, dv_splits, function) = match kernel {
         Kernel::Decode(i) => (
@@ -214,6 +349,14 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
                 format!("{prefix}_{}{suffix}", i.suffix()),
             )
         }
+        Kernel::Sm90(i) => (
+            i.rows(),
+            i.threads(),
+            i.smem(),
+            d.next_multiple_of(8),
+            1,
+            format!("flash_fwd_sm90_{dname}_{}", i.suffix()),
+        ),
         Kernel::F32(i) => (
             F32_ROWS,
             F32_THREADS,
@@ -234,7 +377,7 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
     // Operands the kernel cannot read in place: the tensor-core kernels copy 16-byte chunks of
     // rows; the f32 and row-wise kernels read through any strides.
     let pack = match kernel {
-        Kernel::Mma(_) | Kernel::Decode(_) => {
+        Kernel::Mma(_) | Kernel::Decode(_) | Kernel::Sm90(_) => {
             let (q_rows, k_rows) = p.storage_rows();
             let (q_batch, k_batch) = p.storage_batches();
             [
@@ -256,12 +399,16 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
             p.batch
         )
     }
+    let grid = match kernel {
+        Kernel::Sm90(i) if i.persistent => sm90_persistent_grid(p, caps, i)?,
+        // Query tiles fastest: the blocks of one (batch, head) run together and share K/V in L2.
+        _ => (q_tiles as u32, p.heads as u32, p.batch as u32),
+    };
     Ok(LaunchPlan {
         kernel,
         module,
         function,
-        // Query tiles fastest: the blocks of one (batch, head) run together and share K/V in L2.
-        grid: (q_tiles as u32, p.heads as u32, p.batch as u32),
+        grid,
         threads: threads as u32,
         smem,
         d_load,
@@ -345,6 +492,56 @@ fn decode_plan(
     })
 }
 
+/// The grid of a persistent sm_90a instance: one block per SM, at most one per tile.
+fn sm90_persistent_grid(
+    p: &Problem,
+    caps: &DeviceCaps,
+    i: Sm90Instance,
+) -> Result<(u32, u32, u32)> {
+    let tiles = p.max_seq_q.div_ceil(i.rows()) * p.heads * p.batch;
+    if tiles > i32::MAX as usize {
+        bail!("flash-attn: {tiles} query tiles exceed the sm_90a kernels' limit")
+    }
+    Ok((tiles.clamp(1, caps.sms as usize) as u32, 1, 1))
+}
+
+/// Overrides an sm_90a plan's instance for benchmarks that compare variants in one run: the
+/// instance of the same width and kind whose [`Sm90Instance::variant`] is `variant`, if there is
+/// one. Other plans are left as they are.
+pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, caps: &DeviceCaps, variant: &str) {
+    let Kernel::Sm90(i) = plan.kernel else {
+        return;
+    };
+    let Some(&j) = SM90_INSTANCES
+        .iter()
+        .find(|j| (j.d, j.mods) == (i.d, i.mods) && j.variant() == variant)
+    else {
+        return;
+    };
+    let Ok(grid) = (if j.persistent {
+        sm90_persistent_grid(p, caps, j)
+    } else {
+        Ok((
+            p.max_seq_q.div_ceil(j.rows()) as u32,
+            p.heads as u32,
+            p.batch as u32,
+        ))
+    }) else {
+        return;
+    };
+    let dname = plan
+        .function
+        .split('_')
+        .nth(3)
+        .unwrap_or("bf16")
+        .to_string();
+    plan.kernel = Kernel::Sm90(j);
+    plan.threads = j.threads() as u32;
+    plan.smem = j.smem();
+    plan.function = format!("flash_fwd_sm90_{dname}_{}", j.suffix());
+    plan.grid = grid;
+}
+
 /// Overrides a decode plan's choices for benchmarks that compare variants in one run: `waves`
 /// blocks per SM instead of [`DECODE_WAVES`], and the instance of the same width and warps
 /// with `stages` ring stages (if there is one that fits). Other plans are left as they are.
@@ -361,7 +558,7 @@ pub(crate) fn override_decode(
     let dname = match plan.module {
         Module::Bf16 => "bf16",
         Module::F16 => "f16",
-        Module::F32 => "f32",
+        Module::F32 | Module::Sm90 => "f32",
     };
     if let Some(&j) = DECODE_INSTANCES.iter().find(|j| {
         Some(j.stages) == stages
@@ -488,6 +685,13 @@ mod tests {
                                     || opts.softmax_scale <= 0.0;
                                 assert_eq!(pl.function.ends_with("_mods"), mods, "{what}");
                             }
+                            Kernel::Sm90(i) => {
+                                assert!(caps.hopper && dtype != DType::F32, "{what}");
+                                assert!(i.d >= pl.d_load && pl.d_load.is_multiple_of(8), "{what}");
+                                assert_eq!(pl.module, Module::Sm90, "{what}");
+                                assert_eq!(pl.function.ends_with("_mods"), i.mods, "{what}");
+                                assert_eq!(pl.threads as usize, i.threads(), "{what}");
+                            }
                             Kernel::F32(i) => {
                                 assert_eq!(dtype, DType::F32, "{what}");
                                 assert!(i.d >= d && pl.dv_splits == 1, "{what}");
@@ -502,6 +706,14 @@ mod tests {
                                 continue;
                             }
                         }
+                        if let Kernel::Sm90(_) = pl.kernel {
+                            assert_eq!(pl.grid, (8, 1, 1), "{what}");
+                            continue;
+                        }
+                        if matches!(pl.kernel, Kernel::Sm90(i) if i.persistent) {
+                            assert_eq!(pl.grid, (8, 1, 1), "{what}");
+                            continue;
+                        }
                         let rows = pl.grid.0 as usize / pl.dv_splits;
                         assert!(rows * pl_rows(&pl) >= 3, "{what}");
                         assert_eq!((pl.grid.1, pl.grid.2), (4, 2), "{what}");
@@ -514,10 +726,78 @@ mod tests {
     fn pl_rows(pl: &LaunchPlan) -> usize {
         match pl.kernel {
             Kernel::Mma(i) => i.rows(),
+            Kernel::Sm90(i) => i.rows(),
             Kernel::F32(_) => F32_ROWS,
             Kernel::Rowwise => ROWWISE_WARPS,
             Kernel::Decode(_) => DECODE_ROWS,
         }
+    }
+
+    /// Compute capability 9.0 runs f16/bf16 prefill with head dims up to 128 on the sm_90a
+    /// kernels (the `_mods` instances for softcap / ALiBi), everything else, and every call
+    /// under `CANDLE_FLASH_PORTABLE`, on the portable path.
+    #[test]
+    fn hopper_takes_the_sm90_kernels_where_they_cover_the_problem() {
+        let dname = |dt| if dt == DType::BF16 { "bf16" } else { "f16" };
+        let pick = |d, dtype, opts: &FlashAttn, caps: &DeviceCaps| {
+            plan(&problem(d, dtype, opts, 300, 300), dtype, caps).unwrap()
+        };
+        let plain = FlashAttn::new(0.1);
+        for dtype in [DType::BF16, DType::F16] {
+            for (d, tile) in [(40, 64), (64, 64), (80, 128), (128, 128)] {
+                let pl = pick(d, dtype, &plain, &DeviceCaps::SM90);
+                assert!(
+                    matches!(pl.kernel, Kernel::Sm90(i) if i.d == tile && !i.mods),
+                    "{pl:?}"
+                );
+                assert_eq!(pl.module, Module::Sm90);
+                // The defaults are one block per tile (2 batches x 4 heads here).
+                let q_tiles = 300usize.div_ceil(pl_rows(&pl)) as u32;
+                assert_eq!(pl.grid, (q_tiles, 4, 2));
+                let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
+                assert!(matches!(pl.kernel, Kernel::Sm90(i) if i.mods), "{pl:?}");
+                assert!(pl.function.ends_with("_mods"), "{pl:?}");
+                let mut o = pick(d, dtype, &plain, &DeviceCaps::SM90);
+                let caps = DeviceCaps::SM90;
+                override_sm90(&mut o, &problem(d, dtype, &plain, 300, 300), &caps, "wg2p");
+                assert!(matches!(o.kernel, Kernel::Sm90(i) if i.persistent), "{o:?}");
+                // 3 tiles of 128 rows x 4 heads x 2 batches, fewer than the SMs.
+                assert_eq!(o.grid, (24, 1, 1));
+                let name = format!("flash_fwd_sm90_{}_d{tile}_wg2p", dname(dtype));
+                assert_eq!(o.function, name);
+                let pl = pick(d, dtype, &plain, &DeviceCaps::SM90.portable());
+                assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+                let pl = pick(d, dtype, &plain, &DeviceCaps::SM80);
+                assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+            }
+            let pl = pick(256, dtype, &plain, &DeviceCaps::SM90);
+            assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+        }
+        // Short banded d 64 calls stay portable (slower on the sm_90a tiles); longer ones do not.
+        let causal = FlashAttn::new(0.1).causal();
+        let pl = pick(64, DType::BF16, &causal, &DeviceCaps::SM90);
+        assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+        let pl = plan(
+            &problem(64, DType::BF16, &causal, 600, 600),
+            DType::BF16,
+            &DeviceCaps::SM90,
+        )
+        .unwrap();
+        assert!(matches!(pl.kernel, Kernel::Sm90(_)), "{pl:?}");
+        assert!(matches!(
+            pick(128, DType::BF16, &causal, &DeviceCaps::SM90).kernel,
+            Kernel::Sm90(_)
+        ));
+        let pl = pick(128, DType::F32, &plain, &DeviceCaps::SM90);
+        assert!(matches!(pl.kernel, Kernel::F32(_)), "{pl:?}");
+        // Decode-sized calls keep the split-KV kernel.
+        let pl = plan(
+            &problem(128, DType::BF16, &plain, 1, 300),
+            DType::BF16,
+            &DeviceCaps::SM90,
+        )
+        .unwrap();
+        assert!(matches!(pl.kernel, Kernel::Decode(_)), "{pl:?}");
     }
 
     /// Few packed rows per K/V head take the split-KV decode kernel, split so that a small batch

@@ -1,0 +1,24 @@
+// The sm_90a module (Hopper): wgmma + TMA forward instances for f16 and bf16
+// (sm90/fwd.cuh). Compiled by build.rs for compute_90a only and loaded on compute capability 9.0;
+// every other case runs the portable compute_80 modules. The table must match SM90_INSTANCES in
+// src/cuda/plan.rs (names, warpgroups, tiles; the static_asserts below pin shared memory).
+#include "sm90/fwd.cuh"
+
+// (name, T, D, consumer warpgroups, BN, stages, ping-pong, persistent, softcap/ALiBi). The `p`
+// instances are persistent (one block per SM walking the tiles); the three-warpgroup d 64 and the
+// `_mods` instances are not (persistent, their registers spilled).
+#define SM90_TABLE(T, TN)                                                                      \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg3, T, 64, 3, 128, 2, true, false, false)   \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg2p, T, 64, 2, 128, 2, true, true, false)   \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg2_mods, T, 64, 2, 128, 2, true, false, true) \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128_wg2, T, 128, 2, 128, 2, true, false, false) \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128_wg2p, T, 128, 2, 128, 2, true, true, false) \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128_wg2_mods, T, 128, 2, 128, 2, true, false, true)
+
+SM90_TABLE(__nv_bfloat16, bf16)
+SM90_TABLE(__half, f16)
+
+// Shared-memory bytes the Rust planner assumes (`Sm90Instance::smem` in src/cuda/plan.rs).
+static_assert(sm90::Traits<__half, 64, 3, 128, 2>::SMEM == 115792, "plan.rs: d 64 instance");
+static_assert(sm90::Traits<__half, 64, 2, 128, 2>::SMEM == 99408, "plan.rs: d 64 mods instance");
+static_assert(sm90::Traits<__half, 128, 2, 128, 2>::SMEM == 197712, "plan.rs: d 128 instance");

@@ -1,0 +1,525 @@
+// FlashAttention forward for Hopper (sm_90a): TMA loads into 128-byte-swizzled shared memory,
+// an mbarrier ring, one producer warp and NWG consumer warpgroups (setmaxnreg), wgmma for
+// S = Q K^T (both operands in shared memory) and for O += P V (P from registers, V read
+// MN-major). Softmax, masks, softcap, ALiBi, GQA and varlen follow the sm_80 kernel
+// (forward/mma.cuh) and the rules of src/semantics.rs through common/mask.cuh.
+//
+// Tiles: a block owns BM = 64 NWG query rows of one (batch, head); consumer warpgroup w owns rows
+// [64 w, 64 w + 64). Keys stream BN at a time through a STAGES-deep ring of K and V buffers with
+// separate full/empty barriers, so S of a tile starts as soon as its K has landed.
+// Shared memory tiles hold D / 64 column chunks of [rows][64] elements (128 bytes a row), as the
+// tensor copy engine writes them with its 128-byte swizzle; every chunk starts 1024-byte aligned.
+// The host builds one 4-D tensor map per operand: (column, head, row, batch), box (64, 1, rows, 1);
+// varlen operands use batch 1 and rows = the packed total. Rows and columns outside the tensor
+// read as zeros.
+//
+// Overlap (FlashAttention-3): within a warpgroup, S of tile t and P V of tile t - 1 are issued
+// together and the softmax of t runs while P V completes (O is rescaled after it); between
+// warpgroups (PINGPONG), named barriers hand the GEMM issue slot round-robin so one warpgroup's
+// softmax runs under another's GEMMs. PERSIST instances run one block per SM over all tiles
+// (the next tile's Q waits on an empty-Q barrier, so its loads overlap the last GEMMs and the
+// epilogue); the default instances are one block per tile. The output is staged per warpgroup in
+// shared memory for 16-byte stores; lse as in the sm_80 kernel.
+#pragma once
+#include "common/mask.cuh"
+#include "common/math.cuh"
+#include "common/ptx.cuh"
+#include "forward/mma.cuh"
+#include "sm90/wgmma.cuh"
+
+// The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned.
+struct alignas(64) TmaMap {
+    unsigned long long opaque[16];
+};
+
+namespace sm90 {
+
+// ---- PTX wrappers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t saddr(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// One box of a 4-D tensor map into shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const TmaMap* map, uint32_t bar, int c0,
+                                            int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void prefetch_map(const TmaMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+    // Keeps the compiler from moving accesses of the accumulators across wgmma waits.
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+// The value through an opaque move: recomputed where used instead of hoisted into registers.
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+    uint32_t y;
+    asm volatile("mov.u32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major operands (Q, K): rows of 128 bytes,
+// 8-row groups 1024 bytes apart (SBO), LBO unused. MN-major V: LBO = distance between 64-column
+// chunks, SBO = 1024 (8 keys).
+// Named barriers (0 is __syncthreads): EPI_BAR + w, warpgroup w's epilogue (128 threads);
+// PP_BAR + w, the ping-pong turn of warpgroup w (256 threads). The ranges must not overlap: a
+// barrier used with two thread counts is an illegal instruction.
+constexpr int EPI_BAR = 1;
+constexpr int PP_BAR = 8;
+
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+template <typename T>
+struct IsBf16 {
+    static constexpr bool value = false;
+};
+template <>
+struct IsBf16<__nv_bfloat16> {
+    static constexpr bool value = true;
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int scale_d) {
+    if constexpr (IsBf16<T>::value) {
+        if constexpr (N == 64) wgmma_ss_bf16_n64(d, a, b, scale_d);
+        else wgmma_ss_bf16_n128(d, a, b, scale_d);
+    } else {
+        if constexpr (N == 64) wgmma_ss_f16_n64(d, a, b, scale_d);
+        else wgmma_ss_f16_n128(d, a, b, scale_d);
+    }
+}
+template <typename T, int N>
+__device__ __forceinline__ void mma_rs(float* d, const uint32_t* a, uint64_t b, int scale_d) {
+    if constexpr (IsBf16<T>::value) {
+        if constexpr (N == 64) wgmma_rs_bf16_n64(d, a, b, scale_d);
+        else wgmma_rs_bf16_n128(d, a, b, scale_d);
+    } else {
+        if constexpr (N == 64) wgmma_rs_f16_n64(d, a, b, scale_d);
+        else wgmma_rs_f16_n128(d, a, b, scale_d);
+    }
+}
+
+// ---- the kernel -----------------------------------------------------------------------------
+
+template <typename T, int D, int NWG, int BN, int STAGES>
+struct Traits {
+    static constexpr int BM = 64 * NWG;
+    static constexpr int THREADS = 128 * (NWG + 1);
+    static constexpr int CH = D / 64;  // 64-column chunks
+    static constexpr int Q_BYTES = BM * D * 2;
+    static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
+    static constexpr int O_BYTES = BM * D * 2;   // output staging
+    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q.
+    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
+    // 1024 of slack to align the base to a swizzle atom.
+    static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + BAR_BYTES;
+    // setmaxnreg budgets (a multiple of 8; producer + NWG consumers within 512 per thread slot).
+    static constexpr int PRODUCER_REGS = NWG == 2 ? 40 : 32;
+    static constexpr int CONSUMER_REGS = NWG == 2 ? 232 : 160;
+};
+
+template <typename T, int D, int NWG, int BN, int STAGES, bool PINGPONG, bool PERSIST, bool MODS>
+__device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMap* tq,
+                                               const TmaMap* tk, const TmaMap* tv) {
+    using Tr = Traits<T, D, NWG, BN, STAGES>;
+    constexpr int BM = Tr::BM, CH = Tr::CH;
+    constexpr int NT = BN / 8, DT = D / 8;
+    static_assert(D % 64 == 0 && BN % 64 == 0, "whole swizzle atoms");
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // Aligned by an offset from smem_raw (not integer casts), so the compiler still knows every
+    // derived pointer is shared memory (32-bit addresses, STS instead of generic stores).
+    unsigned char* base = smem_raw + ((1024 - (saddr(smem_raw) & 1023)) & 1023);
+    T* sQ = reinterpret_cast<T*>(base);
+    T* sK = reinterpret_cast<T*>(base + Tr::Q_BYTES);
+    T* sV = reinterpret_cast<T*>(base + Tr::Q_BYTES + STAGES * Tr::KV_BYTES);
+    T* sO = reinterpret_cast<T*>(base + Tr::Q_BYTES + 2 * STAGES * Tr::KV_BYTES);
+    uint64_t* bars =
+        reinterpret_cast<uint64_t*>(base + Tr::Q_BYTES + 2 * STAGES * Tr::KV_BYTES + Tr::O_BYTES);
+    const uint32_t bar_q = saddr(bars);
+    auto bar_fk = [&](int s) { return saddr(bars + 1 + s); };
+    auto bar_fv = [&](int s) { return saddr(bars + 1 + STAGES + s); };
+    auto bar_ek = [&](int s) { return saddr(bars + 1 + 2 * STAGES + s); };
+    auto bar_ev = [&](int s) { return saddr(bars + 1 + 3 * STAGES + s); };
+    const uint32_t bar_qe = saddr(bars + 1 + 4 * STAGES);
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // PERSIST: block c computes tiles c, c + gridDim.x, ... of q_tiles x heads x batch, query
+    // tiles fastest (the tiles of one (batch, head) run together and share K/V in L2), the
+    // longest causal tile of each (batch, head) first; the next tile's Q and K/V loads overlap
+    // the current tile's last GEMMs and epilogue. Otherwise one block per tile, grid
+    // (q_tiles, heads, batch), in the same order.
+    const int q_tiles = PERSIST ? (p.seq_q + BM - 1) / BM : (int)gridDim.x;
+    const int total = PERSIST ? q_tiles * p.heads * p.batch : 1;
+    const int tile0 = PERSIST ? (int)blockIdx.x : 0;
+    const int tile_step = PERSIST ? (int)gridDim.x : 1;
+    auto tile_geom = [&](int tile, int& h, int& b, BlockGeom& g) {
+        if constexpr (PERSIST) {
+            const int m_block = q_tiles - 1 - tile % q_tiles;
+            h = (tile / q_tiles) % p.heads;
+            b = tile / (q_tiles * p.heads);
+            return block_geom(p, m_block, BM, h, b, g);
+        } else {
+            h = blockIdx.y;
+            b = blockIdx.z;
+            return block_geom(p, q_tiles - 1 - (int)blockIdx.x, BM, h, b, g);
+        }
+    };
+
+    if (tid == 0) {
+        mbar_init(bar_q, 1);
+        mbar_init(bar_qe, 4 * NWG);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(bar_fk(s), 1);
+            mbar_init(bar_fv(s), 1);
+            mbar_init(bar_ek(s), 4 * NWG);
+            mbar_init(bar_ev(s), 4 * NWG);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp < 4) {
+        // ---- producer warpgroup: one thread issues every copy ----
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::PRODUCER_REGS));
+        if (tid == 0) {
+            prefetch_map(tq);
+            prefetch_map(tk);
+            prefetch_map(tv);
+            int kv_it = 0, n_tile = 0;
+            for (int tile = tile0; tile < total; tile += tile_step) {
+                int h, b;
+                BlockGeom g;
+                if (!tile_geom(tile, h, b, g)) continue;
+                const int kvh = h / p.kv_group;
+                const int t_begin = g.n_lo / BN;
+                const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
+                const int qb = (p.cu_q || p.q_uniform) ? 0 : b;
+                const int kb = p.cu_k ? 0 : b;
+                const int q_row = (int)(g.q_row0 + g.m0);
+                // The consumers are done with the previous tile's Q.
+                if (n_tile > 0) mbar_wait(bar_qe, (uint32_t)((n_tile - 1) & 1));
+                mbar_expect_tx(bar_q, Tr::Q_BYTES);
+#pragma unroll
+                for (int c = 0; c < CH; ++c)
+                    tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
+                for (int t = t_begin; t < t_end; ++t) {
+                    const int it = kv_it++, s = it % STAGES;
+                    const uint32_t ph = (uint32_t)((it / STAGES) & 1);
+                    const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
+                    if (it >= STAGES) mbar_wait(bar_ek(s), ph ^ 1);
+                    mbar_expect_tx(bar_fk(s), Tr::KV_BYTES);
+#pragma unroll
+                    for (int c = 0; c < CH; ++c)
+                        tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s), c * 64,
+                                    kvh, k_row, kb);
+                    if (it >= STAGES) mbar_wait(bar_ev(s), ph ^ 1);
+                    mbar_expect_tx(bar_fv(s), Tr::KV_BYTES);
+#pragma unroll
+                    for (int c = 0; c < CH; ++c)
+                        tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, bar_fv(s), c * 64,
+                                    kvh, k_row, kb);
+                }
+                ++n_tile;
+            }
+        }
+        return;
+    }
+
+    // ---- consumer warpgroups ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tr::CONSUMER_REGS));
+    const int wg = warp / 4 - 1;   // 0 .. NWG-1
+    const int wt = tid % 128;      // thread in the warpgroup
+    const int ww = wt / 32;        // warp in the warpgroup
+    const int row_base = 64 * wg + 16 * ww + lane / 4;  // this thread's rows: +0 and +8
+    const float unit = MODS ? 1.f : p.scale_log2;
+    const uint32_t q_base = saddr(sQ) + wg * 64 * 128;
+    int kv_it = 0, n_tile = 0;
+    // Ping-pong turns alternate strictly across all tiles of the block: warpgroup 0 goes first,
+    // and takes the last warpgroup's final arrival after the last tile.
+    if constexpr (PINGPONG) {
+        if (wg == NWG - 1) named_arrive(PP_BAR, 256);
+    }
+    for (int tile = tile0; tile < total; tile += tile_step) {
+    int h, b;
+    BlockGeom g;
+    if (!tile_geom(tile, h, b, g)) continue;
+    const int t_begin = g.n_lo / BN;
+    const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
+    const int diag_t = g.m0 + row_base + g.sk - g.sq;
+    const float slope_log2 = MODS && p.alibi ? p.alibi[g.slope_idx] * LOG2E_F : 0.f;
+
+    float acc_o[D / 2];
+    float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
+
+    mbar_wait(bar_q, (uint32_t)(n_tile & 1));
+
+    // Issue S = Q K^T of the tile in stage s (not waited for).
+    // Descriptors are built from one base each per call and offset by constants (the start
+    // address is the low field, in 16-byte units, and never carries out of it: shared memory is
+    // below 256 KB), so no per-step descriptor stays live across the key loop.
+    auto issue_s = [&](float* acc_s, int s) {
+        const uint64_t dq = make_desc(opaque(q_base), 16, 1024);
+        const uint64_t dk = make_desc(saddr(sK) + s * BN * D * 2, 16, 1024);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const uint64_t da = dq + (uint64_t)(((kk / 4) * BM * 128 + (kk % 4) * 32) >> 4);
+            const uint64_t db = dk + (uint64_t)(((kk / 4) * BN * 128 + (kk % 4) * 32) >> 4);
+            mma_ss<T, BN>(acc_s, da, db, kk > 0);
+        }
+    };
+    // Issue O += P V of the tile in stage s.
+    auto issue_pv = [&](const uint32_t (*pa)[4], int s) {
+        const uint64_t dv = make_desc(saddr(sV) + s * BN * D * 2, BN * 128, 1024);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const uint64_t db = dv + (uint64_t)((kk * 16 * 128) >> 4);
+            mma_rs<T, D>(acc_o, pa[kk], db, 1);
+        }
+    };
+    // Masks, score modifiers and the online softmax of tile t in place (acc_s becomes P in
+    // f32); returns the factors O must be scaled by once the previous P V has completed.
+    auto softmax = [&](float* acc_s, int t, float* alpha) {
+        const int k0 = t * BN;
+        const int col = k0 + 2 * (lane % 4);
+        if constexpr (MODS) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc_s[4 * j + e] = modded_score(p, acc_s[4 * j + e], slope_log2,
+                                                    diag_t + (e / 2) * 8, col + j * 8 + e % 2);
+        }
+        if (!tile_is_full(p, g, k0, BN)) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!visible(p, diag_t + (e / 2) * 8, col + j * 8 + e % 2, g.sk))
+                        acc_s[4 * j + e] = -INFINITY;
+        }
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            float mx = row_m[hf];
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+                mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * hf], acc_s[4 * j + 2 * hf + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps
+            // exp2 at 0 rather than NaN (-inf - -inf).
+            const float m_scaled = mx == -INFINITY ? 0.f : mx * unit;
+            alpha[hf] = fast_exp2(fmaf(row_m[hf], unit, -m_scaled));
+            row_m[hf] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float pv = fast_exp2(fmaf(acc_s[4 * j + 2 * hf + e], unit, -m_scaled));
+                    acc_s[4 * j + 2 * hf + e] = pv;
+                    sum += pv;
+                }
+            row_l[hf] = row_l[hf] * alpha[hf] + sum;
+        }
+    };
+    auto pack_p = [&](const float* acc_s, uint32_t (*pa)[4]) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            pa[kk][0] = flash::Mma<T>::pack(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
+            pa[kk][1] = flash::Mma<T>::pack(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
+            pa[kk][2] = flash::Mma<T>::pack(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
+            pa[kk][3] = flash::Mma<T>::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+        }
+    };
+    // Ping-pong: warpgroups take turns issuing their GEMMs (named barrier PP_BAR + w lets warpgroup w
+    // go; it then lets w + 1 go), so one warpgroup's softmax runs under another's GEMMs. Every
+    // warpgroup issues the same number of times (the tile range is the block's).
+    auto turn_begin = [&]() {
+        if constexpr (PINGPONG) named_sync(PP_BAR + wg, 256);
+    };
+    auto turn_end = [&]() {
+        if constexpr (PINGPONG) named_arrive(PP_BAR + (wg + 1) % NWG, 256);
+    };
+
+    if (t_end > t_begin) {
+        float acc_s[BN / 2];
+        uint32_t pa[BN / 16][4];
+        float alpha[2];
+        // First tile: S, softmax, P.
+        {
+            const int s0 = kv_it % STAGES;
+            mbar_wait(bar_fk(s0), (uint32_t)((kv_it / STAGES) & 1));
+            turn_begin();
+            wg_fence();
+            issue_s(acc_s, s0);
+            wg_commit();
+            turn_end();
+            wg_wait<0>();
+            reg_fence(acc_s);
+            if (lane == 0) mbar_arrive(bar_ek(s0));
+        }
+        softmax(acc_s, t_begin, alpha);
+        pack_p(acc_s, pa);
+        // Steady state: S of tile t and P V of tile t - 1 in flight together; the softmax of t
+        // runs while P V completes.
+        for (int t = t_begin + 1; t < t_end; ++t) {
+            const int it = kv_it + t - t_begin, s = it % STAGES, sp = (it - 1) % STAGES;
+            const uint32_t ph = (uint32_t)((it / STAGES) & 1);
+            const uint32_t php = (uint32_t)(((it - 1) / STAGES) & 1);
+            mbar_wait(bar_fk(s), ph);
+            mbar_wait(bar_fv(sp), php);
+            turn_begin();
+            wg_fence();
+            issue_s(acc_s, s);
+            wg_commit();
+            issue_pv(pa, sp);
+            wg_commit();
+            turn_end();
+            wg_wait<1>();
+            reg_fence(acc_s);
+            if (lane == 0) mbar_arrive(bar_ek(s));
+            softmax(acc_s, t, alpha);
+            wg_wait<0>();
+            reg_fence(acc_o);
+            if (lane == 0) mbar_arrive(bar_ev(sp));
+#pragma unroll
+            for (int j = 0; j < DT; ++j) {
+                acc_o[4 * j + 0] *= alpha[0];
+                acc_o[4 * j + 1] *= alpha[0];
+                acc_o[4 * j + 2] *= alpha[1];
+                acc_o[4 * j + 3] *= alpha[1];
+            }
+            pack_p(acc_s, pa);
+        }
+        // Every S of this tile is complete: the producer may load the next tile's Q.
+        if (lane == 0) mbar_arrive(bar_qe);
+        // Last tile's P V.
+        {
+            const int it = kv_it + t_end - 1 - t_begin, sp = it % STAGES;
+            mbar_wait(bar_fv(sp), (uint32_t)((it / STAGES) & 1));
+            turn_begin();
+            wg_fence();
+            issue_pv(pa, sp);
+            wg_commit();
+            turn_end();
+            wg_wait<0>();
+            reg_fence(acc_o);
+            if (lane == 0) mbar_arrive(bar_ev(sp));
+        }
+    } else if (lane == 0) {
+        mbar_arrive(bar_qe);  // no key: Q was loaded but is not read
+    }
+    kv_it += t_end - t_begin;
+
+    // Epilogue: normalise, lse, stage this warpgroup's 64 rows in sO (swizzled by 16-byte
+    // chunks), then 16-byte coalesced stores.
+    T* so = sO + wg * 64 * D;
+    named_sync(EPI_BAR + wg, 128);  // this warpgroup's stores of the previous tile have read sO
+    // The geometry again rather than carried through the key loop (registers).
+    tile_geom(tile, h, b, g);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float l = row_l[hf];
+        l += __shfl_xor_sync(0xffffffff, l, 1);
+        l += __shfl_xor_sync(0xffffffff, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int r = row_base + hf * 8;  // row in the block
+        if (lane % 4 == 0 && r < g.rows)
+            p.lse[g.lse0 + r] = l > 0.f ? (row_m[hf] * unit + __log2f(l)) * LN2_F : -INFINITY;
+        const int rl = r - 64 * wg;
+#pragma unroll
+        for (int j = 0; j < DT; ++j) {
+            const int c = j * 8 + 2 * (lane % 4);
+            *reinterpret_cast<uint32_t*>(so + flash::swz<D>(rl, c / 8) + c % 8) =
+                flash::Mma<T>::pack(acc_o[4 * j + 2 * hf] * inv, acc_o[4 * j + 2 * hf + 1] * inv);
+        }
+    }
+    named_sync(EPI_BAR + wg, 128);
+    T* og = static_cast<T*>(p.o) + (g.out_row0 + g.m0 + 64 * wg) * p.o_seq + (int64_t)h * p.o_head;
+    constexpr int C = D / 8;
+    const int rows = g.rows - 64 * wg;
+    // The thread index through a volatile read: the store addresses are computed here, not
+    // hoisted to the kernel's start and kept (spilled) across the key loop.
+    const int wt_e = flash::tid_volatile() % 128;
+    if (p.d_out % 8 == 0) {
+#pragma unroll
+        for (int i0 = 0; i0 < 64 * C; i0 += 128) {
+            const int i = i0 + wt_e;
+            const int r = i / C, c = i % C;
+            if (r < rows && c * 8 < p.d_out)
+                *reinterpret_cast<uint4*>(og + r * p.o_seq + c * 8) =
+                    *reinterpret_cast<const uint4*>(so + flash::swz<D>(r, c));
+        }
+    } else {
+        for (int i = wt_e; i < 64 * p.d_out; i += 128) {
+            const int r = i / p.d_out, c = i % p.d_out;
+            if (r < rows) og[r * p.o_seq + c] = so[flash::swz<D>(r, c / 8) + c % 8];
+        }
+    }
+    ++n_tile;
+    }
+    if constexpr (PINGPONG) {
+        if (wg == 0) named_sync(PP_BAR, 256);
+    }
+}
+
+}  // namespace sm90
+
+// One entry point per instance (kernels/sm90/flash_sm90.cu lists them, with the `_mods` ones for
+// softcap / ALiBi). The tensor maps are __grid_constant__ so their addresses are those of the
+// kernel parameters.
+#define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES, PP, PERSIST, MODS)                     \
+    extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
+        NAME(const FlashParams p, const __grid_constant__ TmaMap tq,                           \
+             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv) {           \
+        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, PERSIST, MODS>(p, &tq, &tk, &tv);      \
+    }
