@@ -289,12 +289,19 @@ fn bwd_instances_header() -> String {
     for i in bwd_instances::BWD_MMA {
         write!(
             h,
-            " \\\n    FLASH_BWD_MMA_INSTANCE(PREFIX, T, {}, {}, {}, {}, {})",
+            " \\\n    FLASH_BWD_MMA_INSTANCE(PREFIX, T, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})",
             i.d,
-            i.bm,
-            i.bn,
-            i.min_blocks,
-            i.smem()
+            i.kv_bm,
+            i.kv_warps,
+            i.kv_min_blocks,
+            i.kv_smem(),
+            i.q_bn,
+            i.q_warps,
+            i.q_min_blocks,
+            i.q_smem(),
+            i.f_bm,
+            i.f_bn,
+            i.f_smem()
         )
         .unwrap();
     }

@@ -5,16 +5,18 @@
 # planted-bug binaries (gpu_backward_bug*: each must fail), gpu_bench --backward (both modes)
 # beside scripts/sdpa_bench.py --backward, with a side-by-side table, and any gpu_bench
 # variants placed as var_* (both modes, --quick). Logs go to $OUT.
-#   bash DIR/bwd-run.sh [--quick] [--no-tests] [--no-sanitizer] [--no-bench]
+#   bash DIR/bwd-run.sh [--quick] [--no-tests] [--no-sanitizer] [--all-sanitizers] [--no-bench]
+# (memcheck and racecheck by default; --all-sanitizers adds synccheck and initcheck)
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
-QUICK=""; TESTS=1; SAN=1; BENCH=1
+QUICK=""; TESTS=1; SAN=1; BENCH=1; TOOLS="memcheck racecheck"
 for a in "$@"; do
     case "$a" in
         --quick) QUICK=--quick ;;
         --no-tests) TESTS=0 ;;
         --no-sanitizer) SAN=0 ;;
         --no-bench) BENCH=0 ;;
+        --all-sanitizers) TOOLS="memcheck racecheck synccheck initcheck" ;;
     esac
 done
 LOG=${OUT:-/tmp}
@@ -39,11 +41,12 @@ if [ $TESTS = 1 ]; then
     for b in "$D"/gpu_backward_bug*; do
         [ -x "$b" ] || continue
         echo "== planted bug $(basename "$b") (must FAIL)"
-        timeout 300 "$b" --test-threads=1 2>&1 | tee "$LOG/$(basename "$b").log" | grep -E "^test |test result" || true
+        timeout 300 "$b" --test-threads=1 --skip deterministic_by_default --skip sanitizer_ 2>&1 \
+            | tee "$LOG/$(basename "$b").log" | grep -E "^test |test result" || true
     done
 fi
 if [ $SAN = 1 ]; then
-    for tool in memcheck racecheck synccheck initcheck; do
+    for tool in $TOOLS; do
         echo "== compute-sanitizer --tool $tool on the backward kernels (sanitizer_shapes)"
         timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 \
             "$D/gpu_backward_tests" --test-threads=1 sanitizer_ 2>&1 \

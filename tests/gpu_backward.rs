@@ -399,8 +399,7 @@ fn deterministic_by_default() {
     let Some(dev) = gpu() else { return };
     let _mode = MODE.lock().unwrap_or_else(|e| e.into_inner());
     let runs = if small() { 2 } else { 20 };
-    // Causal, plain, and a sliding window over several key tiles (the fused kernel's ordered
-    // dQ sums start at a query tile's first visible key tile).
+    // Causal, plain, and a sliding window over several key tiles.
     for (c, causal, window) in [
         (case(2, 1000, 1100, 8, 2, 128, DType::BF16), true, None),
         (case(1, 700, 513, 6, 3, 64, DType::F16), false, None),

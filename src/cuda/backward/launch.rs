@@ -140,15 +140,9 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     }
     // SAFETY: the D pass writes every (head, row) of the call before the other passes read it.
     let mut dsum = unsafe { dev.alloc::<f32>(rows)? };
-    // Tensor-core plans: the f32 dQ sums start at zero, and so do the deterministic mode's
-    // per-query-tile counters.
-    let mut dq_accum = if pl.mma.is_some() {
+    // Atomic plans: the f32 dQ sums start at zero.
+    let mut dq_accum = if pl.atomic {
         Some(dev.alloc_zeros::<f32>(rows * d)?)
-    } else {
-        None
-    };
-    let mut dq_sem = if pl.ordered {
-        Some(dev.alloc_zeros::<i32>(pl.sem_count.max(1))?)
     } else {
         None
     };
@@ -205,7 +199,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         dsum.device_ptr_mut(&stream),
     );
     let acc_g = dq_accum.as_mut().map(|a| a.device_ptr_mut(&stream));
-    let sem_g = dq_sem.as_mut().map(|a| a.device_ptr_mut(&stream));
     let (win_left, win_right) = p.window.as_i64();
     let softcap = p.score.softcap;
     let fwd = Params {
@@ -265,7 +258,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         dk: dk_g.0,
         dv: dv_g.0,
         dq_accum: acc_g.as_ref().map_or(0, |g| g.0),
-        dq_sem: sem_g.as_ref().map_or(0, |g| g.0),
         dkv_seq: (p.kv_heads * d) as i64,
         dkv_batch: match p.varlen {
             None => (p.max_seq_k * p.kv_heads * d) as i64,
@@ -278,15 +270,16 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         launch(dev, T::DTYPE, l, &params)?;
     }
     drop((
-        q_g, k_g, v_g, o_g, go_g, lse_g, dq_g, dk_g, dv_g, ds_g, acc_g, sem_g,
+        q_g, k_g, v_g, o_g, go_g, lse_g, dq_g, dk_g, dv_g, ds_g, acc_g,
     ));
-    drop((dsum, dq_accum, dq_sem, host_cu, alibi_storage));
+    drop((dsum, dq_accum, host_cu, alibi_storage));
     drop(alibi);
     Ok(wrap(dev, dq, dk, dv))
 }
 
-/// Whether the backward must be bitwise reproducible: `CANDLE_FLASH_BWD_DETERMINISTIC=0` lets the
-/// tensor-core path add dQ in any order; anything else (or unset) keeps a fixed order.
+/// Whether the backward must be bitwise reproducible: `CANDLE_FLASH_BWD_DETERMINISTIC=0` allows
+/// the fused atomic-dQ kernel of the tensor-core path; anything else (or unset) keeps the
+/// deterministic pair.
 fn deterministic() -> bool {
     std::env::var("CANDLE_FLASH_BWD_DETERMINISTIC").map_or(true, |v| v != "0")
 }

@@ -4,10 +4,10 @@
 //! f16/bf16 calls with head dim 64 or 128 whose q, k, v have unit column stride and 16-byte
 //! aligned rows run the tensor-core kernels (`kernels/backward/mma.cuh`); everything else (f32,
 //! other head dims up to 512, strided columns) runs the exact f32-arithmetic kernels
-//! (`kernels/backward/generic.cuh`). The tensor-core path is one fused kernel per key tile (five
-//! products per pair of tiles, dQ added into f32 sums with atomics) and a pass that converts the
-//! sums. Deterministic plans (the default) make the key tiles add in a fixed order through
-//! per-query-tile counters; otherwise the order is free (run-to-run bit differences in dq).
+//! (`kernels/backward/generic.cuh`). Deterministic plans (the default) give dQ its own pass;
+//! otherwise one fused tensor-core kernel computes dK, dV and dQ = dS K per key tile, adds the
+//! latter into f32 sums with atomics (five matmuls per pair of tiles instead of seven,
+//! run-to-run bit differences in dq), and a last pass converts them.
 
 use candle::{bail, DType, Result};
 
@@ -24,23 +24,20 @@ pub(crate) struct Launch {
     pub smem: usize,
 }
 
-/// The three passes of one backward call: D = rowsum(dO ∘ O), then dK/dV (and dQ's f32 sums on
-/// the tensor-core path), then dQ (its own pass, or the conversion of the sums).
+/// The three passes of one backward call: D = rowsum(dO ∘ O), then dK/dV, then dQ.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct BwdPlan {
     pub dsum: Launch,
     pub dkdv: Launch,
     pub dq: Launch,
-    /// The tensor-core instance, or `None` for the exact kernels. Its fused kernel adds dQ into
-    /// f32 sums with atomics, and `dq` is then the conversion pass.
+    /// The tensor-core instance, or `None` for the exact kernels.
     pub mma: Option<BwdMma>,
-    /// Tensor-core plans in deterministic mode: the key tiles add into each query tile's dQ
-    /// sums in a fixed order, through `sem_count` zeroed counters.
-    pub ordered: bool,
-    pub sem_count: usize,
+    /// dQ is summed with atomics into an f32 buffer (`dq` is then the conversion pass).
+    pub atomic: bool,
 }
 
-/// Threads and most blocks of the atomic plan's f32 -> T conversion of dq (grid-stride).
+/// Threads and most blocks of the atomic plan's f32 -> T conversion of dq (grid-stride, four
+/// elements a thread and step).
 const CONVERT_THREADS: usize = 256;
 const CONVERT_MAX_BLOCKS: usize = 1 << 16;
 
@@ -111,21 +108,24 @@ pub(crate) fn plan(
     let suffix = if mods { "_mods" } else { "" };
     let mma = BWD_MMA
         .iter()
-        .find(|i| i.d == d && dtype != DType::F32 && aligned(p, offsets) && i.smem() <= max_smem)
+        .find(|i| {
+            i.d == d && dtype != DType::F32 && aligned(p, offsets) && i.max_smem() <= max_smem
+        })
         .copied();
+    let atomic = mma.is_some() && !deterministic;
     let (dkdv, dq) = match mma {
-        Some(i) => {
+        Some(i) if atomic => {
             let n = p.total_q * p.heads * d / 4;
             (
                 Launch {
                     function: format!("{prefix}_dkdvq_d{d}{suffix}"),
                     grid: (
-                        to_u32(p.max_seq_k.div_ceil(i.bn), "key tiles")?,
+                        to_u32(p.max_seq_k.div_ceil(i.f_bn), "key tiles")?,
                         kv_heads,
                         batch,
                     ),
-                    threads: BwdMma::THREADS as u32,
-                    smem: i.smem(),
+                    threads: BwdMma::F_THREADS as u32,
+                    smem: i.f_smem(),
                 },
                 Launch {
                     function: format!("{prefix}_dq_convert"),
@@ -139,6 +139,28 @@ pub(crate) fn plan(
                 },
             )
         }
+        Some(i) => (
+            Launch {
+                function: format!("{prefix}_dkdv_d{d}{suffix}"),
+                grid: (
+                    to_u32(p.max_seq_k.div_ceil(i.kv_bn()), "key tiles")?,
+                    kv_heads,
+                    batch,
+                ),
+                threads: (32 * i.kv_warps) as u32,
+                smem: i.kv_smem(),
+            },
+            Launch {
+                function: format!("{prefix}_dq_d{d}{suffix}"),
+                grid: (
+                    to_u32(p.max_seq_q.div_ceil(i.q_bm()), "query tiles")?,
+                    heads,
+                    batch,
+                ),
+                threads: (32 * i.q_warps) as u32,
+                smem: i.q_smem(),
+            },
+        ),
         None => {
             let nt = *BWD_GENERIC_NT
                 .iter()
@@ -168,18 +190,12 @@ pub(crate) fn plan(
             )
         }
     };
-    let ordered = mma.is_some() && deterministic;
-    let sem_count = match mma {
-        Some(i) if ordered => p.batch * p.heads * p.max_seq_q.div_ceil(i.bm),
-        _ => 0,
-    };
     Ok(BwdPlan {
         dsum,
         dkdv,
         dq,
         mma,
-        ordered,
-        sem_count,
+        atomic,
     })
 }
 
@@ -223,25 +239,25 @@ mod tests {
                         let mods = o.softcap.is_some() || o.alibi_slopes.is_some();
                         match pl.mma {
                             Some(i) => {
-                                assert!(i.smem() <= smem, "{what}");
-                                assert!(pl.ordered, "{what}");
-                                assert_eq!(pl.sem_count, 2 * 6 * 37usize.div_ceil(i.bm));
+                                assert!(i.max_smem() <= smem, "{what}");
+                                assert!(!pl.atomic, "{what}");
                                 let fast = plan(&p, dtype, [0, 0], smem, false).unwrap();
-                                assert!(!fast.ordered && fast.sem_count == 0, "{what}");
-                                assert_eq!(fast.dkdv, pl.dkdv, "{what}");
-                                assert!(pl.dkdv.function.contains("_dkdvq_"), "{what}");
-                                assert!(pl.dq.function.ends_with("_dq_convert"), "{what}");
+                                assert!(fast.atomic && fast.dkdv.function.contains("_dkdvq_"));
+                                assert_eq!(fast.dkdv.function.ends_with("_mods"), mods, "{what}");
+                                assert!(fast.dkdv.grid.0 as usize * i.f_bn >= 141, "{what}");
+                                assert_eq!((fast.dkdv.grid.1, fast.dkdv.grid.2), (3, 2));
+                                assert!(fast.dq.function.ends_with("_dq_convert"), "{what}");
                                 assert!(
-                                    pl.dq.grid.0 as usize * CONVERT_THREADS * 4
+                                    fast.dq.grid.0 as usize * CONVERT_THREADS * 4
                                         >= (2 * 37 * 6 * d).min(CONVERT_MAX_BLOCKS * 1024)
                                 );
-                                assert!(pl.dkdv.grid.0 as usize * i.bn >= 141, "{what}");
-                                assert_eq!(pl.dkdv.function.ends_with("_mods"), mods, "{what}");
+                                assert!(pl.dkdv.grid.0 as usize * i.kv_bn() >= 141, "{what}");
+                                assert!(pl.dq.grid.0 as usize * i.q_bm() >= 37, "{what}");
+                                assert_eq!(pl.dq.function.ends_with("_mods"), mods, "{what}");
                             }
                             None => {
                                 let exact = plan(&p, dtype, [0, 0], smem, false).unwrap();
-                                assert!(!exact.ordered && exact.sem_count == 0, "{what}");
-                                assert_eq!((pl.dq.grid.1, pl.dq.grid.2), (6, 2), "{what}");
+                                assert!(!exact.atomic, "{what}: the exact kernels use no atomics");
                                 let nt: usize =
                                     pl.dq.function.rsplit('_').next().unwrap().parse().unwrap();
                                 assert!(32 * nt >= d && (nt == 2 || 16 * nt < d), "{what}");
@@ -249,6 +265,7 @@ mod tests {
                             }
                         }
                         assert_eq!((pl.dkdv.grid.1, pl.dkdv.grid.2), (3, 2), "{what}");
+                        assert_eq!((pl.dq.grid.1, pl.dq.grid.2), (6, 2), "{what}");
                         assert!(
                             pl.dsum.grid.0 as usize * BWD_GENERIC_WARPS >= 2 * 37,
                             "{what}"
