@@ -4,7 +4,7 @@
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --quick
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --csv bench/gpu.csv
-//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --backward [--quick]
+//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --backward [--quick] [--shape 128:8192]
 //! ```
 //!
 //! Part 1: bf16 and f16, head dims 64 and 128, seq 512 / 2048 / 8192 / 16384, causal and not, at
