@@ -294,18 +294,19 @@ fn bwd_instances_header() -> String {
     for i in bwd_instances::BWD_MMA {
         write!(
             h,
-            " \\\n    FLASH_BWD_MMA_INSTANCE(PREFIX, T, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})",
+            " \\\n    FLASH_BWD_MMA_INSTANCE(PREFIX, T, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})",
             i.d,
             i.kv_bm,
-            i.kv_bm_atomic,
             i.kv_warps,
             i.kv_min_blocks,
             i.kv_smem(),
-            i.kv_smem_atomic(),
             i.q_bn,
             i.q_warps,
             i.q_min_blocks,
-            i.q_smem()
+            i.q_smem(),
+            i.f_bm,
+            i.f_bn,
+            i.f_smem()
         )
         .unwrap();
     }

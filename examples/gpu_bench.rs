@@ -4,7 +4,7 @@
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --quick
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --csv bench/gpu.csv
-//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --backward [--quick]
+//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --backward [--quick] [--shape 128:8192]
 //! ```
 //!
 //! Part 1: bf16 and f16, head dims 64 and 128, seq 512 / 2048 / 8192 / 16384, causal and not, at
@@ -48,6 +48,10 @@ struct Args {
     /// Time the backward pass (only) instead of the forward.
     #[arg(long)]
     backward: bool,
+    /// With --backward: only this head dim and sequence length, as `D:SEQ` (e.g. for a
+    /// profiler).
+    #[arg(long)]
+    shape: Option<String>,
 }
 
 /// Columns of `--csv` (one row per implementation and shape), as scripts/plot.py reads them.
@@ -136,7 +140,16 @@ fn main() -> Result<()> {
     };
     let budget = if args.quick { 0.15 } else { args.budget };
     if args.backward {
-        return backward_section(&dev, seqs, budget, args.quick);
+        let shape = match &args.shape {
+            None => None,
+            Some(x) => {
+                let (d, s) = x
+                    .split_once(':')
+                    .ok_or_else(|| anyhow::anyhow!("--shape takes D:SEQ, got {x}"))?;
+                Some((d.parse::<usize>()?, s.parse::<usize>()?))
+            }
+        };
+        return backward_section(&dev, seqs, budget, args.quick, shape);
     }
 
     let mut csv = String::from(CSV_HEADER);
@@ -271,7 +284,13 @@ fn f32_section(args: &Args, dev: &Device, budget: f64, csv: &mut String) -> Resu
 
 /// `--backward`: seconds per backward pass on the forward shapes, 2.5x the forward's flops.
 /// `quick` keeps bf16 only.
-fn backward_section(dev: &Device, seqs: &[usize], budget: f64, quick: bool) -> Result<()> {
+fn backward_section(
+    dev: &Device,
+    seqs: &[usize],
+    budget: f64,
+    quick: bool,
+    shape: Option<(usize, usize)>,
+) -> Result<()> {
     println!("candle-flash CUDA backward, hidden {HIDDEN}, {TOKENS} tokens per batch");
     println!(
         "{:<6} {:>4} {:>6} {:>6} {:>4} {:>7} {:>10} {:>9}",
@@ -285,6 +304,9 @@ fn backward_section(dev: &Device, seqs: &[usize], budget: f64, quick: bool) -> R
     for &dtype in dtypes {
         for d in [64, 128] {
             for &s in seqs {
+                if shape.is_some_and(|x| x != (d, s)) {
+                    continue;
+                }
                 for causal in [false, true] {
                     let (b, h) = (TOKENS / s, HIDDEN / d);
                     let var = || -> candle::Result<candle::Var> {

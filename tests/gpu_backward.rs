@@ -399,15 +399,24 @@ fn deterministic_by_default() {
     let Some(dev) = gpu() else { return };
     let _mode = MODE.lock().unwrap_or_else(|e| e.into_inner());
     let runs = if small() { 2 } else { 20 };
-    for (c, causal) in [
-        (case(2, 1000, 1100, 8, 2, 128, DType::BF16), true),
-        (case(1, 700, 513, 6, 3, 64, DType::F16), false),
-        (case(1, 200, 300, 4, 1, 96, DType::BF16), true),
-        (case(1, 100, 150, 4, 2, 40, DType::F32), false),
+    // Causal, plain, and a sliding window over several key tiles.
+    for (c, causal, window) in [
+        (case(2, 1000, 1100, 8, 2, 128, DType::BF16), true, None),
+        (case(1, 700, 513, 6, 3, 64, DType::F16), false, None),
+        (
+            case(1, 900, 1000, 4, 2, 64, DType::BF16),
+            false,
+            Some((Some(300), Some(40))),
+        ),
+        (case(1, 200, 300, 4, 1, 96, DType::BF16), true, None),
+        (case(1, 100, 150, 4, 2, 40, DType::F32), false, None),
     ] {
         let mut opts = FlashAttn::new(scale(c.d));
         if causal {
             opts = opts.causal();
+        }
+        if let Some((l, r)) = window {
+            opts = opts.window(l, r);
         }
         let (q, k, v, g) = inputs(c, 60, &dev).unwrap();
         let first = autograd(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v)).unwrap();

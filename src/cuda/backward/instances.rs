@@ -4,23 +4,26 @@
 // `static_assert` that each kernel's shared memory equals the figure below), and the planner
 // (`plan.rs`) picks a row from it and sizes the launches. Plain data and `const fn`s only.
 
-/// One head dim of the f16/bf16 backward: the dK/dV kernel (a key tile of `16 * kv_warps`
-/// keys against `kv_bm`-row query tiles, `kv_bm_atomic` rows in the atomic-dQ variant, whose dS
-/// tile and dQ product cost registers) and the dQ kernel (a query tile of `16 * q_warps` rows
-/// against `q_bn`-key tiles).
+/// One head dim of the f16/bf16 backward: the deterministic dK/dV kernel (a key tile of
+/// `16 * kv_warps` keys against `kv_bm`-row query tiles), the dQ kernel (a query tile of
+/// `16 * q_warps` rows against `q_bn`-key tiles) and the fused atomic-dQ kernel (8 warps, an
+/// `f_bn`-key tile against `f_bm`-row query tiles).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BwdMma {
     pub d: usize,
     pub kv_bm: usize,
-    pub kv_bm_atomic: usize,
     pub kv_warps: usize,
     pub kv_min_blocks: usize,
     pub q_bn: usize,
     pub q_warps: usize,
     pub q_min_blocks: usize,
+    pub f_bm: usize,
+    pub f_bn: usize,
 }
 
 impl BwdMma {
+    /// Threads of the fused kernel (8 warps).
+    pub const F_THREADS: usize = 256;
     /// Keys per dK/dV block.
     pub const fn kv_bn(&self) -> usize {
         16 * self.kv_warps
@@ -29,22 +32,33 @@ impl BwdMma {
     pub const fn q_bm(&self) -> usize {
         16 * self.q_warps
     }
-    /// dK/dV with `bm`-row query steps: K and V of the key tile, two stages of Q + dO (2 bytes
-    /// an element), two stages of the step's lse and D (f32).
-    const fn kv_smem_for(&self, bm: usize) -> usize {
-        (2 * self.kv_bn() * self.d + 2 * 2 * bm * self.d) * 2 + 2 * 2 * bm * 4
-    }
-    /// The deterministic dK/dV kernel.
+    /// dK/dV: K and V of the key tile, two stages of Q + dO (2 bytes an element), two stages of
+    /// the step's lse and D (f32).
     pub const fn kv_smem(&self) -> usize {
-        self.kv_smem_for(self.kv_bm)
-    }
-    /// The atomic-dQ dK/dV kernel also stages dS (`kv_bm_atomic x kv_bn`, 2 bytes an element).
-    pub const fn kv_smem_atomic(&self) -> usize {
-        self.kv_smem_for(self.kv_bm_atomic) + self.kv_bm_atomic * self.kv_bn() * 2
+        (2 * self.kv_bn() * self.d + 2 * 2 * self.kv_bm * self.d) * 2 + 2 * 2 * self.kv_bm * 4
     }
     /// dQ: Q and dO of the query tile, two stages of K + V.
     pub const fn q_smem(&self) -> usize {
         (2 * self.q_bm() * self.d + 2 * 2 * self.q_bn * self.d) * 2
+    }
+    /// Fused: K and V, two stages of Q + dO, P^T and dS^T (2 bytes an element), two stages of
+    /// lse and D (f32). dQ is staged in the step's Q + dO stage.
+    pub const fn f_smem(&self) -> usize {
+        (2 * self.f_bn * self.d + 2 * 2 * self.f_bm * self.d + 2 * self.f_bn * self.f_bm) * 2
+            + 2 * 2 * self.f_bm * 4
+    }
+    /// The most shared memory any of its kernels needs.
+    pub const fn max_smem(&self) -> usize {
+        let a = if self.kv_smem() > self.q_smem() {
+            self.kv_smem()
+        } else {
+            self.q_smem()
+        };
+        if a > self.f_smem() {
+            a
+        } else {
+            self.f_smem()
+        }
     }
 }
 
@@ -52,28 +66,32 @@ pub const BWD_MMA: &[BwdMma] = &[
     BwdMma {
         d: 64,
         kv_bm: 64,
-        kv_bm_atomic: 64,
         kv_warps: 8,
         kv_min_blocks: 1,
         q_bn: 64,
         q_warps: 4,
         q_min_blocks: 1,
+        f_bm: 128,
+        f_bn: 128,
     },
     // d 128: 48-row query steps in the deterministic dK/dV kernel (254 registers, no spills on
-    // sm_90; the atomic variant keeps 32, 48 spills there) and 4-warp blocks, two per SM.
+    // sm_90) and 4-warp blocks, two per SM.
     // H100, bf16, backward TFLOP/s at seq 2048 / 2048 causal / 8192 / 8192 causal, one run:
     // 32 rows, 8 warps 151 / 115 / 171 / 158; 48 rows, 8 warps 152 / 112-116 / 185-186 /
     // 167-169; 48 rows, 4 warps 155-160 / 119-123 / 189-192 / 175-176. d 64 with 4-warp
     // blocks moved within the run's noise (-14% to +2%), so it keeps 8.
+    // The fused kernel uses FlashAttention-2's tiles (its sm80 backward traits: 128 x 128 at
+    // d 64, 64 x 128 at d 128).
     BwdMma {
         d: 128,
         kv_bm: 48,
-        kv_bm_atomic: 32,
         kv_warps: 4,
         kv_min_blocks: 2,
         q_bn: 64,
         q_warps: 4,
         q_min_blocks: 1,
+        f_bm: 64,
+        f_bn: 128,
     },
 ];
 

@@ -278,7 +278,8 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
 }
 
 /// Whether the backward must be bitwise reproducible: `CANDLE_FLASH_BWD_DETERMINISTIC=0` allows
-/// the atomic dQ of the tensor-core path; anything else (or unset) keeps the deterministic one.
+/// the fused atomic-dQ kernel of the tensor-core path; anything else (or unset) keeps the
+/// deterministic pair.
 fn deterministic() -> bool {
     std::env::var("CANDLE_FLASH_BWD_DETERMINISTIC").map_or(true, |v| v != "0")
 }

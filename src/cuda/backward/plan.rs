@@ -5,8 +5,9 @@
 //! aligned rows run the tensor-core kernels (`kernels/backward/mma.cuh`); everything else (f32,
 //! other head dims up to 512, strided columns) runs the exact f32-arithmetic kernels
 //! (`kernels/backward/generic.cuh`). Deterministic plans (the default) give dQ its own pass;
-//! otherwise the tensor-core dK/dV kernel also adds dS K into f32 sums with atomics (one matmul
-//! fewer per pair of tiles, run-to-run bit differences in dq) and a last pass converts them.
+//! otherwise one fused tensor-core kernel computes dK, dV and dQ = dS K per key tile, adds the
+//! latter into f32 sums with atomics (five matmuls per pair of tiles instead of seven,
+//! run-to-run bit differences in dq), and a last pass converts them.
 
 use candle::{bail, DType, Result};
 
@@ -35,7 +36,8 @@ pub(crate) struct BwdPlan {
     pub atomic: bool,
 }
 
-/// Threads and most blocks of the atomic plan's f32 -> T conversion of dq (grid-stride).
+/// Threads and most blocks of the atomic plan's f32 -> T conversion of dq (grid-stride, four
+/// elements a thread and step).
 const CONVERT_THREADS: usize = 256;
 const CONVERT_MAX_BLOCKS: usize = 1 << 16;
 
@@ -107,26 +109,23 @@ pub(crate) fn plan(
     let mma = BWD_MMA
         .iter()
         .find(|i| {
-            i.d == d
-                && dtype != DType::F32
-                && aligned(p, offsets)
-                && i.kv_smem_atomic().max(i.q_smem()) <= max_smem
+            i.d == d && dtype != DType::F32 && aligned(p, offsets) && i.max_smem() <= max_smem
         })
         .copied();
     let atomic = mma.is_some() && !deterministic;
     let (dkdv, dq) = match mma {
         Some(i) if atomic => {
-            let n = p.total_q * p.heads * d;
+            let n = p.total_q * p.heads * d / 4;
             (
                 Launch {
-                    function: format!("{prefix}_dkdv_d{d}{suffix}_atomic"),
+                    function: format!("{prefix}_dkdvq_d{d}{suffix}"),
                     grid: (
-                        to_u32(p.max_seq_k.div_ceil(i.kv_bn()), "key tiles")?,
+                        to_u32(p.max_seq_k.div_ceil(i.f_bn), "key tiles")?,
                         kv_heads,
                         batch,
                     ),
-                    threads: (32 * i.kv_warps) as u32,
-                    smem: i.kv_smem_atomic(),
+                    threads: BwdMma::F_THREADS as u32,
+                    smem: i.f_smem(),
                 },
                 Launch {
                     function: format!("{prefix}_dq_convert"),
@@ -240,14 +239,17 @@ mod tests {
                         let mods = o.softcap.is_some() || o.alibi_slopes.is_some();
                         match pl.mma {
                             Some(i) => {
-                                assert!(i.kv_smem_atomic() <= smem && i.q_smem() <= smem, "{what}");
+                                assert!(i.max_smem() <= smem, "{what}");
                                 assert!(!pl.atomic, "{what}");
                                 let fast = plan(&p, dtype, [0, 0], smem, false).unwrap();
-                                assert!(fast.atomic && fast.dkdv.function.ends_with("_atomic"));
+                                assert!(fast.atomic && fast.dkdv.function.contains("_dkdvq_"));
+                                assert_eq!(fast.dkdv.function.ends_with("_mods"), mods, "{what}");
+                                assert!(fast.dkdv.grid.0 as usize * i.f_bn >= 141, "{what}");
+                                assert_eq!((fast.dkdv.grid.1, fast.dkdv.grid.2), (3, 2));
                                 assert!(fast.dq.function.ends_with("_dq_convert"), "{what}");
                                 assert!(
-                                    fast.dq.grid.0 as usize * CONVERT_THREADS
-                                        >= (2 * 37 * 6 * d).min(CONVERT_MAX_BLOCKS * 256)
+                                    fast.dq.grid.0 as usize * CONVERT_THREADS * 4
+                                        >= (2 * 37 * 6 * d).min(CONVERT_MAX_BLOCKS * 1024)
                                 );
                                 assert!(pl.dkdv.grid.0 as usize * i.kv_bn() >= 141, "{what}");
                                 assert!(pl.dq.grid.0 as usize * i.q_bm() >= 37, "{what}");

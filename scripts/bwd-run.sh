@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# What runs on the GPU machine for the backward work (carry the folder made by
+# scripts/pack-bwd.sh): the backward GPU tests (default mode, then CANDLE_FLASH_BWD_DETERMINISTIC=0
+# for the whole binary), compute-sanitizer on the backward shapes, the library's unit tests,
+# planted-bug binaries (gpu_backward_bug*: each must fail), gpu_bench --backward (both modes)
+# beside scripts/sdpa_bench.py --backward, with a side-by-side table, and any gpu_bench
+# variants placed as var_* (both modes, --quick). Logs go to $OUT.
+#   bash DIR/bwd-run.sh [--quick] [--no-tests] [--no-sanitizer] [--all-sanitizers] [--no-bench]
+# (memcheck and racecheck by default; --all-sanitizers adds synccheck and initcheck)
+set -uo pipefail
+D=$(cd "$(dirname "$0")" && pwd)
+QUICK=""; TESTS=1; SAN=1; BENCH=1; TOOLS="memcheck racecheck"
+for a in "$@"; do
+    case "$a" in
+        --quick) QUICK=--quick ;;
+        --no-tests) TESTS=0 ;;
+        --no-sanitizer) SAN=0 ;;
+        --no-bench) BENCH=0 ;;
+        --all-sanitizers) TOOLS="memcheck racecheck synccheck initcheck" ;;
+    esac
+done
+LOG=${OUT:-/tmp}
+export LD_LIBRARY_PATH=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))'):${LD_LIBRARY_PATH:-}
+for f in "$D"/*.xz; do
+    [ -e "$f" ] || continue
+    python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$f" "${f%.xz}" && rm -f "$f"
+    chmod +x "${f%.xz}"
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+status=0
+if [ $TESTS = 1 ]; then
+    echo "== library unit tests"
+    timeout 120 "$D/lib_tests" --test-threads=2 2>&1 | tee "$LOG/lib-tests.log" | grep -E "test result|panicked|FAILED" | head
+    echo "== backward tests, default (deterministic) mode"
+    timeout 300 "$D/gpu_backward_tests" --test-threads=1 2>&1 | tee "$LOG/backward-tests.log" | grep -E "^test |test result|panicked" || true
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    echo "== backward tests, CANDLE_FLASH_BWD_DETERMINISTIC=0 for every test"
+    CANDLE_FLASH_BWD_DETERMINISTIC=0 timeout 300 "$D/gpu_backward_tests" --test-threads=1 --skip deterministic_by_default 2>&1 \
+        | tee "$LOG/backward-tests-atomic.log" | grep -E "^test |test result|panicked" || true
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    for b in "$D"/gpu_backward_bug*; do
+        [ -x "$b" ] || continue
+        echo "== planted bug $(basename "$b") (must FAIL)"
+        timeout 300 "$b" --test-threads=1 --skip deterministic_by_default --skip sanitizer_ 2>&1 \
+            | tee "$LOG/$(basename "$b").log" | grep -E "^test |test result" || true
+    done
+fi
+if [ $SAN = 1 ]; then
+    for tool in $TOOLS; do
+        echo "== compute-sanitizer --tool $tool on the backward kernels (sanitizer_shapes)"
+        timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 \
+            "$D/gpu_backward_tests" --test-threads=1 sanitizer_ 2>&1 \
+            | tee "$LOG/sanitizer-backward-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" | head -5
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
+fi
+if [ $BENCH = 1 ]; then
+    echo "== backward: candle-flash (default deterministic, then CANDLE_FLASH_BWD_DETERMINISTIC=0)"
+    "$D/gpu_bench" --backward $QUICK 2>&1 | tee "$LOG/bench-backward.log" | grep -v '^RESULT'
+    CANDLE_FLASH_BWD_DETERMINISTIC=0 "$D/gpu_bench" --backward $QUICK 2>&1 \
+        | sed 's/^RESULT_BWD candle /RESULT_BWD candle_atomic /' | tee "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
+    for v in "$D"/var_*; do
+        [ -x "$v" ] || continue
+        echo "== variant $(basename "$v") (CANDLE_FLASH_BWD_DETERMINISTIC=0, then default)"
+        CANDLE_FLASH_BWD_DETERMINISTIC=0 "$v" --backward --quick 2>&1 | grep -E "^bf16"
+        "$v" --backward --quick 2>&1 | grep -E "^bf16"
+    done
+    echo "== backward: PyTorch SDPA"
+    python3 "$D/sdpa_bench.py" --backward $QUICK 2>&1 | tee "$LOG/sdpa-backward.log" | grep -v '^RESULT'
+    echo "== backward side by side (TFLOP/s at 2.5x the forward's flops; ratios = candle / torch)"
+    cat "$LOG/bench-backward.log" "$LOG/bench-backward-atomic.log" "$LOG/sdpa-backward.log" | python3 -c '
+import sys
+r = {}
+for l in sys.stdin:
+    p = l.split()
+    if len(p) == 7 and p[0] == "RESULT_BWD":
+        r[(p[1], p[2], int(p[3]), int(p[4]), p[5])] = float(p[6])
+keys = sorted({k[1:] for k in r}, key=lambda k: (k[0], k[1], k[3], k[2]))
+print("| dtype | d | seq | causal | candle-flash | candle atomic dQ | torch flash | torch cuDNN | vs flash | atomic vs flash | vs cuDNN | det / atomic |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+for k in keys:
+    c, a, f, n = (r.get((s,) + k) for s in ("candle", "candle_atomic", "torch_flash", "torch_cudnn"))
+    fmt = lambda x: f"{x:.1f}" if x else "-"
+    rat = lambda x, y: f"{x / y:.2f}" if x and y else "-"
+    print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {fmt(c)} | {fmt(a)} | {fmt(f)} | {fmt(n)} | {rat(c, f)} | {rat(a, f)} | {rat(c, n)} | {rat(c, a)} |")
+' | tee "$LOG/table-backward.md"
+fi
+cd "$LOG" && tar czf logs.tgz *.log 2>/dev/null && rm -f *.log
+exit $status

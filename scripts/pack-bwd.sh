@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds the backward GPU test binary, gpu_bench and the library's unit tests from this
+# worktree and leaves them stripped and xz-compressed in $DEST (default .gpu-bwd/), with
+# scripts/sdpa_bench.py and scripts/bwd-run.sh, for a device run (bash $DEST/bwd-run.sh).
+#   scripts/pack-bwd.sh [dest]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEST=${1:-.gpu-bwd}
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
+features=cuda,candle-nn/cuda
+test_bin() {
+    cargo test --release --features "$features" $1 --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' "$2"
+}
+bwd_bin=$(test_bin "--test gpu_backward" gpu_backward)
+lib_bin=$(test_bin "--lib" candle_flash)
+cargo build --release --features "$features" --example gpu_bench
+mkdir -p "$DEST"
+rm -rf "${DEST:?}"/*
+cp "$bwd_bin" "$DEST/gpu_backward_tests"
+cp "$lib_bin" "$DEST/lib_tests"
+cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" "$DEST/gpu_bench"
+cp scripts/sdpa_bench.py scripts/bwd-run.sh "$DEST/"
+bins="$DEST/gpu_backward_tests $DEST/lib_tests $DEST/gpu_bench"
+for b in $bins; do
+    grep -q flash_bwd "$b" || { echo "$b lacks the backward kernels (stale PTX?)" >&2; exit 1; }
+done
+strip $bins
+xz -6 -T2 $bins
+ls -l "$DEST"
