@@ -9,8 +9,9 @@
 #   The backward pass (gpu_backward_tests, its sanitizer shapes, gpu_bench --backward and
 #   sdpa_bench.py --backward side by side) runs unless --no-backward.
 #   examples/train.rs on the GPU (naive and flash in lockstep, f32) runs unless --no-train.
-#   --ab-old: the forward benchmark alternates with .gpu/gpu_bench_old, a gpu_bench built from an
-#   older commit (placed there by hand), twice each, for a same-machine A/B.
+#   --ab-old: the forward benchmark on the portable kernels (CANDLE_FLASH_PORTABLE=1) alternates
+#   with .gpu/gpu_bench_old, a gpu_bench built from an older commit (placed there by hand), twice
+#   each (AB_ROUNDS=n: n each), for a same-machine A/B.
 #   scripts/gpu-run.sh [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-decode]
 #                      [--no-backward] [--no-train] [--ab-old]
 set -uo pipefail
@@ -144,9 +145,11 @@ if [ $TRAIN = 1 ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ $AB = 1 ] && [ -e .gpu/gpu_bench_old ]; then
-    echo "== forward A/B: this build (new) against .gpu/gpu_bench_old (old), alternating"
-    for r in 1 2; do
-        ./.gpu/gpu_bench --no-f32 > "$LOG/ab-new$r.log" 2>&1
+    # The new side runs the portable (sm_80) kernels: the A/B is about them, and an older build
+    # may predate the Hopper module (it ignores the variable).
+    echo "== forward A/B: this build (new, CANDLE_FLASH_PORTABLE=1) against .gpu/gpu_bench_old (old), alternating"
+    for r in $(seq "${AB_ROUNDS:-2}"); do
+        CANDLE_FLASH_PORTABLE=1 ./.gpu/gpu_bench --no-f32 > "$LOG/ab-new$r.log" 2>&1
         ./.gpu/gpu_bench_old --no-f32 > "$LOG/ab-old$r.log" 2>&1
     done
     python3 - "$LOG" <<'PY' | tee "$LOG/table-ab.md"
