@@ -428,6 +428,12 @@ fn views_in_nan_buffers_match_contiguous_bitwise() -> candle::Result<()> {
             let sq_ = q.transpose(2, 3)?.contiguous()?.transpose(2, 3)?;
             let s_out = opts.forward(&sq_, &k, &v)?;
             assert_bitwise_eq(&format!("{c:?}: strided head dim"), &s_out, &base);
+            // Broadcast views (stride 0 over batch and kv heads) against their contiguous copies.
+            let bk = k.i((0..1, .., 0..1, ..))?.broadcast_as(k.dims())?;
+            let bv = v.i((0..1, .., 1..2, ..))?.broadcast_as(v.dims())?;
+            let b_out = opts.forward(&q, &bk, &bv)?;
+            let c_out = opts.forward(&q, &bk.contiguous()?, &bv.contiguous()?)?;
+            assert_bitwise_eq(&format!("{c:?}: broadcast k and v"), &b_out, &c_out);
         }
     }
     Ok(())

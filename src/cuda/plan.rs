@@ -376,14 +376,21 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
     };
     // Operands the kernel cannot read in place: the tensor-core kernels copy 16-byte chunks of
     // rows; the f32 and row-wise kernels read through any strides.
+    // The sm_90a kernels read through tensor maps, which take no zero stride (a broadcast
+    // operand): those are packed too.
     let pack = match kernel {
         Kernel::Mma(_) | Kernel::Decode(_) | Kernel::Sm90(_) => {
+            let tma = matches!(kernel, Kernel::Sm90(_));
             let (q_rows, k_rows) = p.storage_rows();
             let (q_batch, k_batch) = p.storage_batches();
+            let in_place = |s: &Strides, batch: usize, rows: usize, heads: usize| {
+                fits_fast_path(p, s, batch, rows, heads)
+                    && !(tma && has_zero_stride(s, batch, rows, heads))
+            };
             [
-                !fits_fast_path(p, &p.q, q_batch, q_rows, p.heads),
-                !fits_fast_path(p, &p.k, k_batch, k_rows, p.kv_heads),
-                !fits_fast_path(p, &p.v, k_batch, k_rows, p.kv_heads),
+                !in_place(&p.q, q_batch, q_rows, p.heads),
+                !in_place(&p.k, k_batch, k_rows, p.kv_heads),
+                !in_place(&p.v, k_batch, k_rows, p.kv_heads),
             ]
         }
         _ => [false; 3],
@@ -627,6 +634,13 @@ fn fits_fast_path(p: &Problem, s: &Strides, batch: usize, rows: usize, heads: us
         && aligned(s.head, heads)
 }
 
+/// Does an axis of more than one element have stride 0 (a broadcast view)?
+fn has_zero_stride(s: &Strides, batch: usize, rows: usize, heads: usize) -> bool {
+    [(s.batch, batch), (s.seq, rows), (s.head, heads)]
+        .iter()
+        .any(|&(stride, n)| n > 1 && stride == 0)
+}
+
 #[cfg(test)]
 mod tests {
     use candle::{Device, Tensor};
@@ -798,6 +812,19 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(pl.kernel, Kernel::Decode(_)), "{pl:?}");
+        // A broadcast K (stride 0 over kv heads) is packed for the tensor maps, which take no
+        // zero stride; the portable kernels read it in place.
+        let dev = Device::Cpu;
+        let q = Tensor::zeros((2, 300, 4, 128), DType::BF16, &dev).unwrap();
+        let k = Tensor::zeros((2, 300, 1, 128), DType::BF16, &dev).unwrap();
+        let k = k.broadcast_as((2, 300, 2, 128)).unwrap();
+        let v = Tensor::zeros((2, 300, 2, 128), DType::BF16, &dev).unwrap();
+        let p = plain.problem(&q, &k, &v, None).unwrap();
+        let pl = plan(&p, DType::BF16, &DeviceCaps::SM90).unwrap();
+        assert!(matches!(pl.kernel, Kernel::Sm90(_)), "{pl:?}");
+        assert_eq!(pl.pack, [false, true, false]);
+        let pl = plan(&p, DType::BF16, &DeviceCaps::SM80).unwrap();
+        assert_eq!(pl.pack, [false, false, false]);
     }
 
     /// Few packed rows per K/V head take the split-KV decode kernel, split so that a small batch
