@@ -7,30 +7,34 @@ w("// shared memory MN-major (trans-b = 1). scale_d = 0 overwrites the accumulat
 w("#pragma once")
 w("#include <stdint.h>")
 w("namespace sm90 {")
+# N of the S = Q K^T tiles (ss: the key tile, 80 for d 256) and of the O += P V tiles (rs: the
+# head dim).
+SS_N = (64, 80, 128)
+RS_N = (64, 128, 256)
 for ty, pt in (("bf16", "bf16"), ("f16", "f16")):
-    for n in (64, 128):
+    for n in sorted(set(SS_N) | set(RS_N)):
         nr = n // 2
         regs = ", ".join(f"%{i}" for i in range(nr))
         outs = ", ".join(f'"+f"(d[{i}])' for i in range(nr))
-        # ss
-        w(f"__device__ __forceinline__ void wgmma_ss_{ty}_n{n}(float* d, uint64_t da, uint64_t db, int scale_d) {{")
-        w('    asm volatile(')
-        w('        "{\\n.reg .pred p;\\n"')
-        w(f'        "setp.ne.b32 p, %{nr + 2}, 0;\\n"')
-        w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{pt}.{pt} "')
-        w(f'        "{{{regs}}}, %{nr}, %{nr + 1}, p, 1, 1, 0, 0;\\n}}\\n"')
-        w(f'        : {outs}')
-        w('        : "l"(da), "l"(db), "r"(scale_d));')
-        w("}")
-        # rs
-        w(f"__device__ __forceinline__ void wgmma_rs_{ty}_n{n}(float* d, const uint32_t* a, uint64_t db, int scale_d) {{")
-        w('    asm volatile(')
-        w('        "{\\n.reg .pred p;\\n"')
-        w(f'        "setp.ne.b32 p, %{nr + 5}, 0;\\n"')
-        w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{pt}.{pt} "')
-        w(f'        "{{{regs}}}, {{%{nr}, %{nr + 1}, %{nr + 2}, %{nr + 3}}}, %{nr + 4}, p, 1, 1, 1;\\n}}\\n"')
-        w(f'        : {outs}')
-        w('        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));')
-        w("}")
+        if n in SS_N:
+            w(f"__device__ __forceinline__ void wgmma_ss_{ty}_n{n}(float* d, uint64_t da, uint64_t db, int scale_d) {{")
+            w('    asm volatile(')
+            w('        "{\\n.reg .pred p;\\n"')
+            w(f'        "setp.ne.b32 p, %{nr + 2}, 0;\\n"')
+            w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{pt}.{pt} "')
+            w(f'        "{{{regs}}}, %{nr}, %{nr + 1}, p, 1, 1, 0, 0;\\n}}\\n"')
+            w(f'        : {outs}')
+            w('        : "l"(da), "l"(db), "r"(scale_d));')
+            w("}")
+        if n in RS_N:
+            w(f"__device__ __forceinline__ void wgmma_rs_{ty}_n{n}(float* d, const uint32_t* a, uint64_t db, int scale_d) {{")
+            w('    asm volatile(')
+            w('        "{\\n.reg .pred p;\\n"')
+            w(f'        "setp.ne.b32 p, %{nr + 5}, 0;\\n"')
+            w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{pt}.{pt} "')
+            w(f'        "{{{regs}}}, {{%{nr}, %{nr + 1}, %{nr + 2}, %{nr + 3}}}, %{nr + 4}, p, 1, 1, 1;\\n}}\\n"')
+            w(f'        : {outs}')
+            w('        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));')
+            w("}")
 w("}  // namespace sm90")
 open("kernels/sm90/wgmma.cuh", "w").write("\n".join(out) + "\n")
