@@ -19,7 +19,9 @@
 // softmax runs under another's GEMMs. PERSIST instances run one block per SM over all tiles
 // (the next tile's Q waits on an empty-Q barrier, so its loads overlap the last GEMMs and the
 // epilogue); the default instances are one block per tile. The output is staged per warpgroup in
-// shared memory for 16-byte stores; lse as in the sm_80 kernel.
+// shared memory for 16-byte stores (d 256: in the warpgroup's own rows of Q); lse as in the
+// sm_80 kernel. d 256 takes FlashAttention-3's shape: 80-key tiles (S = Q K^T as m64n80k16),
+// O += P V as m64n256k16 into 128 f32 registers a thread.
 #pragma once
 #include "common/mask.cuh"
 #include "common/math.cuh"
@@ -127,9 +129,11 @@ template <typename T, int N>
 __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int scale_d) {
     if constexpr (IsBf16<T>::value) {
         if constexpr (N == 64) wgmma_ss_bf16_n64(d, a, b, scale_d);
+        else if constexpr (N == 80) wgmma_ss_bf16_n80(d, a, b, scale_d);
         else wgmma_ss_bf16_n128(d, a, b, scale_d);
     } else {
         if constexpr (N == 64) wgmma_ss_f16_n64(d, a, b, scale_d);
+        else if constexpr (N == 80) wgmma_ss_f16_n80(d, a, b, scale_d);
         else wgmma_ss_f16_n128(d, a, b, scale_d);
     }
 }
@@ -137,10 +141,12 @@ template <typename T, int N>
 __device__ __forceinline__ void mma_rs(float* d, const uint32_t* a, uint64_t b, int scale_d) {
     if constexpr (IsBf16<T>::value) {
         if constexpr (N == 64) wgmma_rs_bf16_n64(d, a, b, scale_d);
-        else wgmma_rs_bf16_n128(d, a, b, scale_d);
+        else if constexpr (N == 128) wgmma_rs_bf16_n128(d, a, b, scale_d);
+        else wgmma_rs_bf16_n256(d, a, b, scale_d);
     } else {
         if constexpr (N == 64) wgmma_rs_f16_n64(d, a, b, scale_d);
-        else wgmma_rs_f16_n128(d, a, b, scale_d);
+        else if constexpr (N == 128) wgmma_rs_f16_n128(d, a, b, scale_d);
+        else wgmma_rs_f16_n256(d, a, b, scale_d);
     }
 }
 
@@ -153,7 +159,12 @@ struct Traits {
     static constexpr int CH = D / 64;  // 64-column chunks
     static constexpr int Q_BYTES = BM * D * 2;
     static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
-    static constexpr int O_BYTES = BM * D * 2;   // output staging
+    // Output staging. d 256 has no room for a tile of its own (Q 64 KB + two stages of 80-key
+    // K and V 160 KB): each warpgroup stages its rows of O in its own rows of Q, which only its
+    // own S GEMMs read and which are complete by then. The next tile's Q would overwrite them,
+    // so such instances are not persistent.
+    static constexpr bool O_IN_Q = D > 128;
+    static constexpr int O_BYTES = O_IN_Q ? 0 : BM * D * 2;
     // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q.
     static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
     // 1024 of slack to align the base to a swizzle atom.
@@ -169,7 +180,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     using Tr = Traits<T, D, NWG, BN, STAGES>;
     constexpr int BM = Tr::BM, CH = Tr::CH;
     constexpr int NT = BN / 8, DT = D / 8;
-    static_assert(D % 64 == 0 && BN % 64 == 0, "whole swizzle atoms");
+    // Whole swizzle atoms: 64-column chunks, and 8-row groups so every K/V chunk (BN rows of
+    // 128 bytes) starts 1024-byte aligned; P V steps through the keys 16 at a time.
+    static_assert(D % 64 == 0 && BN % 16 == 0, "whole swizzle atoms");
+    static_assert(!(Tr::O_IN_Q && PERSIST), "O staged in Q: the next tile's Q would overwrite it");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // Aligned by an offset from smem_raw (not integer casts), so the compiler still knows every
@@ -463,6 +477,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     // Epilogue: normalise, lse, stage this warpgroup's 64 rows in sO (swizzled by 16-byte
     // chunks), then 16-byte coalesced stores.
     T* so = sO + wg * 64 * D;
+    // Element (r, 8 u) of this warpgroup's staged O: row-major [64][D] swizzled by 16-byte
+    // chunks, or (O_IN_Q) in this warpgroup's rows of Q, in its 128-byte-swizzled layout.
+    auto o_at = [&](int r, int u) {
+        if constexpr (Tr::O_IN_Q)
+            return sQ + (u / 8) * BM * 64 + (64 * wg + r) * 64 + ((u % 8) ^ (r % 8)) * 8;
+        else
+            return so + flash::swz<D>(r, u);
+    };
     named_sync(EPI_BAR + wg, 128);  // this warpgroup's stores of the previous tile have read sO
     // The geometry again rather than carried through the key loop (registers).
     tile_geom(tile, h, b, g);
@@ -479,7 +501,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
 #pragma unroll
         for (int j = 0; j < DT; ++j) {
             const int c = j * 8 + 2 * (lane % 4);
-            *reinterpret_cast<uint32_t*>(so + flash::swz<D>(rl, c / 8) + c % 8) =
+            *reinterpret_cast<uint32_t*>(o_at(rl, c / 8) + c % 8) =
                 flash::Mma<T>::pack(acc_o[4 * j + 2 * hf] * inv, acc_o[4 * j + 2 * hf + 1] * inv);
         }
     }
@@ -497,12 +519,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             const int r = i / C, c = i % C;
             if (r < rows && c * 8 < p.d_out)
                 *reinterpret_cast<uint4*>(og + r * p.o_seq + c * 8) =
-                    *reinterpret_cast<const uint4*>(so + flash::swz<D>(r, c));
+                    *reinterpret_cast<const uint4*>(o_at(r, c));
         }
     } else {
         for (int i = wt_e; i < 64 * p.d_out; i += 128) {
             const int r = i / p.d_out, c = i % p.d_out;
-            if (r < rows) og[r * p.o_seq + c] = so[flash::swz<D>(r, c / 8) + c % 8];
+            if (r < rows) og[r * p.o_seq + c] = o_at(r, c / 8)[c % 8];
         }
     }
     ++n_tile;

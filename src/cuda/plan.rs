@@ -136,10 +136,16 @@ impl Sm90Instance {
     pub const fn threads(&self) -> usize {
         128 * (self.nwg + 1)
     }
+    /// Heads wider than 128 stage the output in Q's buffer (`Traits::O_IN_Q`): a separate
+    /// tile does not fit beside d 256's K and V rings. Such instances cannot be persistent.
+    pub const fn o_in_q(&self) -> bool {
+        self.d > 128
+    }
     /// Dynamic shared memory: alignment slack, Q, the K and V rings, the output staging tile
-    /// and the mbarriers (`Traits::SMEM` in kernels/sm90/fwd.cuh).
+    /// (unless it is Q's) and the mbarriers (`Traits::SMEM` in kernels/sm90/fwd.cuh).
     pub const fn smem(&self) -> usize {
-        1024 + 2 * self.rows() * self.d * 2
+        let tile = self.rows() * self.d * 2;
+        1024 + if self.o_in_q() { tile } else { 2 * tile }
             + 2 * self.stages * self.bn * self.d * 2
             + 8 * (2 + 4 * self.stages)
     }
@@ -148,8 +154,9 @@ impl Sm90Instance {
 /// The sm_90a instances, narrowest first; the first of a width and kind is the default, the
 /// others are variants for `CANDLE_FLASH_SM90_VARIANT`. d 64: three consumer warpgroups (192 rows)
 /// or two, persistent (softcap / ALiBi: two, not persistent: their registers spilled otherwise);
-/// d 128: two warpgroups (128 rows), as FlashAttention-3 starts from.
-pub(crate) const SM90_INSTANCES: [Sm90Instance; 6] = [
+/// d 128: two warpgroups (128 rows), as FlashAttention-3 starts from; d 256: two warpgroups
+/// and 80-key tiles in two stages (FlashAttention-3's shape; 230,480 bytes, O staged in Q).
+pub(crate) const SM90_INSTANCES: [Sm90Instance; 8] = [
     Sm90Instance {
         d: 64,
         nwg: 3,
@@ -194,6 +201,22 @@ pub(crate) const SM90_INSTANCES: [Sm90Instance; 6] = [
         d: 128,
         nwg: 2,
         bn: 128,
+        stages: 2,
+        persistent: false,
+        mods: true,
+    },
+    Sm90Instance {
+        d: 256,
+        nwg: 2,
+        bn: 80,
+        stages: 2,
+        persistent: false,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 256,
+        nwg: 2,
+        bn: 80,
         stages: 2,
         persistent: false,
         mods: true,
@@ -747,7 +770,7 @@ mod tests {
         }
     }
 
-    /// Compute capability 9.0 runs f16/bf16 prefill with head dims up to 128 on the sm_90a
+    /// Compute capability 9.0 runs f16/bf16 prefill with head dims up to 256 on the sm_90a
     /// kernels (the `_mods` instances for softcap / ALiBi), everything else, and every call
     /// under `CANDLE_FLASH_PORTABLE`, on the portable path.
     #[test]
@@ -784,7 +807,33 @@ mod tests {
                 let pl = pick(d, dtype, &plain, &DeviceCaps::SM80);
                 assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
             }
-            let pl = pick(256, dtype, &plain, &DeviceCaps::SM90);
+            // 128 < d <= 256: the d 256 tiles (one block per tile; there is no persistent
+            // variant, so the override leaves the plan alone).
+            for d in [136, 200, 256] {
+                let pl = pick(d, dtype, &plain, &DeviceCaps::SM90);
+                assert!(
+                    matches!(pl.kernel, Kernel::Sm90(i) if i.d == 256 && !i.mods && i.bn == 80),
+                    "{pl:?}"
+                );
+                assert_eq!(
+                    pl.function,
+                    format!("flash_fwd_sm90_{}_d256_wg2", dname(dtype))
+                );
+                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_480));
+                let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
+                assert!(
+                    matches!(pl.kernel, Kernel::Sm90(i) if i.d == 256 && i.mods),
+                    "{pl:?}"
+                );
+                let mut o = pick(d, dtype, &plain, &DeviceCaps::SM90);
+                let before = o.clone();
+                let caps = DeviceCaps::SM90;
+                override_sm90(&mut o, &problem(d, dtype, &plain, 300, 300), &caps, "wg2p");
+                assert_eq!(o, before);
+                let pl = pick(d, dtype, &plain, &DeviceCaps::SM90.portable());
+                assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+            }
+            let pl = pick(264, dtype, &plain, &DeviceCaps::SM90);
             assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
         }
         // Short banded d 64 calls stay portable (slower on the sm_90a tiles); longer ones do not.
@@ -912,7 +961,7 @@ mod tests {
             |d, dtype, caps: &DeviceCaps| plan(&problem(d, dtype, &opts, 64, 64), dtype, caps);
         let k = |d, dtype, caps| pick(d, dtype, caps).unwrap().kernel;
         // d 160 (102,400 bytes with 64-key tiles) takes 32-key tiles on sm_86/sm_89.
-        assert!(matches!(k(160, DType::BF16, &DeviceCaps::SM90), Kernel::Mma(i) if i.bc == 64));
+        assert!(matches!(k(160, DType::BF16, &DeviceCaps::SM80), Kernel::Mma(i) if i.bc == 64));
         assert!(matches!(k(160, DType::BF16, &DeviceCaps::SM86), Kernel::Mma(i) if i.bc == 32));
         // d 512: 4 warps on sm_80/sm_90, 2 warps of 16-key tiles on sm_89.
         assert!(matches!(k(512, DType::F16, &DeviceCaps::SM80), Kernel::Mma(i) if i.warps == 4));
