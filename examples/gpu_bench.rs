@@ -4,6 +4,7 @@
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --quick
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --csv bench/gpu.csv
+//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --shape 256:8192 --no-f32
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --backward [--quick] [--shape 128:8192]
 //! ```
 //!
@@ -12,6 +13,8 @@
 //! Part 2: the exact f32 path against candle's naive f32 attention (matmul, scale, mask, softmax,
 //! matmul; the mask is built outside the clock) from seq 2048 up, with their ratio and where
 //! the naive one runs out of memory.
+//! `--shape D:SEQ` restricts part 1 to that head dim and sequence length (any head dim dividing
+//! the hidden size, e.g. 256).
 //!
 //! TFLOP/s counts `4·b·h·s²·d`, halved under the causal mask. Each time is the median over
 //! batches of back-to-back calls (synchronised before and after each batch) after two warm-up
@@ -48,8 +51,8 @@ struct Args {
     /// Time the backward pass (only) instead of the forward.
     #[arg(long)]
     backward: bool,
-    /// With --backward: only this head dim and sequence length, as `D:SEQ` (e.g. for a
-    /// profiler).
+    /// Only this head dim and sequence length, as `D:SEQ` (the forward's part 1, or with
+    /// --backward; e.g. for a profiler).
     #[arg(long)]
     shape: Option<String>,
 }
@@ -139,18 +142,23 @@ fn main() -> Result<()> {
         &[512, 2048, 8192, 16384]
     };
     let budget = if args.quick { 0.15 } else { args.budget };
+    let shape = match &args.shape {
+        None => None,
+        Some(x) => {
+            let (d, s) = x
+                .split_once(':')
+                .ok_or_else(|| anyhow::anyhow!("--shape takes D:SEQ, got {x}"))?;
+            Some((d.parse::<usize>()?, s.parse::<usize>()?))
+        }
+    };
     if args.backward {
-        let shape = match &args.shape {
-            None => None,
-            Some(x) => {
-                let (d, s) = x
-                    .split_once(':')
-                    .ok_or_else(|| anyhow::anyhow!("--shape takes D:SEQ, got {x}"))?;
-                Some((d.parse::<usize>()?, s.parse::<usize>()?))
-            }
-        };
         return backward_section(&dev, seqs, budget, args.quick, shape);
     }
+    let (dims, seqs): (Vec<usize>, Vec<usize>) = match shape {
+        Some((d, s)) if HIDDEN.is_multiple_of(d) && s > 0 => (vec![d], vec![s]),
+        Some((d, s)) => anyhow::bail!("--shape {d}:{s}: the head dim must divide {HIDDEN}"),
+        None => (vec![64, 128], seqs.to_vec()),
+    };
 
     let mut csv = String::from(CSV_HEADER);
     println!("candle-flash CUDA forward, hidden {HIDDEN}, {TOKENS} tokens per batch");
@@ -159,10 +167,10 @@ fn main() -> Result<()> {
         "dtype", "d", "seq", "batch", "h", "causal", "ms", "TFLOP/s"
     );
     for dtype in [DType::BF16, DType::F16] {
-        for d in [64, 128] {
-            for &s in seqs {
+        for &d in &dims {
+            for &s in &seqs {
                 for causal in [false, true] {
-                    let (b, h) = (TOKENS / s, HIDDEN / d);
+                    let (b, h) = ((TOKENS / s).max(1), HIDDEN / d);
                     let q = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)?;
                     let k = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)?;
                     let v = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)?;

@@ -6,12 +6,14 @@ bf16 and f16, head dims 64 and 128, seq 512/2048/8192/16384, causal and not, hid
 backends. TFLOP/s counts 4*b*h*s^2*d, halved when causal; each time is the median over batches
 of back-to-back calls timed with CUDA events, after warm-up. Lines starting with RESULT are parsed by scripts/gpu-run.sh.
 
-    python3 scripts/sdpa_bench.py [--quick] [--csv PATH]
+    python3 scripts/sdpa_bench.py [--quick] [--csv PATH] [--shape D:SEQ]
     python3 scripts/sdpa_bench.py --backward [--quick]
 
 --backward times the backward pass only (--quick: bf16 only) (torch.autograd.grad of one forward graph, kept with
 retain_graph, with a random dO) on the same shapes, flash and cuDNN backends, TFLOP/s counting
 2.5x the forward's flops (FA's convention); lines start with RESULT_BWD.
+
+--shape D:SEQ restricts the forward to that head dim (dividing 2048) and sequence length.
 
 --csv PATH also writes every timing as CSV, in the prefill schema of scripts/plot.py
 (impl,dtype,d,seq,batch,heads,causal,ms,tflops,note; impl torch-flash or torch-cudnn).
@@ -56,11 +58,16 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--csv", metavar="PATH", help="also write the timings as CSV (scripts/plot.py)")
     ap.add_argument("--backward", action="store_true", help="time the backward pass instead")
+    ap.add_argument("--shape", metavar="D:SEQ", help="forward: only this head dim and sequence length")
     args = ap.parse_args()
     if args.backward:
         return backward(args)
     rows = []
     seqs = [2048, 8192] if args.quick else [512, 2048, 8192, 16384]
+    dims = (64, 128)
+    if args.shape:
+        d, s = (int(x) for x in args.shape.split(":"))
+        dims, seqs = (d,), [s]
     reps = 3 if args.quick else 7
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(f"{'backend':<8} {'dtype':<6} {'d':>4} {'seq':>6} {'causal':>7} {'ms':>9} {'TFLOP/s':>9}")
@@ -68,10 +75,10 @@ def main():
     for name, backend in backends:
         for dtype in (torch.bfloat16, torch.float16):
             dname = "bf16" if dtype == torch.bfloat16 else "f16"
-            for d in (64, 128):
+            for d in dims:
                 for s in seqs:
                     for causal in (False, True):
-                        b, h = TOKENS // s, HIDDEN // d
+                        b, h = max(1, TOKENS // s), HIDDEN // d
                         # (b, h, s, d) is SDPA's layout; same element count as ours.
                         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
                         flops = 4 * b * h * s * s * d / (2 if causal else 1)
