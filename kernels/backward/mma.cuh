@@ -107,6 +107,44 @@ struct Swz {
     __device__ __forceinline__ int at(int dr, int k) const { return row_ + dr * W + (y_ ^ (k << 3)); }
 };
 
+// The key tile of a dK/dV block: keys [n0, n0 + rows_k) of sequence b and the BM-row query
+// tiles [m_begin, m_begin + m_count) that hold a row seeing one of them (tiles outside a causal
+// or window band are skipped). False when the tile starts past the sequence: its dK and dV rows
+// stay zero.
+struct KeyTile {
+    int n0, rows_k, m_begin, m_count;
+    int64_t off;  // sk - sq: query i's diagonal is i + off
+};
+
+template <int BN, int BM>
+__device__ __forceinline__ bool key_tile(const FlashParams& p, int b, int n_block, BlockGeom& g,
+                                         KeyTile& t) {
+    seq_lengths<false>(p, b, g);
+    t.n0 = n_block * BN;
+    if (t.n0 >= g.sk) return false;
+    t.rows_k = min(BN, g.sk - t.n0);
+    t.off = (int64_t)g.sk - g.sq;
+    int64_t i_lo = 0, i_hi = g.sq;
+    if (p.win_right >= 0) i_lo = max((int64_t)0, t.n0 - t.off - p.win_right);
+    if (p.win_left >= 0)
+        i_hi = min((int64_t)g.sq, t.n0 + t.rows_k - 1 - t.off + p.win_left + 1);
+    t.m_begin = (int)(i_lo / BM);
+    t.m_count = i_hi > i_lo ? (int)((i_hi + BM - 1) / BM) - t.m_begin : 0;
+    return true;
+}
+
+// Starts the cp.async copies of the block's K and V tiles (rows past the sequence zero-filled).
+template <typename T, int D, int BN, int THREADS>
+__device__ __forceinline__ void load_kv_tile(const FlashParams& p, int b, int kvh,
+                                             const BlockGeom& g, const KeyTile& t, T* sK, T* sV) {
+    const T* kg = static_cast<const T*>(p.k) + (int64_t)b * p.k_batch +
+                  (g.k_row0 + t.n0) * p.k_seq + (int64_t)kvh * p.k_head;
+    const T* vg = static_cast<const T*>(p.v) + (int64_t)b * p.v_batch +
+                  (g.k_row0 + t.n0) * p.v_seq + (int64_t)kvh * p.v_head;
+    load_tile<T, D, BN, THREADS>(sK, kg, p.k_seq, t.rows_k, p.d_load);
+    load_tile<T, D, BN, THREADS>(sV, vg, p.v_seq, t.rows_k, p.d_load);
+}
+
 template <typename T, int D, int BM, int WARPS>
 struct DkdvTraits {
     static constexpr int BN = 16 * WARPS;  // keys per block
@@ -132,29 +170,13 @@ __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int kvh = blockIdx.y, b = blockIdx.z;
-    // Reverse order: under a causal mask the first key tiles see the most rows.
-    const int n_block = (int)blockIdx.x;
     BlockGeom g;
-    seq_lengths<false>(p, b, g);
-    const int n0 = n_block * BN;
-    if (n0 >= g.sk) return;  // dk / dv rows past the sequence stay zero
-    const int rows_k = min(BN, g.sk - n0);
-    const int64_t off = (int64_t)g.sk - g.sq;
-
-    // Query rows that see some key of [n0, n0 + rows_k).
-    int64_t i_lo = 0, i_hi = g.sq;
-    if (p.win_right >= 0) i_lo = max((int64_t)0, n0 - off - p.win_right);
-    if (p.win_left >= 0) i_hi = min((int64_t)g.sq, n0 + rows_k - 1 - off + p.win_left + 1);
-    const int m_begin = (int)(i_lo / BM);
-    const int m_count = i_hi > i_lo ? (int)((i_hi + BM - 1) / BM) - m_begin : 0;
+    KeyTile kt;
+    if (!key_tile<BN, BM>(p, b, (int)blockIdx.x, g, kt)) return;
+    const int n0 = kt.n0, m_begin = kt.m_begin, m_count = kt.m_count;
+    const int64_t off = kt.off;
     const int steps = m_count * p.kv_group;
-
-    const T* kg = static_cast<const T*>(p.k) + (int64_t)b * p.k_batch +
-                  (g.k_row0 + n0) * p.k_seq + (int64_t)kvh * p.k_head;
-    const T* vg = static_cast<const T*>(p.v) + (int64_t)b * p.v_batch +
-                  (g.k_row0 + n0) * p.v_seq + (int64_t)kvh * p.v_head;
-    load_tile<T, D, BN, THREADS>(sK, kg, p.k_seq, rows_k, p.d_load);
-    load_tile<T, D, BN, THREADS>(sV, vg, p.v_seq, rows_k, p.d_load);
+    load_kv_tile<T, D, BN, THREADS>(p, b, kvh, g, kt, sK, sV);
 
     // Step s: query head kvh * group + s / m_count, query tile m_begin + s % m_count.
     auto issue = [&](int s) {
@@ -335,28 +357,13 @@ __device__ __forceinline__ void dkdvq_mma(const BwdParams& bp) {
 
     const int tid = threadIdx.x;
     const int kvh = blockIdx.y, b = blockIdx.z;
-    const int n_block = (int)blockIdx.x;
     BlockGeom g;
-    seq_lengths<false>(p, b, g);
-    const int n0 = n_block * BN;
-    if (n0 >= g.sk) return;  // dk / dv rows past the sequence stay zero
-    const int rows_k = min(BN, g.sk - n0);
-    const int64_t off = (int64_t)g.sk - g.sq;
-
-    // Query rows that see some key of [n0, n0 + rows_k).
-    int64_t i_lo = 0, i_hi = g.sq;
-    if (p.win_right >= 0) i_lo = max((int64_t)0, n0 - off - p.win_right);
-    if (p.win_left >= 0) i_hi = min((int64_t)g.sq, n0 + rows_k - 1 - off + p.win_left + 1);
-    const int m_begin = (int)(i_lo / BM);
-    const int m_count = i_hi > i_lo ? (int)((i_hi + BM - 1) / BM) - m_begin : 0;
+    KeyTile kt;
+    if (!key_tile<BN, BM>(p, b, (int)blockIdx.x, g, kt)) return;
+    const int n0 = kt.n0, rows_k = kt.rows_k, m_begin = kt.m_begin, m_count = kt.m_count;
+    const int64_t off = kt.off;
     const int steps = m_count * p.kv_group;
-
-    const T* kg = static_cast<const T*>(p.k) + (int64_t)b * p.k_batch +
-                  (g.k_row0 + n0) * p.k_seq + (int64_t)kvh * p.k_head;
-    const T* vg = static_cast<const T*>(p.v) + (int64_t)b * p.v_batch +
-                  (g.k_row0 + n0) * p.v_seq + (int64_t)kvh * p.v_head;
-    load_tile<T, D, BN, THREADS>(sK, kg, p.k_seq, rows_k, p.d_load);
-    load_tile<T, D, BN, THREADS>(sV, vg, p.v_seq, rows_k, p.d_load);
+    load_kv_tile<T, D, BN, THREADS>(p, b, kvh, g, kt, sK, sV);
 
     // Step s: query head kvh * group + s / m_count, query tile (last first) m_tile(s).
     auto m_tile = [&](int s) { return m_begin + m_count - 1 - s % m_count; };
