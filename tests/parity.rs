@@ -546,6 +546,14 @@ fn empty_inputs() {
     )
     .unwrap();
     assert_eq!(out.dims(), &[2, 0, 2, 8]);
+    // Batch 0 with large other dimensions: the empty output must not allocate them (2^37
+    // elements would not fit).
+    let big = z(&[0, 1 << 20, 256, 512]);
+    let (out, lse) = FlashAttn::new(1.0)
+        .forward_with_lse(&big, &big, &big)
+        .unwrap();
+    assert_eq!(out.dims(), &[0, 1 << 20, 256, 512]);
+    assert_eq!(lse.dims(), &[0, 256, 1 << 20]);
     // seq_k 0: zeros, lse -inf.
     let q = randn(&[2, 3, 2, 8], DType::BF16, 81, &dev).unwrap();
     let kv = Tensor::zeros((2, 0, 1, 8), DType::BF16, &dev).unwrap();

@@ -291,20 +291,19 @@ impl FlashAttn {
 
 /// Zeros of `shape`, which may hold no element, without a zero-byte allocation: candle 0.11 on
 /// CUDA asks the driver for exactly the bytes a tensor holds, and the driver refuses 0
-/// (`CUDA_ERROR_INVALID_VALUE`). Every zero dimension is allocated as 1 and then narrowed to 0.
+/// (`CUDA_ERROR_INVALID_VALUE`). An empty shape becomes a contiguous view of one allocated
+/// element (however large its other dimensions).
 pub(crate) fn empty_zeros(
     shape: &[usize],
     dtype: DType,
     device: &candle::Device,
 ) -> Result<Tensor> {
-    let grown: Vec<usize> = shape.iter().map(|&d| d.max(1)).collect();
-    let mut t = Tensor::zeros(grown, dtype, device)?;
-    for (dim, &len) in shape.iter().enumerate() {
-        if len == 0 {
-            t = t.narrow(dim, 0, 0)?;
-        }
+    if shape.iter().product::<usize>() > 0 {
+        return Tensor::zeros(shape, dtype, device);
     }
-    Ok(t)
+    Tensor::zeros(1, dtype, device)?
+        .narrow(0, 0, 0)?
+        .reshape(shape)
 }
 
 /// The gradient handed back to candle's autograd for operand `t`. Candle seeds every gradient
