@@ -318,6 +318,37 @@ __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
     }
 }
 
+// acc = A B^T for one warp of the fused kernel: A_MI 16-row slices of A (keys: K or V rows,
+// per-thread offsets a_off) against A_NJ n8 tiles of B (queries: Q or dO rows, b_off), over
+// all D columns; acc is zeroed first.
+template <typename T, int D, int A_MI, int A_NJ>
+__device__ __forceinline__ void warp_gemm_abt(float (&acc)[A_MI][A_NJ][4], const T* sA,
+                                              const T* sB, const SwzRow<D>& a_off,
+                                              const SwzRow<D>& b_off) {
+#pragma unroll
+    for (int mi = 0; mi < A_MI; ++mi)
+#pragma unroll
+        for (int j = 0; j < A_NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[A_MI][4];
+#pragma unroll
+        for (int mi = 0; mi < A_MI; ++mi) ldsm_x4(a[mi], sA + a_off.at(mi, kk));
+#pragma unroll
+        for (int np = 0; np < A_NJ / 2; ++np) {
+            uint32_t b[4];
+            ldsm_x4(b, sB + b_off.at(np, kk));
+#pragma unroll
+            for (int mi = 0; mi < A_MI; ++mi) {
+                Mma<T>::run(acc[mi][2 * np], a[mi], b[0], b[1]);
+                Mma<T>::run(acc[mi][2 * np + 1], a[mi], b[2], b[3]);
+            }
+        }
+    }
+}
+
 template <typename T, int D, int BM, int BN>
 struct DkdvqTraits {
     static constexpr int WARPS = 8, THREADS = 32 * WARPS;
@@ -433,31 +464,10 @@ __device__ __forceinline__ void dkdvq_mma(const BwdParams& bp) {
             const T* sdOp = sdO + 8 * A_NJ * ps * D;
             const Swz<BM> st_off(32 * wk + lane / 4, qc0 / 8);  // P^T / dS^T stores
             float acc[A_MI][A_NJ][4];
-#pragma unroll
-            for (int mi = 0; mi < A_MI; ++mi)
-#pragma unroll
-                for (int j = 0; j < A_NJ; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
             // S^T first; P^T goes to shared memory and, times the softcap's chain factor,
             // stays in registers as packed T pairs (half the registers of f32) while the same
             // accumulators then compute dP^T.
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t ka[A_MI][4];
-#pragma unroll
-                for (int mi = 0; mi < A_MI; ++mi) ldsm_x4(ka[mi], sK + a_off.at(mi, kk));
-#pragma unroll
-                for (int np = 0; np < A_NJ / 2; ++np) {
-                    uint32_t qb[4];
-                    ldsm_x4(qb, sQp + b_off.at(np, kk));
-#pragma unroll
-                    for (int mi = 0; mi < A_MI; ++mi) {
-                        Mma<T>::run(acc[mi][2 * np], ka[mi], qb[0], qb[1]);
-                        Mma<T>::run(acc[mi][2 * np + 1], ka[mi], qb[2], qb[3]);
-                    }
-                }
-            }
+            warp_gemm_abt<T, D, A_MI, A_NJ>(acc, sK, sQp, a_off, b_off);
 
             // Element (mi, j, e): key key_a + 16 mi + 8 (e / 2), query column
             // cq = qc0 + 8 j + 2 (lane % 4) + e % 2 of the tile.
@@ -488,28 +498,7 @@ __device__ __forceinline__ void dkdvq_mma(const BwdParams& bp) {
                         pc[mi][j][hf] = Mma<T>::pack(pcv[0], pcv[1]);
                     }
 
-#pragma unroll
-            for (int mi = 0; mi < A_MI; ++mi)
-#pragma unroll
-                for (int j = 0; j < A_NJ; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t va[A_MI][4];
-#pragma unroll
-                for (int mi = 0; mi < A_MI; ++mi) ldsm_x4(va[mi], sV + a_off.at(mi, kk));
-#pragma unroll
-                for (int np = 0; np < A_NJ / 2; ++np) {
-                    uint32_t ob[4];
-                    ldsm_x4(ob, sdOp + b_off.at(np, kk));
-#pragma unroll
-                    for (int mi = 0; mi < A_MI; ++mi) {
-                        Mma<T>::run(acc[mi][2 * np], va[mi], ob[0], ob[1]);
-                        Mma<T>::run(acc[mi][2 * np + 1], va[mi], ob[2], ob[3]);
-                    }
-                }
-            }
+            warp_gemm_abt<T, D, A_MI, A_NJ>(acc, sV, sdOp, a_off, b_off);
             // dS^T = P^T chain (dP^T - D).
 #pragma unroll
             for (int mi = 0; mi < A_MI; ++mi)
