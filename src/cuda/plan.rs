@@ -837,15 +837,19 @@ mod tests {
             assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
         }
         // Short banded d 64 calls stay portable (slower on the sm_90a tiles); longer ones do not.
+        // bf16 on sm_90 at other lengths than pick's 300 x 300.
+        let bf16_at = |d, opts: &FlashAttn, sq, sk| {
+            plan(
+                &problem(d, DType::BF16, opts, sq, sk),
+                DType::BF16,
+                &DeviceCaps::SM90,
+            )
+            .unwrap()
+        };
         let causal = FlashAttn::new(0.1).causal();
         let pl = pick(64, DType::BF16, &causal, &DeviceCaps::SM90);
         assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
-        let pl = plan(
-            &problem(64, DType::BF16, &causal, 600, 600),
-            DType::BF16,
-            &DeviceCaps::SM90,
-        )
-        .unwrap();
+        let pl = bf16_at(64, &causal, 600, 600);
         assert!(matches!(pl.kernel, Kernel::Sm90(_)), "{pl:?}");
         assert!(matches!(
             pick(128, DType::BF16, &causal, &DeviceCaps::SM90).kernel,
@@ -854,12 +858,7 @@ mod tests {
         let pl = pick(128, DType::F32, &plain, &DeviceCaps::SM90);
         assert!(matches!(pl.kernel, Kernel::F32(_)), "{pl:?}");
         // Decode-sized calls keep the split-KV kernel.
-        let pl = plan(
-            &problem(128, DType::BF16, &plain, 1, 300),
-            DType::BF16,
-            &DeviceCaps::SM90,
-        )
-        .unwrap();
+        let pl = bf16_at(128, &plain, 1, 300);
         assert!(matches!(pl.kernel, Kernel::Decode(_)), "{pl:?}");
         // A broadcast K (stride 0 over kv heads) is packed for the tensor maps, which take no
         // zero stride; the portable kernels read it in place.
