@@ -5,8 +5,10 @@
 //! the virtual architecture `compute_80` (Ampere and later; the driver JIT-compiles it for the
 //! GPU at load time). Headers are grouped by pass under `kernels/common`, `kernels/forward` (and
 //! later `decode`, `backward`, `sm90`). Architecture-specific modules live in subfolders and are
-//! listed in `ARCH_MODULES` with their own `-gencode` target: today `kernels/sm90/flash_sm90.cu`
-//! (wgmma/TMA, `compute_90a`), picked at run time by compute capability in `src/cuda/plan.rs`.
+//! listed in `ARCH_MODULES` with their own `-gencode` target: today the Hopper forward
+//! `kernels/sm90/flash_sm90.cu` and backward `kernels/sm90/bwd_sm90.cu` (wgmma/TMA,
+//! `compute_90a`), picked at run time by compute capability in `src/cuda/plan.rs` and
+//! `src/cuda/backward/plan.rs`.
 //!
 //! Two headers are generated into `$OUT_DIR` from the Rust sources, so Rust and CUDA cannot
 //! drift apart:
@@ -35,11 +37,18 @@ mod bwd_instances {
 /// Extra modules built for a specific architecture, on top of one `compute_80` PTX per `.cu`:
 /// `(source file, output stem, nvcc target flags)`: the sm_90a (Hopper) forward module, loaded
 /// on compute capability 9.0 only (wgmma and setmaxnreg need the `a` target).
-const ARCH_MODULES: &[(&str, &str, &[&str])] = &[(
-    "kernels/sm90/flash_sm90.cu",
-    "flash_sm90",
-    &["-gencode=arch=compute_90a,code=compute_90a"],
-)];
+const ARCH_MODULES: &[(&str, &str, &[&str])] = &[
+    (
+        "kernels/sm90/flash_sm90.cu",
+        "flash_sm90",
+        &["-gencode=arch=compute_90a,code=compute_90a"],
+    ),
+    (
+        "kernels/sm90/bwd_sm90.cu",
+        "flash_bwd_sm90",
+        &["-gencode=arch=compute_90a,code=compute_90a"],
+    ),
+];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -309,6 +318,27 @@ fn bwd_instances_header() -> String {
             i.f_smem()
         )
         .unwrap();
+    }
+    h.push_str("\n\n#define FLASH_BWD_SM90_INSTANCES(TN, T)");
+    for i in bwd_instances::BWD_SM90 {
+        let kind = if i.dkdv() { "DKDV" } else { "DQ" };
+        let mods: &[bool] = if i.mods { &[false, true] } else { &[false] };
+        for &m in mods {
+            write!(
+                h,
+                " \\\n    FLASH_BWD_SM90_{kind}(flash_bwd_sm90_##TN##_{}{}, T, {}, {}, {}, {}, {}, {}, {})",
+                i.name,
+                if m { "_mods" } else { "" },
+                i.d,
+                i.rows,
+                i.stages,
+                i.overlap,
+                i.pingpong,
+                m,
+                i.smem()
+            )
+            .unwrap();
+        }
     }
     h.push('\n');
     h

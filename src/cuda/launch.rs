@@ -43,6 +43,10 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
             "candle_flash_sm90",
             include_str!(concat!(env!("OUT_DIR"), "/flash_sm90.ptx")),
         ),
+        Module::Sm90Bwd => (
+            "candle_flash_bwd_sm90",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_sm90.ptx")),
+        ),
     }
 }
 
@@ -56,7 +60,7 @@ pub(super) const PACK_PTX: (&str, &str) = (
 unsafe impl DeviceRepr for Params {}
 
 /// What the planner needs, read from the device.
-fn caps(stream: &CudaStream) -> Result<DeviceCaps> {
+pub(crate) fn caps(stream: &CudaStream) -> Result<DeviceCaps> {
     let ctx = stream.context();
     let attr = |a| -> Result<usize> { Ok(ctx.attribute(a).w()? as usize) };
     let caps = DeviceCaps::new(
@@ -85,14 +89,14 @@ fn force_portable() -> bool {
 /// `__grid_constant__` kernel parameter.
 #[repr(C, align(128))]
 #[derive(Clone, Copy)]
-struct TmaMap([u64; 16]);
+pub(crate) struct TmaMap([u64; 16]);
 
 // SAFETY: plain bytes, copied as the kernel parameter of the same size.
 unsafe impl DeviceRepr for TmaMap {}
 
 /// A 4-D tensor map (column, head, row, batch) over one operand for the sm_90a kernels: boxes of
 /// 64 columns x `box_rows` rows of one head, 128-byte swizzle, zero fill outside the tensor.
-fn tma_map(
+pub(crate) fn tma_map(
     ptr: u64,
     s: &Strides,
     esize: usize,
@@ -567,10 +571,36 @@ pub(crate) fn launch_function<P: DeviceRepr>(
     )
 }
 
-/// What a launch pushes: one parameter struct, or the sm_90a kernels' four parameters.
+/// Loads `function` from `module` and launches it with a parameter struct followed by tensor
+/// maps (`__grid_constant__` parameters): the sm_90a backward kernels.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_with_maps<P: DeviceRepr>(
+    dev: &CudaDevice,
+    module: Module,
+    function: &str,
+    grid: (u32, u32, u32),
+    threads: u32,
+    smem: usize,
+    params: &P,
+    maps: &[TmaMap],
+) -> Result<()> {
+    launch_args(
+        dev,
+        module,
+        function,
+        grid,
+        threads,
+        smem,
+        Args::Maps(params, maps),
+    )
+}
+
+/// What a launch pushes: one parameter struct, the sm_90a forward kernels' four parameters, or
+/// a parameter struct and tensor maps.
 enum Args<'p, P: DeviceRepr> {
     One(&'p P),
     Sm90(&'p Sm90Args),
+    Maps(&'p P, &'p [TmaMap]),
 }
 
 fn launch_args<P: DeviceRepr>(
@@ -613,6 +643,12 @@ fn launch_args<P: DeviceRepr>(
             builder.arg(p);
         }
         Args::Sm90(a) => a.push(&mut builder),
+        Args::Maps(p, maps) => {
+            builder.arg(p);
+            for m in maps {
+                builder.arg(m);
+            }
+        }
     }
     // SAFETY: the pushed arguments match the kernel's parameters (the parameter structs are
     // checked at build time, the tensor maps are the driver's 128-byte CUtensorMap); the caller

@@ -72,6 +72,8 @@ pub(crate) enum Module {
     F32,
     /// The sm_90a module (kernels/sm90/): f16 and bf16 Hopper forward kernels.
     Sm90,
+    /// The sm_90a backward module (kernels/sm90/bwd_sm90.cu).
+    Sm90Bwd,
 }
 
 impl Module {
@@ -342,7 +344,7 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
     let dname = match module {
         Module::Bf16 => "bf16",
         Module::F16 => "f16",
-        Module::F32 | Module::Sm90 => "f32",
+        Module::F32 | Module::Sm90 | Module::Sm90Bwd => "f32",
     };
     let module = match kernel {
         Kernel::Sm90(_) => Module::Sm90,
@@ -588,7 +590,7 @@ pub(crate) fn override_decode(
     let dname = match plan.module {
         Module::Bf16 => "bf16",
         Module::F16 => "f16",
-        Module::F32 | Module::Sm90 => "f32",
+        Module::F32 | Module::Sm90 | Module::Sm90Bwd => "f32",
     };
     if let Some(&j) = DECODE_INSTANCES.iter().find(|j| {
         Some(j.stages) == stages
@@ -658,7 +660,7 @@ fn fits_fast_path(p: &Problem, s: &Strides, batch: usize, rows: usize, heads: us
 }
 
 /// Does an axis of more than one element have stride 0 (a broadcast view)?
-fn has_zero_stride(s: &Strides, batch: usize, rows: usize, heads: usize) -> bool {
+pub(crate) fn has_zero_stride(s: &Strides, batch: usize, rows: usize, heads: usize) -> bool {
     [(s.batch, batch), (s.seq, rows), (s.head, heads)]
         .iter()
         .any(|&(stride, n)| n > 1 && stride == 0)

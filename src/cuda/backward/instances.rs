@@ -99,3 +99,177 @@ pub const BWD_MMA: &[BwdMma] = &[
 /// kernels/backward/generic.cuh), and the per-lane column counts they are instantiated for.
 pub const BWD_GENERIC_WARPS: usize = 4;
 pub const BWD_GENERIC_NT: &[usize] = &[2, 4, 8, 16];
+
+/// One kernel of the Hopper (sm_90a) backward module (kernels/sm90/bwd_sm90.cu, whose
+/// `static_assert`s pin the shared memory below): the deterministic dK/dV kernel (128 keys a
+/// block against `rows`-row query steps) or the dQ kernel (128 query rows a block against
+/// `rows`-key tiles), `stages` deep. Both run 3 warpgroups: a producer and two consumers.
+/// Instances are those with no spills (`ptxas -arch=sm_90a -v`): the d 64 dK/dV kernel's `_mods`
+/// twin is the one without ping-pong, and the d 128 dK/dV kernel has none (softcap / ALiBi left
+/// it 12-16 bytes of spills), so such calls keep the portable kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sm90Bwd {
+    /// Entry point after `flash_bwd_sm90_{dtype}_`.
+    pub name: &'static str,
+    pub d: usize,
+    /// Query rows a step (dK/dV) or keys a tile (dQ).
+    pub rows: usize,
+    pub stages: usize,
+    /// The next step's first products are issued before this step's last ones (more registers).
+    pub overlap: bool,
+    /// The two consumer warpgroups take turns issuing their products (not with `overlap`).
+    pub pingpong: bool,
+    /// Has a `_mods` twin (softcap, ALiBi). Calls with softcap or ALiBi take the first such
+    /// instance when the default has none.
+    pub mods: bool,
+    /// `CANDLE_FLASH_BWD_SM90_VARIANT` names it (the default is the unnamed one).
+    pub variant: &'static str,
+}
+
+impl Sm90Bwd {
+    pub const THREADS: usize = 384;
+    /// The fixed side of a block: keys of a dK/dV block, query rows of a dQ block.
+    pub const BLOCK: usize = 128;
+
+    pub const fn dkdv(&self) -> bool {
+        self.name.as_bytes()[1] == b'k'
+    }
+
+    /// Dynamic shared memory: 1 KB of alignment slack, the block's two fixed tiles (K and V, or
+    /// Q and dO), `stages` of the two streamed tiles (plus the step's lse and D for dK/dV),
+    /// then the mbarriers.
+    pub const fn smem(&self) -> usize {
+        let fixed = 2 * Self::BLOCK * self.d * 2;
+        let stage = 2 * self.rows * self.d * 2 + if self.dkdv() { 2 * self.rows * 4 } else { 0 };
+        1024 + fixed + self.stages * stage + 8 * (1 + 2 * self.stages)
+    }
+}
+
+// Defaults from three H100 runs (BENCHMARKS.md, 2026-11-22, bf16 seq 2048 / 8192, causal or
+// not): the d 64 dK/dV kernel with 128-row steps (no overlap) ran 1.09-1.24x the 64-row one with
+// overlap; the d 128 pair with three stages and 128-key dQ tiles 1.05-1.16x two stages and
+// 64-key tiles; ping-pong ran d 64 1.05-1.12x faster (d 128: 0.98-1.13x, within the noise of
+// seq 2048, where identical kernels differed by up to 15% between runs), and three stages d 64
+// 1.00-1.03x.
+pub const BWD_SM90: &[Sm90Bwd] = &[
+    Sm90Bwd {
+        name: "dkdv_d64",
+        d: 64,
+        rows: 128,
+        stages: 3,
+        overlap: false,
+        pingpong: true,
+        mods: false,
+        variant: "",
+    },
+    Sm90Bwd {
+        name: "dkdv_d64_nopp",
+        d: 64,
+        rows: 128,
+        stages: 2,
+        overlap: false,
+        pingpong: false,
+        mods: true,
+        variant: "nopp",
+    },
+    Sm90Bwd {
+        name: "dkdv_d64_q64",
+        d: 64,
+        rows: 64,
+        stages: 2,
+        overlap: true,
+        pingpong: false,
+        mods: false,
+        variant: "q64",
+    },
+    Sm90Bwd {
+        name: "dkdv_d64_s2",
+        d: 64,
+        rows: 128,
+        stages: 2,
+        overlap: false,
+        pingpong: true,
+        mods: false,
+        variant: "s2",
+    },
+    Sm90Bwd {
+        name: "dkdv_d128",
+        d: 128,
+        rows: 64,
+        stages: 3,
+        overlap: false,
+        pingpong: false,
+        mods: false,
+        variant: "",
+    },
+    Sm90Bwd {
+        name: "dkdv_d128_pp",
+        d: 128,
+        rows: 64,
+        stages: 3,
+        overlap: false,
+        pingpong: true,
+        mods: false,
+        variant: "pp",
+    },
+    Sm90Bwd {
+        name: "dkdv_d128_s2",
+        d: 128,
+        rows: 64,
+        stages: 2,
+        overlap: false,
+        pingpong: false,
+        mods: false,
+        variant: "s2",
+    },
+    Sm90Bwd {
+        name: "dq_d64",
+        d: 64,
+        rows: 128,
+        stages: 2,
+        overlap: false,
+        pingpong: true,
+        mods: true,
+        variant: "",
+    },
+    Sm90Bwd {
+        name: "dq_d64_overlap",
+        d: 64,
+        rows: 128,
+        stages: 2,
+        overlap: true,
+        pingpong: false,
+        mods: false,
+        variant: "nopp",
+    },
+    Sm90Bwd {
+        name: "dq_d128",
+        d: 128,
+        rows: 128,
+        stages: 2,
+        overlap: false,
+        pingpong: false,
+        mods: false,
+        variant: "",
+    },
+    Sm90Bwd {
+        name: "dq_d128_pp",
+        d: 128,
+        rows: 128,
+        stages: 2,
+        overlap: false,
+        pingpong: true,
+        mods: false,
+        variant: "pp",
+    },
+    Sm90Bwd {
+        name: "dq_d128_k64",
+        d: 128,
+        rows: 64,
+        stages: 2,
+        overlap: true,
+        pingpong: false,
+        mods: false,
+        variant: "k64",
+    },
+];

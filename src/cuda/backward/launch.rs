@@ -3,7 +3,6 @@
 //! candle's stream.
 
 use candle::backend::BackendStorage;
-use candle::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle::cuda_backend::cudarc::driver::{
     CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
@@ -11,12 +10,13 @@ use candle::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle::{bail, CudaStorage, DType, Result, Storage, Tensor};
 use half::{bf16, f16};
 
+use super::instances::Sm90Bwd;
 use super::params::BwdParams;
-use super::plan::{plan, Launch};
-use crate::cuda::launch::launch_function;
+use super::plan::{plan, BwdDevice, Launch};
+use crate::cuda::launch::{caps, launch_function, launch_with_maps, tma_map};
 use crate::cuda::params::Params;
 use crate::cuda::plan::{Module, MAX_SEQ};
-use crate::problem::Problem;
+use crate::problem::{Problem, Strides};
 use crate::semantics::LOG2_E;
 
 // SAFETY: `BwdParams` is `#[repr(C)]`, `Copy`, made of plain integers and floats (the forward
@@ -118,16 +118,18 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     if p.has_alibi != alibi.is_some() {
         bail!("flash-attn backward: ALiBi slopes do not match the validated problem")
     }
-    let ctx = stream.context();
-    let max_smem = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .w()? as usize;
+    let caps = caps(&stream)?;
+    let device = BwdDevice {
+        max_smem: caps.smem_optin,
+        hopper: caps.hopper,
+    };
     let pl = plan(
         p,
         T::DTYPE,
         [offsets[0], offsets[1]],
-        max_smem,
+        &device,
         deterministic(),
+        &sm90_variants(),
     )?;
 
     // SAFETY (all three): zero-initialised; the kernels overwrite the rows that belong to a
@@ -266,8 +268,83 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         scale: p.score.scale,
         kv_heads: to_i32(p.kv_heads, "kv_heads")?,
     };
-    for l in [&pl.dsum, &pl.dkdv, &pl.dq] {
-        launch(dev, T::DTYPE, l, &params)?;
+    match pl.sm90 {
+        None => {
+            for l in [&pl.dsum, &pl.dkdv, &pl.dq] {
+                launch(dev, T::DTYPE, l, &params)?;
+            }
+        }
+        Some([kv, qi]) => {
+            // Tensor maps of q, k, v (as the forward reads them) and dO (contiguous like the
+            // output); varlen operands are one packed run of rows. Boxes: the dK/dV kernel
+            // streams `kv.rows` query rows against 128 keys, the dQ kernel `qi.rows` keys
+            // against 128 query rows.
+            let bf16 = T::DTYPE == DType::BF16;
+            let (q_rows, k_rows) = p.storage_rows();
+            let (q_batches, k_batches) = p.storage_batches();
+            let o = Strides {
+                offset: 0,
+                batch: p.max_seq_q * p.heads * d,
+                seq: p.heads * d,
+                head: d,
+                dim: 1,
+            };
+            let maps = |q_box: usize, k_box: usize| -> Result<[_; 4]> {
+                Ok([
+                    tma_map(
+                        params.fwd.q,
+                        &p.q,
+                        2,
+                        bf16,
+                        [d, p.heads, q_rows, q_batches],
+                        q_box,
+                    )?,
+                    tma_map(
+                        params.fwd.k,
+                        &p.k,
+                        2,
+                        bf16,
+                        [d, p.kv_heads, k_rows, k_batches],
+                        k_box,
+                    )?,
+                    tma_map(
+                        params.fwd.v,
+                        &p.v,
+                        2,
+                        bf16,
+                        [d, p.kv_heads, k_rows, k_batches],
+                        k_box,
+                    )?,
+                    tma_map(
+                        params.dout,
+                        &o,
+                        2,
+                        bf16,
+                        [d, p.heads, q_rows, q_batches],
+                        q_box,
+                    )?,
+                ])
+            };
+            launch(dev, T::DTYPE, &pl.dsum, &params)?;
+            let block = Sm90Bwd::BLOCK;
+            for (l, m) in [
+                (&pl.dkdv, maps(kv.rows, block)?),
+                (&pl.dq, maps(block, qi.rows)?),
+            ] {
+                if l.grid.0 > 0 {
+                    launch_with_maps(
+                        dev,
+                        Module::Sm90Bwd,
+                        &l.function,
+                        l.grid,
+                        l.threads,
+                        l.smem,
+                        &params,
+                        &m,
+                    )?;
+                }
+            }
+        }
     }
     drop((
         q_g, k_g, v_g, o_g, go_g, lse_g, dq_g, dk_g, dv_g, ds_g, acc_g,
@@ -282,6 +359,22 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
 /// deterministic pair.
 fn deterministic() -> bool {
     std::env::var("CANDLE_FLASH_BWD_DETERMINISTIC").map_or(true, |v| v != "0")
+}
+
+/// `CANDLE_FLASH_BWD_SM90_VARIANT=a,b` (read once): the Hopper backward runs the instances named
+/// a, b (`BWD_SM90` in instances.rs) instead of the defaults where they apply. For benchmarks
+/// comparing instances in one run; unset in normal use.
+fn sm90_variants() -> Vec<&'static str> {
+    static VARIANTS: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
+    VARIANTS
+        .get_or_init(|| {
+            let v = std::env::var("CANDLE_FLASH_BWD_SM90_VARIANT").unwrap_or_default();
+            v.split(',')
+                .map(|x| &*Box::leak(x.trim().to_string().into_boxed_str()))
+                .filter(|x| !x.is_empty())
+                .collect()
+        })
+        .clone()
 }
 
 fn wrap<T: CudaDType>(

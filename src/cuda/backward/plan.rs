@@ -11,8 +11,8 @@
 
 use candle::{bail, DType, Result};
 
-use super::instances::{BwdMma, BWD_GENERIC_NT, BWD_GENERIC_WARPS, BWD_MMA};
-use crate::cuda::plan::MAX_SEQ;
+use super::instances::{BwdMma, Sm90Bwd, BWD_GENERIC_NT, BWD_GENERIC_WARPS, BWD_MMA, BWD_SM90};
+use crate::cuda::plan::{has_zero_stride, MAX_SEQ};
 use crate::problem::{Problem, Strides};
 
 /// One kernel launch.
@@ -34,6 +34,59 @@ pub(crate) struct BwdPlan {
     pub mma: Option<BwdMma>,
     /// dQ is summed with atomics into an f32 buffer (`dq` is then the conversion pass).
     pub atomic: bool,
+    /// The Hopper kernels (dK/dV, dQ) of `dkdv` and `dq`: they take tensor maps of q, k, v and
+    /// dO as well, and come from the sm_90a backward module.
+    pub sm90: Option<[Sm90Bwd; 2]>,
+}
+
+/// What the planner needs to know about the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BwdDevice {
+    /// Largest dynamic shared memory a block may opt into.
+    pub max_smem: usize,
+    /// Compute capability 9.0 with the sm_90a kernels allowed (not `CANDLE_FLASH_PORTABLE=1`).
+    pub hopper: bool,
+}
+
+/// The Hopper dK/dV and dQ instances for `p`, if it qualifies: f16/bf16 at a head dim of the
+/// table, operands the tensor copies can read (16-byte aligned rows, no broadcast strides), no
+/// KV-cache features, and a `_mods` twin where softcap or ALiBi asks for one. `variants` names
+/// non-default instances (`CANDLE_FLASH_BWD_SM90_VARIANT`, comma-separated).
+fn sm90_pair(
+    p: &Problem,
+    dtype: DType,
+    offsets: [usize; 2],
+    dev: &BwdDevice,
+    variants: &[&str],
+) -> Option<[Sm90Bwd; 2]> {
+    if !dev.hopper || dtype == DType::F32 || !aligned(p, offsets) {
+        return None;
+    }
+    if p.paged.is_some() || p.seqused_k.is_some() || p.prefix.is_some() {
+        return None;
+    }
+    let (q_rows, k_rows) = p.storage_rows();
+    let (q_batches, k_batches) = p.storage_batches();
+    if has_zero_stride(&p.q, q_batches, q_rows, p.heads)
+        || has_zero_stride(&p.k, k_batches, k_rows, p.kv_heads)
+        || has_zero_stride(&p.v, k_batches, k_rows, p.kv_heads)
+    {
+        return None;
+    }
+    let mods = p.has_alibi || p.score.softcap > 0.0;
+    let pick = |dkdv: bool| {
+        let fits = |i: &&Sm90Bwd| {
+            i.d == p.head_dim && i.dkdv() == dkdv && (i.mods || !mods) && i.smem() <= dev.max_smem
+        };
+        BWD_SM90
+            .iter()
+            .filter(fits)
+            .find(|i| variants.contains(&i.variant))
+            .or_else(|| BWD_SM90.iter().filter(fits).find(|i| i.variant.is_empty()))
+            .or_else(|| BWD_SM90.iter().find(fits))
+            .copied()
+    };
+    Some([pick(true)?, pick(false)?])
 }
 
 /// Threads and most blocks of the atomic plan's f32 -> T conversion of dq (grid-stride, four
@@ -59,15 +112,18 @@ fn to_u32(x: usize, what: &str) -> Result<u32> {
 }
 
 /// The plan for `p` in `dtype`. `offsets` are the start offsets (elements) of the output and of
-/// its gradient; `max_smem` the device's opt-in shared memory per block; `deterministic`
-/// forbids atomics (the exact kernels never use them).
+/// its gradient; `deterministic` forbids atomics (the exact kernels never use them, and neither
+/// do the Hopper kernels, which serve both modes where they apply); `variants` picks
+/// non-default Hopper instances (benchmarks).
 pub(crate) fn plan(
     p: &Problem,
     dtype: DType,
     offsets: [usize; 2],
-    max_smem: usize,
+    dev: &BwdDevice,
     deterministic: bool,
+    variants: &[&str],
 ) -> Result<BwdPlan> {
+    let max_smem = dev.max_smem;
     let d = p.head_dim;
     if d == 0 || d > 32 * BWD_GENERIC_NT[BWD_GENERIC_NT.len() - 1] {
         bail!("flash-attn backward: head_dim {d} is not supported on CUDA (1..=512)")
@@ -106,6 +162,37 @@ pub(crate) fn plan(
     };
     let mods = p.has_alibi || p.score.softcap > 0.0;
     let suffix = if mods { "_mods" } else { "" };
+    // The Hopper grids put the tile index last (grid.z, at most 65535 tiles: sequences up to
+    // 8M), so the blocks of every head with the most work (causal: the first key tiles, the
+    // last query tiles) launch first and the short ones fill the tail.
+    let max_seq = p.max_seq_q.max(p.max_seq_k);
+    let pair = match sm90_pair(p, dtype, offsets, dev, variants) {
+        Some(pair) if max_seq.div_ceil(Sm90Bwd::BLOCK) <= 65535 => Some(pair),
+        _ => None,
+    };
+    if let Some(pair) = pair {
+        let dn = if dtype == DType::BF16 { "bf16" } else { "f16" };
+        let launch = |i: &Sm90Bwd, tiles: usize, heads: u32| -> Result<Launch> {
+            Ok(Launch {
+                function: format!("flash_bwd_sm90_{dn}_{}{suffix}", i.name),
+                grid: (
+                    heads,
+                    batch,
+                    to_u32(tiles.div_ceil(Sm90Bwd::BLOCK), "tiles")?,
+                ),
+                threads: Sm90Bwd::THREADS as u32,
+                smem: i.smem(),
+            })
+        };
+        return Ok(BwdPlan {
+            dsum,
+            dkdv: launch(&pair[0], p.max_seq_k, kv_heads)?,
+            dq: launch(&pair[1], p.max_seq_q, heads)?,
+            mma: None,
+            atomic: false,
+            sm90: Some(pair),
+        });
+    }
     let mma = BWD_MMA
         .iter()
         .find(|i| {
@@ -196,6 +283,7 @@ pub(crate) fn plan(
         dq,
         mma,
         atomic,
+        sm90: None,
     })
 }
 
@@ -208,6 +296,19 @@ mod tests {
 
     const H100_SMEM: usize = 232_448;
     const A100_SMEM: usize = 166_912;
+    const H100: BwdDevice = BwdDevice {
+        max_smem: H100_SMEM,
+        hopper: true,
+    };
+
+    /// A device without the sm_90a kernels (any GPU but compute capability 9.0, or
+    /// `CANDLE_FLASH_PORTABLE=1`).
+    fn portable(max_smem: usize) -> BwdDevice {
+        BwdDevice {
+            max_smem,
+            hopper: false,
+        }
+    }
 
     fn problem(d: usize, dtype: DType, opts: &FlashAttn, sq: usize, sk: usize) -> Problem {
         let dev = Device::Cpu;
@@ -232,7 +333,7 @@ mod tests {
                 for o in &opts {
                     for d in 1..=512 {
                         let p = problem(d, dtype, o, 37, 141);
-                        let pl = plan(&p, dtype, [0, 0], smem, true).unwrap();
+                        let pl = plan(&p, dtype, [0, 0], &portable(smem), true, &[]).unwrap();
                         let what = format!("{dtype:?} d {d} {o:?}: {pl:?}");
                         let fast = dtype != DType::F32 && (d == 64 || d == 128);
                         assert_eq!(pl.mma.is_some(), fast, "{what}");
@@ -241,7 +342,8 @@ mod tests {
                             Some(i) => {
                                 assert!(i.max_smem() <= smem, "{what}");
                                 assert!(!pl.atomic, "{what}");
-                                let fast = plan(&p, dtype, [0, 0], smem, false).unwrap();
+                                let fast =
+                                    plan(&p, dtype, [0, 0], &portable(smem), false, &[]).unwrap();
                                 assert!(fast.atomic && fast.dkdv.function.contains("_dkdvq_"));
                                 assert_eq!(fast.dkdv.function.ends_with("_mods"), mods, "{what}");
                                 assert!(fast.dkdv.grid.0 as usize * i.f_bn >= 141, "{what}");
@@ -256,7 +358,8 @@ mod tests {
                                 assert_eq!(pl.dq.function.ends_with("_mods"), mods, "{what}");
                             }
                             None => {
-                                let exact = plan(&p, dtype, [0, 0], smem, false).unwrap();
+                                let exact =
+                                    plan(&p, dtype, [0, 0], &portable(smem), false, &[]).unwrap();
                                 assert!(!exact.atomic, "{what}: the exact kernels use no atomics");
                                 let nt: usize =
                                     pl.dq.function.rsplit('_').next().unwrap().parse().unwrap();
@@ -277,7 +380,7 @@ mod tests {
         // Validation already refuses it; the planner names head_dim on its own too.
         let mut p = problem(512, DType::BF16, &opts[0], 3, 3);
         p.head_dim = 513;
-        let err = plan(&p, DType::BF16, [0, 0], H100_SMEM, true).unwrap_err();
+        let err = plan(&p, DType::BF16, [0, 0], &portable(H100_SMEM), true, &[]).unwrap_err();
         assert!(err.to_string().contains("head_dim 513"), "{err}");
     }
 
@@ -287,29 +390,141 @@ mod tests {
     fn unaligned_operands_take_the_exact_kernels() {
         let o = FlashAttn::new(0.1);
         let p = problem(128, DType::BF16, &o, 64, 64);
-        assert!(plan(&p, DType::BF16, [0, 0], H100_SMEM, false)
-            .unwrap()
-            .mma
-            .is_some());
-        assert!(plan(&p, DType::BF16, [4, 0], H100_SMEM, false)
-            .unwrap()
-            .mma
-            .is_none());
-        assert!(plan(&p, DType::BF16, [0, 0], 49_152, true)
+        assert!(
+            plan(&p, DType::BF16, [0, 0], &portable(H100_SMEM), false, &[])
+                .unwrap()
+                .mma
+                .is_some()
+        );
+        assert!(
+            plan(&p, DType::BF16, [4, 0], &portable(H100_SMEM), false, &[])
+                .unwrap()
+                .mma
+                .is_none()
+        );
+        assert!(plan(&p, DType::BF16, [0, 0], &portable(49_152), true, &[])
             .unwrap()
             .mma
             .is_none());
         let mut strided = p.clone();
         strided.k.dim = 2;
-        assert!(plan(&strided, DType::BF16, [0, 0], H100_SMEM, false)
-            .unwrap()
-            .mma
-            .is_none());
+        assert!(plan(
+            &strided,
+            DType::BF16,
+            [0, 0],
+            &portable(H100_SMEM),
+            false,
+            &[]
+        )
+        .unwrap()
+        .mma
+        .is_none());
         let mut offset = p.clone();
         offset.v.offset = 3;
-        assert!(plan(&offset, DType::BF16, [0, 0], H100_SMEM, false)
+        assert!(plan(
+            &offset,
+            DType::BF16,
+            [0, 0],
+            &portable(H100_SMEM),
+            false,
+            &[]
+        )
+        .unwrap()
+        .mma
+        .is_none());
+    }
+
+    /// On Hopper, f16/bf16 calls at head dims 64 and 128 take the sm_90a kernels (both modes:
+    /// they use no atomics), with the `_mods` twins for softcap / ALiBi where they exist (d 64);
+    /// d 128 with softcap / ALiBi, f32, other head dims, misaligned or broadcast operands keep
+    /// the portable plans. Grids cover every key and query row; variants swap single kernels.
+    #[test]
+    fn hopper_plans() {
+        let slopes = Tensor::new(&[0.5f32, 0.25, 0.125, 0.1, 0.2, 0.3], &Device::Cpu).unwrap();
+        let opts = [
+            FlashAttn::new(0.1),
+            FlashAttn::new(0.1).causal().window(Some(20), None),
+            FlashAttn::new(0.1).softcap(5.0),
+            FlashAttn::new(0.1).alibi(&slopes),
+        ];
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let dn = if dtype == DType::BF16 { "bf16" } else { "f16" };
+            for o in &opts {
+                let mods = o.softcap.is_some() || o.alibi_slopes.is_some();
+                for d in [32, 64, 96, 128, 256] {
+                    let p = problem(d, dtype, o, 300, 517);
+                    for det in [true, false] {
+                        let pl = plan(&p, dtype, [0, 0], &H100, det, &[]).unwrap();
+                        let what = format!("{dtype:?} d {d} {o:?}: {pl:?}");
+                        let hopper = dtype != DType::F32 && (d == 64 || (d == 128 && !mods));
+                        assert_eq!(pl.sm90.is_some(), hopper, "{what}");
+                        if !hopper {
+                            assert_eq!(
+                                pl,
+                                plan(&p, dtype, [0, 0], &portable(H100_SMEM), det, &[]).unwrap()
+                            );
+                            continue;
+                        }
+                        let suffix = if mods { "_mods" } else { "" };
+                        let kv = if mods && d == 64 { "_nopp" } else { "" };
+                        assert_eq!(
+                            pl.dkdv.function,
+                            format!("flash_bwd_sm90_{dn}_dkdv_d{d}{kv}{suffix}")
+                        );
+                        assert_eq!(
+                            pl.dq.function,
+                            format!("flash_bwd_sm90_{dn}_dq_d{d}{suffix}")
+                        );
+                        assert!(!pl.atomic && pl.mma.is_none(), "{what}");
+                        assert_eq!(pl.dkdv.grid, (3, 2, 5), "{what}");
+                        assert_eq!(pl.dq.grid, (6, 2, 3), "{what}");
+                        assert_eq!((pl.dkdv.threads, pl.dq.threads), (384, 384));
+                        for (l, i) in [
+                            (&pl.dkdv, pl.sm90.unwrap()[0]),
+                            (&pl.dq, pl.sm90.unwrap()[1]),
+                        ] {
+                            assert_eq!(l.smem, i.smem(), "{what}");
+                            assert!(i.smem() <= H100_SMEM, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+        let plain = FlashAttn::new(0.1);
+        let p = problem(128, DType::BF16, &plain, 300, 517);
+        let v = plan(&p, DType::BF16, [0, 0], &H100, true, &["s2", "k64"]).unwrap();
+        assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_s2");
+        assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_k64");
+        // A variant of one head dim leaves the other's default alone.
+        let p64 = problem(64, DType::F16, &plain, 300, 517);
+        let v = plan(&p64, DType::F16, [0, 0], &H100, true, &["s2", "q64"]).unwrap();
+        assert_eq!(v.dkdv.function, "flash_bwd_sm90_f16_dkdv_d64_q64");
+        assert_eq!(v.dq.function, "flash_bwd_sm90_f16_dq_d64");
+        // One name can swap both kernels.
+        let v = plan(&p64, DType::F16, [0, 0], &H100, true, &["nopp"]).unwrap();
+        assert_eq!(v.dkdv.function, "flash_bwd_sm90_f16_dkdv_d64_nopp");
+        assert_eq!(v.dq.function, "flash_bwd_sm90_f16_dq_d64_overlap");
+        let v = plan(&p, DType::BF16, [0, 0], &H100, true, &["pp"]).unwrap();
+        assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_pp");
+        assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_pp");
+        // Misaligned output offsets, a broadcast K and too little shared memory: portable.
+        assert!(plan(&p, DType::BF16, [4, 0], &H100, true, &[])
             .unwrap()
-            .mma
+            .sm90
+            .is_none());
+        let mut bcast = p.clone();
+        bcast.k.head = 0;
+        assert!(plan(&bcast, DType::BF16, [0, 0], &H100, true, &[])
+            .unwrap()
+            .sm90
+            .is_none());
+        let small = BwdDevice {
+            max_smem: 101_376,
+            hopper: true,
+        };
+        assert!(plan(&p, DType::BF16, [0, 0], &small, true, &[])
+            .unwrap()
+            .sm90
             .is_none());
     }
 }
