@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # What runs on the GPU machine for the backward work (carry the folder made by
 # scripts/pack-bwd.sh): the backward GPU tests (default mode, then CANDLE_FLASH_BWD_DETERMINISTIC=0
-# for the whole binary), compute-sanitizer on the backward shapes, the library's unit tests,
-# planted-bug binaries (gpu_backward_bug*: each must fail), gpu_bench --backward (both modes)
-# beside scripts/sdpa_bench.py --backward, with a side-by-side table, and any gpu_bench
-# variants placed as var_* (both modes, --quick). Logs go to $OUT.
-#   bash DIR/bwd-run.sh [--quick] [--no-tests] [--no-sanitizer] [--all-sanitizers] [--no-bench]
+# for the whole binary; on a Hopper GPU also with CANDLE_FLASH_PORTABLE=1, the sm_80 kernels, and
+# with CANDLE_FLASH_BWD_SM90_VARIANT=v for each v of $BWD_VARIANT, space-separated), compute-sanitizer on the
+# backward shapes, the library's unit tests, planted-bug binaries (gpu_backward_bug*: each must
+# fail), gpu_bench --backward (default, atomic mode, on Hopper also the portable kernels and each
+# $BWD_VARIANT) beside scripts/sdpa_bench.py --backward, with a side-by-side table, and
+# any gpu_bench variants placed as var_* (both modes, --quick). Logs go to $OUT.
+#   [BWD_VARIANT="a,b c"] bash DIR/bwd-run.sh [--quick] [--no-tests] [--no-sanitizer]
+#                                         [--all-sanitizers] [--no-bench] [--no-atomic]
 # (memcheck and racecheck by default; --all-sanitizers adds synccheck and initcheck)
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
-QUICK=""; TESTS=1; SAN=1; BENCH=1; TOOLS="memcheck racecheck"
+QUICK=""; TESTS=1; SAN=1; BENCH=1; ATOMIC=1; TOOLS="memcheck racecheck"
 for a in "$@"; do
     case "$a" in
+        --no-atomic) ATOMIC=0 ;;
         --quick) QUICK=--quick ;;
         --no-tests) TESTS=0 ;;
         --no-sanitizer) SAN=0 ;;
@@ -27,6 +31,9 @@ for f in "$D"/*.xz; do
     chmod +x "${f%.xz}"
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+HOPPER=0
+[ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)" = "9.0" ] && HOPPER=1
+VARIANT=${BWD_VARIANT:-}
 status=0
 if [ $TESTS = 1 ]; then
     echo "== library unit tests"
@@ -34,10 +41,24 @@ if [ $TESTS = 1 ]; then
     echo "== backward tests, default (deterministic) mode"
     timeout 300 "$D/gpu_backward_tests" --test-threads=1 2>&1 | tee "$LOG/backward-tests.log" | grep -E "^test |test result|panicked" || true
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    echo "== backward tests, CANDLE_FLASH_BWD_DETERMINISTIC=0 for every test"
-    CANDLE_FLASH_BWD_DETERMINISTIC=0 timeout 300 "$D/gpu_backward_tests" --test-threads=1 --skip deterministic_by_default 2>&1 \
-        | tee "$LOG/backward-tests-atomic.log" | grep -E "^test |test result|panicked" || true
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    if [ $ATOMIC = 1 ]; then
+        echo "== backward tests, CANDLE_FLASH_BWD_DETERMINISTIC=0 for every test"
+        CANDLE_FLASH_BWD_DETERMINISTIC=0 timeout 300 "$D/gpu_backward_tests" --test-threads=1 --skip deterministic_by_default 2>&1 \
+            | tee "$LOG/backward-tests-atomic.log" | grep -E "^test |test result|panicked" || true
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    fi
+    if [ $HOPPER = 1 ]; then
+        echo "== backward tests with CANDLE_FLASH_PORTABLE=1 (the sm_80 kernels on this Hopper GPU)"
+        CANDLE_FLASH_PORTABLE=1 timeout 300 "$D/gpu_backward_tests" --test-threads=1 2>&1 \
+            | tee "$LOG/backward-tests-portable.log" | grep -E "^test |test result|panicked" || true
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        for v in $VARIANT; do
+            echo "== backward tests with CANDLE_FLASH_BWD_SM90_VARIANT=$v"
+            CANDLE_FLASH_BWD_SM90_VARIANT=$v timeout 300 "$D/gpu_backward_tests" --test-threads=1 2>&1 \
+                | tee "$LOG/backward-tests-variant-$v.log" | grep -E "^test |test result|panicked" || true
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        done
+    fi
     for b in "$D"/gpu_backward_bug*; do
         [ -x "$b" ] || continue
         echo "== planted bug $(basename "$b") (must FAIL)"
@@ -57,8 +78,21 @@ fi
 if [ $BENCH = 1 ]; then
     echo "== backward: candle-flash (default deterministic, then CANDLE_FLASH_BWD_DETERMINISTIC=0)"
     "$D/gpu_bench" --backward $QUICK 2>&1 | tee "$LOG/bench-backward.log" | grep -v '^RESULT'
-    CANDLE_FLASH_BWD_DETERMINISTIC=0 "$D/gpu_bench" --backward $QUICK 2>&1 \
-        | sed 's/^RESULT_BWD candle /RESULT_BWD candle_atomic /' | tee "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
+    : > "$LOG/bench-backward-atomic.log"
+    if [ $ATOMIC = 1 ]; then
+        CANDLE_FLASH_BWD_DETERMINISTIC=0 "$D/gpu_bench" --backward $QUICK 2>&1 \
+            | sed 's/^RESULT_BWD candle /RESULT_BWD candle_atomic /' | tee "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
+    fi
+    if [ $HOPPER = 1 ]; then
+        echo "== backward: candle-flash with CANDLE_FLASH_PORTABLE=1 (sm_80 kernels)"
+        CANDLE_FLASH_PORTABLE=1 "$D/gpu_bench" --backward $QUICK 2>&1 \
+            | sed 's/^RESULT_BWD candle /RESULT_BWD candle_portable /' | tee -a "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
+        for v in $VARIANT; do
+            echo "== backward: candle-flash with CANDLE_FLASH_BWD_SM90_VARIANT=$v"
+            CANDLE_FLASH_BWD_SM90_VARIANT=$v "$D/gpu_bench" --backward $QUICK 2>&1 \
+                | sed "s/^RESULT_BWD candle /RESULT_BWD variant:$v /" | tee -a "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
+        done
+    fi
     for v in "$D"/var_*; do
         [ -x "$v" ] || continue
         echo "== variant $(basename "$v") (CANDLE_FLASH_BWD_DETERMINISTIC=0, then default)"
@@ -76,13 +110,17 @@ for l in sys.stdin:
     if len(p) == 7 and p[0] == "RESULT_BWD":
         r[(p[1], p[2], int(p[3]), int(p[4]), p[5])] = float(p[6])
 keys = sorted({k[1:] for k in r}, key=lambda k: (k[0], k[1], k[3], k[2]))
-print("| dtype | d | seq | causal | candle-flash | candle atomic dQ | torch flash | torch cuDNN | vs flash | atomic vs flash | vs cuDNN | det / atomic |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+variants = sorted({k[0] for k in r if k[0].startswith("variant:")})
+head = ["candle-flash", "atomic dQ", "portable"] + variants + ["torch flash", "torch cuDNN", "vs flash", "vs cuDNN", "vs portable"] + [v + " vs flash" for v in variants]
+print("| dtype | d | seq | causal | " + " | ".join(head) + " |")
+print("|---" * (4 + len(head)) + "|")
+fmt = lambda x: f"{x:.1f}" if x else "-"
+rat = lambda x, y: f"{x / y:.2f}" if x and y else "-"
 for k in keys:
-    c, a, f, n = (r.get((s,) + k) for s in ("candle", "candle_atomic", "torch_flash", "torch_cudnn"))
-    fmt = lambda x: f"{x:.1f}" if x else "-"
-    rat = lambda x, y: f"{x / y:.2f}" if x and y else "-"
-    print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {fmt(c)} | {fmt(a)} | {fmt(f)} | {fmt(n)} | {rat(c, f)} | {rat(a, f)} | {rat(c, n)} | {rat(c, a)} |")
+    c, a, p, f, n = (r.get((s,) + k) for s in ("candle", "candle_atomic", "candle_portable", "torch_flash", "torch_cudnn"))
+    vs = [r.get((v,) + k) for v in variants]
+    cells = [fmt(c), fmt(a), fmt(p)] + [fmt(x) for x in vs] + [fmt(f), fmt(n), rat(c, f), rat(c, n), rat(c, p)] + [rat(x, f) for x in vs]
+    print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(cells) + " |")
 ' | tee "$LOG/table-backward.md"
 fi
 cd "$LOG" && tar czf logs.tgz *.log 2>/dev/null && rm -f *.log

@@ -2,8 +2,9 @@
 # Assembles every PTX module the crate emits for sm_90 (ptxas -v) and prints registers, stack
 # and spills per kernel. Fails when a main kernel spills: the plain tensor-core instances
 # (flash_fwd_{bf16,f16}_d*, not the *_mods variants for softcap/ALiBi) and the f32 kernels, and
-# every backward kernel (flash_bwd_*, all variants), and every sm_90a kernel (flash_fwd_sm90_*,
-# `_mods` included; flash_sm90.ptx is assembled for sm_90a, which its wgmma and setmaxnreg need).
+# every backward kernel (flash_bwd_*, all variants, the Hopper ones included), and every sm_90a
+# kernel (flash_fwd_sm90_*, `_mods` included; flash_sm90.ptx and flash_bwd_sm90.ptx are
+# assembled for sm_90a, which their wgmma and setmaxnreg need).
 #   scripts/ptxas-check.sh [ptx dir]   (default: the newest cuda build under target*/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ dir=${1:-$(dirname "$(ls -t target*/*/build/candle-flash-*/out/flash_bf16.ptx 2>
 fail=0
 for ptx in "$dir"/*.ptx; do
     arch=sm_90
-    [ "$(basename "$ptx")" = flash_sm90.ptx ] && arch=sm_90a
+    case "$(basename "$ptx")" in flash_sm90.ptx|flash_bwd_sm90.ptx) arch=sm_90a ;; esac
     report=$(ptxas -arch=$arch -v "$ptx" -o /dev/null 2>&1) || { echo "$report"; exit 1; }
     while IFS=$'\t' read -r name regs spill; do
         printf '%-32s %s %s\n' "$name" "$regs" "$spill"

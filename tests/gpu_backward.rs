@@ -494,8 +494,9 @@ fn atomic_dq_mode() {
     }
 }
 
-/// A handful of tiny ragged calls covering every backward kernel family (tensor-core d 64 / 128,
-/// plain and `_mods`, deterministic and atomic; the exact kernels), for compute-sanitizer:
+/// A handful of small ragged calls covering every backward kernel family (tensor-core d 64 / 128,
+/// plain and `_mods`, deterministic and atomic, on Hopper the sm_90a kernels; the exact
+/// kernels), for compute-sanitizer:
 /// `compute-sanitizer --tool racecheck gpu_backward sanitizer_`.
 #[test]
 fn sanitizer_shapes() {
@@ -513,6 +514,9 @@ fn sanitizer_shapes() {
                     .softcap(3.0)
                     .alibi(&slopes),
             ),
+            // Several query steps and key tiles per block, over a GQA group: every stage of
+            // the pipelines' rings is refilled more than once.
+            (case(1, 300, 333, 4, 2, d, dtype), FlashAttn::new(s)),
         ]
     };
     for atomic in [false, true] {
