@@ -16,9 +16,14 @@
 // Overlap (FlashAttention-3): within a warpgroup, S of tile t and P V of tile t - 1 are issued
 // together and the softmax of t runs while P V completes (O is rescaled after it); between
 // warpgroups (PINGPONG), named barriers hand the GEMM issue slot round-robin so one warpgroup's
-// softmax runs under another's GEMMs. PERSIST instances run one block per SM over all tiles
-// (the next tile's Q waits on an empty-Q barrier, so its loads overlap the last GEMMs and the
-// epilogue); the default instances are one block per tile. The output is staged per warpgroup in
+// softmax runs under another's GEMMs. PERSIST instances run one block per SM over all tiles with
+// a dynamic scheduler: the producer thread takes the next tile from a global counter (atomicAdd;
+// the launch zeroes it per call) and passes its index to the consumers through a two-slot ring
+// in shared memory, so it runs one tile ahead. The global order is longest first: tiles are
+// grouped by `group` (batch, head) pairs whose K and V fit in L2 together, and within a group the
+// query tiles go from the last (most keys under a causal mask) to the first, across the group's
+// heads. The next tile's Q waits on an empty-Q barrier, so its loads overlap the last GEMMs and
+// the epilogue. The default instances are one block per tile. The output is staged per warpgroup in
 // shared memory for 16-byte stores (d 256: in the warpgroup's own rows of Q); lse as in the
 // sm_80 kernel. d 256 takes FlashAttention-3's shape: 80-key tiles (S = Q K^T as m64n80k16),
 // O += P V as m64n256k16 into 128 f32 registers a thread.
@@ -130,10 +135,12 @@ __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int sca
     if constexpr (IsBf16<T>::value) {
         if constexpr (N == 64) wgmma_ss_bf16_n64(d, a, b, scale_d);
         else if constexpr (N == 80) wgmma_ss_bf16_n80(d, a, b, scale_d);
+        else if constexpr (N == 176) wgmma_ss_bf16_n176(d, a, b, scale_d);
         else wgmma_ss_bf16_n128(d, a, b, scale_d);
     } else {
         if constexpr (N == 64) wgmma_ss_f16_n64(d, a, b, scale_d);
         else if constexpr (N == 80) wgmma_ss_f16_n80(d, a, b, scale_d);
+        else if constexpr (N == 176) wgmma_ss_f16_n176(d, a, b, scale_d);
         else wgmma_ss_f16_n128(d, a, b, scale_d);
     }
 }
@@ -160,13 +167,17 @@ struct Traits {
     static constexpr int Q_BYTES = BM * D * 2;
     static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
     // Output staging. d 256 has no room for a tile of its own (Q 64 KB + two stages of 80-key
-    // K and V 160 KB): each warpgroup stages its rows of O in its own rows of Q, which only its
-    // own S GEMMs read and which are complete by then. The next tile's Q would overwrite them,
-    // so such instances are not persistent.
-    static constexpr bool O_IN_Q = D > 128;
+    // K and V 160 KB), nor d 128 with 176-key tiles (Q 32 KB + K and V 176 KB): each warpgroup
+    // stages its rows of O in its own rows of Q, which only its own S GEMMs read and which are
+    // complete by then. The next tile's Q would overwrite them, so such instances are not
+    // persistent.
+    static constexpr bool O_IN_Q = D > 128 || BN > 128;
     static constexpr int O_BYTES = O_IN_Q ? 0 : BM * D * 2;
-    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q.
-    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
+    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q, then the
+    // persistent scheduler's tile ring: full and empty barriers of its TILE_SLOTS slots and the
+    // slots themselves (one int each, 8 bytes kept for two).
+    static constexpr int TILE_SLOTS = 2;
+    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES + 2 * TILE_SLOTS) + 4 * TILE_SLOTS;
     // 1024 of slack to align the base to a swizzle atom.
     static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + BAR_BYTES;
     // setmaxnreg budgets (a multiple of 8; producer + NWG consumers within 512 per thread slot).
@@ -176,7 +187,8 @@ struct Traits {
 
 template <typename T, int D, int NWG, int BN, int STAGES, bool PINGPONG, bool PERSIST, bool MODS>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMap* tq,
-                                               const TmaMap* tk, const TmaMap* tv) {
+                                               const TmaMap* tk, const TmaMap* tv,
+                                               int* tile_counter, int group) {
     using Tr = Traits<T, D, NWG, BN, STAGES>;
     constexpr int BM = Tr::BM, CH = Tr::CH;
     constexpr int NT = BN / 8, DT = D / 8;
@@ -201,22 +213,31 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     auto bar_ek = [&](int s) { return saddr(bars + 1 + 2 * STAGES + s); };
     auto bar_ev = [&](int s) { return saddr(bars + 1 + 3 * STAGES + s); };
     const uint32_t bar_qe = saddr(bars + 1 + 4 * STAGES);
+    constexpr int SLOTS = Tr::TILE_SLOTS;
+    auto bar_tf = [&](int s) { return saddr(bars + 2 + 4 * STAGES + s); };
+    auto bar_te = [&](int s) { return saddr(bars + 2 + 4 * STAGES + SLOTS + s); };
+    volatile int* tile_slot = reinterpret_cast<volatile int*>(bars + 2 + 4 * STAGES + 2 * SLOTS);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    // PERSIST: block c computes tiles c, c + gridDim.x, ... of q_tiles x heads x batch, query
-    // tiles fastest (the tiles of one (batch, head) run together and share K/V in L2), the
-    // longest causal tile of each (batch, head) first; the next tile's Q and K/V loads overlap
-    // the current tile's last GEMMs and epilogue. Otherwise one block per tile, grid
-    // (q_tiles, heads, batch), in the same order.
+    // PERSIST: tile i of q_tiles x heads x batch, in the scheduler's order: groups of `group`
+    // (batch, head) pairs (heads fastest), and within a group the query tiles from the last to
+    // the first, the group's pairs fastest; the longest causal tiles run first and the K/V of
+    // the tiles in flight stay in L2. Tiles past a (varlen) sequence's end are skipped by the
+    // producer and never reach the consumers. Otherwise one block per tile, grid
+    // (q_tiles, heads, batch), the last query tile first.
     const int q_tiles = PERSIST ? (p.seq_q + BM - 1) / BM : (int)gridDim.x;
-    const int total = PERSIST ? q_tiles * p.heads * p.batch : 1;
-    const int tile0 = PERSIST ? (int)blockIdx.x : 0;
-    const int tile_step = PERSIST ? (int)gridDim.x : 1;
+    const int pairs = p.heads * p.batch;
+    const int total = PERSIST ? q_tiles * pairs : 1;
     auto tile_geom = [&](int tile, int& h, int& b, BlockGeom& g) {
         if constexpr (PERSIST) {
-            const int m_block = q_tiles - 1 - tile % q_tiles;
-            h = (tile / q_tiles) % p.heads;
-            b = tile / (q_tiles * p.heads);
+            const int per_group = group * q_tiles;
+            const int gi = tile / per_group;
+            const int r = tile - gi * per_group;
+            const int gsize = min(group, pairs - gi * group);
+            const int m_block = q_tiles - 1 - r / gsize;
+            const int bh = gi * group + r % gsize;
+            h = bh % p.heads;
+            b = bh / p.heads;
             return block_geom(p, m_block, BM, h, b, g);
         } else {
             h = blockIdx.y;
@@ -234,6 +255,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             mbar_init(bar_ek(s), 4 * NWG);
             mbar_init(bar_ev(s), 4 * NWG);
         }
+        for (int s = 0; s < SLOTS; ++s) {
+            mbar_init(bar_tf(s), 1);
+            mbar_init(bar_te(s), 4 * NWG);  // lane 0 of every consumer warp
+        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
@@ -247,10 +272,25 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             prefetch_map(tk);
             prefetch_map(tv);
             int kv_it = 0, n_tile = 0;
-            for (int tile = tile0; tile < total; tile += tile_step) {
+            // The first tile of block c is tile c (the counter starts at 0 and hands out tiles
+            // from gridDim.x on).
+            int tile = PERSIST ? (int)blockIdx.x : 0;
+            for (;;) {
                 int h, b;
                 BlockGeom g;
-                if (!tile_geom(tile, h, b, g)) continue;
+                if constexpr (PERSIST) {
+                    while (tile < total && !tile_geom(tile, h, b, g))
+                        tile = atomicAdd(tile_counter, 1) + (int)gridDim.x;
+                    // Publish the tile (or -1: no more) in slot n_tile % SLOTS once the
+                    // consumers have read what it held before.
+                    const int s = n_tile % SLOTS;
+                    if (n_tile >= SLOTS) mbar_wait(bar_te(s), (uint32_t)(((n_tile / SLOTS) & 1) ^ 1));
+                    tile_slot[s] = tile < total ? tile : -1;
+                    mbar_arrive(bar_tf(s));
+                    if (tile >= total) break;
+                } else {
+                    if (n_tile > 0 || !tile_geom(tile, h, b, g)) break;
+                }
                 const int kvh = h / p.kv_group;
                 const int t_begin = g.n_lo / BN;
                 const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
@@ -281,6 +321,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                                     kvh, k_row, kb);
                 }
                 ++n_tile;
+                if constexpr (PERSIST) tile = atomicAdd(tile_counter, 1) + (int)gridDim.x;
             }
         }
         return;
@@ -300,10 +341,22 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     if constexpr (PINGPONG) {
         if (wg == NWG - 1) named_arrive(PP_BAR, 256);
     }
-    for (int tile = tile0; tile < total; tile += tile_step) {
-    int h, b;
+    for (;;) {
+    int tile = 0, h, b;
     BlockGeom g;
-    if (!tile_geom(tile, h, b, g)) continue;
+    if constexpr (PERSIST) {
+        // The producer's next tile (-1: none left). Every lane reads the slot before lane 0
+        // frees it.
+        const int s = n_tile % SLOTS;
+        mbar_wait(bar_tf(s), (uint32_t)((n_tile / SLOTS) & 1));
+        tile = tile_slot[s];
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_te(s));
+        if (tile < 0) break;
+        tile_geom(tile, h, b, g);
+    } else {
+        if (n_tile > 0 || !tile_geom(tile, h, b, g)) break;
+    }
     const int t_begin = g.n_lo / BN;
     const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
     const int diag_t = g.m0 + row_base + g.sk - g.sq;
@@ -542,6 +595,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
 #define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES, PP, PERSIST, MODS)                     \
     extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
         NAME(const FlashParams p, const __grid_constant__ TmaMap tq,                           \
-             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv) {           \
-        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, PERSIST, MODS>(p, &tq, &tk, &tv);      \
+             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,             \
+             int* tile_counter, int group) {                                                   \
+        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, PERSIST, MODS>(p, &tq, &tk, &tv,       \
+                                                                       tile_counter, group);   \
     }

@@ -113,7 +113,8 @@ pub(crate) struct Sm90Instance {
     pub bn: usize,
     /// Depth of the K/V ring.
     pub stages: usize,
-    /// Persistent: one block per SM (at most one per tile) walks the tiles.
+    /// Persistent: one block per SM (at most one per tile) takes tiles from the dynamic,
+    /// longest-first scheduler (a per-call tile counter, [`sm90_tile_group`]).
     pub persistent: bool,
     /// The `_mods` entry (softcap / ALiBi / non-positive scale).
     pub mods: bool,
@@ -125,9 +126,14 @@ impl Sm90Instance {
         let mods = if self.mods { "_mods" } else { "" };
         format!("d{}_{}{mods}", self.d, self.variant())
     }
-    /// Warpgroups and persistence, as `CANDLE_FLASH_SM90_VARIANT` names them: `wg2`, `wg2p`.
+    /// Warpgroups, persistence and (above 128) the key tile, as `CANDLE_FLASH_SM90_VARIANT`
+    /// names them: `wg2`, `wg2p`, `wg2n176`.
     pub fn variant(&self) -> String {
-        format!("wg{}{}", self.nwg, if self.persistent { "p" } else { "" })
+        let p = if self.persistent { "p" } else { "" };
+        match self.bn > 128 {
+            true => format!("wg{}{p}n{}", self.nwg, self.bn),
+            false => format!("wg{}{p}", self.nwg),
+        }
     }
     pub const fn rows(&self) -> usize {
         64 * self.nwg
@@ -136,18 +142,21 @@ impl Sm90Instance {
     pub const fn threads(&self) -> usize {
         128 * (self.nwg + 1)
     }
-    /// Heads wider than 128 stage the output in Q's buffer (`Traits::O_IN_Q`): a separate
-    /// tile does not fit beside d 256's K and V rings. Such instances cannot be persistent.
+    /// Heads wider than 128, and key tiles wider than 128, stage the output in Q's buffer
+    /// (`Traits::O_IN_Q`): a separate tile does not fit beside their K and V rings. Such
+    /// instances cannot be persistent.
     pub const fn o_in_q(&self) -> bool {
-        self.d > 128
+        self.d > 128 || self.bn > 128
     }
     /// Dynamic shared memory: alignment slack, Q, the K and V rings, the output staging tile
-    /// (unless it is Q's) and the mbarriers (`Traits::SMEM` in kernels/sm90/fwd.cuh).
+    /// (unless it is Q's), the mbarriers and the scheduler's two tile slots (`Traits::SMEM` in
+    /// kernels/sm90/fwd.cuh).
     pub const fn smem(&self) -> usize {
         let tile = self.rows() * self.d * 2;
         1024 + if self.o_in_q() { tile } else { 2 * tile }
             + 2 * self.stages * self.bn * self.d * 2
-            + 8 * (2 + 4 * self.stages)
+            + 8 * (2 + 4 * self.stages + 4)
+            + 8
     }
 }
 
@@ -155,8 +164,8 @@ impl Sm90Instance {
 /// others are variants for `CANDLE_FLASH_SM90_VARIANT`. d 64: three consumer warpgroups (192 rows)
 /// or two, persistent (softcap / ALiBi: two, not persistent: their registers spilled otherwise);
 /// d 128: two warpgroups (128 rows), as FlashAttention-3 starts from; d 256: two warpgroups
-/// and 80-key tiles in two stages (FlashAttention-3's shape; 230,480 bytes, O staged in Q).
-pub(crate) const SM90_INSTANCES: [Sm90Instance; 8] = [
+/// and 80-key tiles in two stages (FlashAttention-3's shape; 230,520 bytes, O staged in Q).
+pub(crate) const SM90_INSTANCES: [Sm90Instance; 9] = [
     Sm90Instance {
         d: 64,
         nwg: 3,
@@ -195,6 +204,14 @@ pub(crate) const SM90_INSTANCES: [Sm90Instance; 8] = [
         bn: 128,
         stages: 2,
         persistent: true,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 128,
+        nwg: 2,
+        bn: 176,
+        stages: 2,
+        persistent: false,
         mods: false,
     },
     Sm90Instance {
@@ -529,18 +546,39 @@ fn sm90_persistent_grid(
     i: Sm90Instance,
 ) -> Result<(u32, u32, u32)> {
     let tiles = p.max_seq_q.div_ceil(i.rows()) * p.heads * p.batch;
-    if tiles > i32::MAX as usize {
+    // The kernel's tile counter runs up to tiles + grid in an `int`.
+    if tiles > i32::MAX as usize / 2 {
         bail!("flash-attn: {tiles} query tiles exceed the sm_90a kernels' limit")
     }
     Ok((tiles.clamp(1, caps.sms as usize) as u32, 1, 1))
 }
 
+/// Bytes of K and V the persistent scheduler lets the tiles in flight share in L2 (H100 and H200
+/// hold 50 MB; FlashAttention-3's scheduler assumes 32 MiB as well).
+pub(crate) const SM90_L2_KV_BYTES: usize = 32 << 20;
+
+/// The persistent scheduler's group: how many (batch, head) pairs (heads fastest) take their
+/// query tiles together, longest first, before the next pairs start. As many as the K and V of
+/// their key/value heads fit in [`SM90_L2_KV_BYTES`] (consecutive query heads of a GQA group
+/// share one), at least one, at most all.
+pub(crate) fn sm90_tile_group(p: &Problem, d_load: usize) -> usize {
+    let kv_bytes = 2 * p.max_seq_k.max(1) * d_load.next_multiple_of(64) * 2;
+    let group = (SM90_L2_KV_BYTES / kv_bytes).max(1) * (p.heads / p.kv_heads.max(1)).max(1);
+    group.clamp(1, (p.heads * p.batch).max(1))
+}
+
 /// Overrides an sm_90a plan's instance for benchmarks that compare variants in one run: the
 /// instance of the same width and kind whose [`Sm90Instance::variant`] is `variant`, if there is
-/// one. Other plans are left as they are.
+/// one. `variant:n` (a persistent one) also caps its grid at n blocks, so that tests and
+/// compute-sanitizer see each block take many tiles from the scheduler. Other plans are left as
+/// they are.
 pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, caps: &DeviceCaps, variant: &str) {
     let Kernel::Sm90(i) = plan.kernel else {
         return;
+    };
+    let (variant, cap) = match variant.split_once(':') {
+        Some((v, n)) => (v, n.parse::<u32>().ok().filter(|&n| n > 0)),
+        None => (variant, None),
     };
     let Some(&j) = SM90_INSTANCES
         .iter()
@@ -569,7 +607,10 @@ pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, caps: &DeviceCap
     plan.threads = j.threads() as u32;
     plan.smem = j.smem();
     plan.function = format!("flash_fwd_sm90_{dname}_{}", j.suffix());
-    plan.grid = grid;
+    plan.grid = match (j.persistent, cap) {
+        (true, Some(n)) => (grid.0.min(n), 1, 1),
+        _ => grid,
+    };
 }
 
 /// Overrides a decode plan's choices for benchmarks that compare variants in one run: `waves`
@@ -819,7 +860,7 @@ mod tests {
                     pl.function,
                     format!("flash_fwd_sm90_{}_d256_wg2", dname(dtype))
                 );
-                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_480));
+                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_520));
                 let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
                 assert!(
                     matches!(pl.kernel, Kernel::Sm90(i) if i.d == 256 && i.mods),
@@ -873,6 +914,56 @@ mod tests {
         assert_eq!(pl.pack, [false, true, false]);
         let pl = plan(&p, DType::BF16, &DeviceCaps::SM80).unwrap();
         assert_eq!(pl.pack, [false, false, false]);
+    }
+
+    /// The persistent scheduler: its group of (batch, head) pairs keeps the K and V of the tiles
+    /// in flight within the L2 budget; `variant:n` caps the persistent grid (tests), and the
+    /// 176-key d 128 variant stages O in Q (so it is one block per tile).
+    #[test]
+    fn sm90_persistent_scheduler_and_variants() {
+        let dev = Device::Cpu;
+        let mk = |b: usize, s: usize, h: usize, hk: usize, d: usize| {
+            let q = Tensor::zeros((b, s, h, d), DType::BF16, &dev).unwrap();
+            let k = Tensor::zeros((b, s, hk, d), DType::BF16, &dev).unwrap();
+            FlashAttn::new(0.1).problem(&q, &k, &k, None).unwrap()
+        };
+        // d 128, seq 2048: 1 MiB of K and V per head, 32 heads in 32 MiB (of 8 x 16 pairs).
+        assert_eq!(sm90_tile_group(&mk(8, 2048, 16, 16, 128), 128), 32);
+        // seq 16384: 8 MiB per head, 4 pairs; GQA 4:1 shares each K/V head among 4 query heads.
+        assert_eq!(sm90_tile_group(&mk(1, 16384, 16, 16, 128), 128), 4);
+        assert_eq!(sm90_tile_group(&mk(1, 16384, 16, 4, 128), 128), 16);
+        // Never more than all pairs, never fewer than one (d 64 pads to one 64-column chunk).
+        assert_eq!(sm90_tile_group(&mk(2, 300, 4, 2, 40), 40), 8);
+        assert_eq!(sm90_tile_group(&mk(1, 1 << 20, 2, 2, 128), 128), 1);
+
+        let caps = DeviceCaps::SM90;
+        let p = mk(8, 2048, 16, 16, 128);
+        let base = plan(&p, DType::BF16, &caps).unwrap();
+        let mut o = base.clone();
+        override_sm90(&mut o, &p, &caps, "wg2p");
+        assert_eq!(
+            (o.grid, o.function.as_str()),
+            ((132, 1, 1), "flash_fwd_sm90_bf16_d128_wg2p")
+        );
+        let mut o = base.clone();
+        override_sm90(&mut o, &p, &caps, "wg2p:3");
+        assert_eq!(o.grid, (3, 1, 1));
+        // A cap on a non-persistent variant leaves its grid alone.
+        let mut o = base.clone();
+        override_sm90(&mut o, &p, &caps, "wg2n176:3");
+        assert_eq!(o.function, "flash_fwd_sm90_bf16_d128_wg2n176");
+        assert_eq!((o.grid, o.smem), ((16, 16, 8), 214_136));
+        assert!(matches!(o.kernel, Kernel::Sm90(i) if i.o_in_q() && i.variant() == "wg2n176"));
+        // No 176-key d 64 instance: the plan stays.
+        let p64 = mk(8, 2048, 32, 32, 64);
+        let base = plan(&p64, DType::BF16, &caps).unwrap();
+        let mut o = base.clone();
+        override_sm90(&mut o, &p64, &caps, "wg2n176");
+        assert_eq!(o, base);
+        // Persistent instances never stage O in Q (the next tile's Q would overwrite it).
+        for i in SM90_INSTANCES {
+            assert!(!(i.persistent && i.o_in_q()), "{i:?}");
+        }
     }
 
     /// Few packed rows per K/V head take the split-KV decode kernel, split so that a small batch
