@@ -10,17 +10,20 @@
 #   3. gpu_bench --no-f32 for the default plan, each variant, and (--default-twice) the default
 #      again for the spread, one after the other, then scripts/sdpa_bench.py (PyTorch flash and
 #      cuDNN); a side-by-side table with ratios to cuDNN.
+# --smoke v first runs sanitizer_small_ragged_shapes once through variant v (also the driver's
+# one-time JIT of the modules, which later processes reuse) and stops there if it fails.
 # Logs go to $OUT (logs.tgz and table.md).
-#   bash DIR/fwd-run.sh [--variants "wg2p wg2n176"] [--cap 7] [--default-twice]
+#   bash DIR/fwd-run.sh [--variants "wg2p wg2n176"] [--cap 7] [--default-twice] [--smoke v]
 #                       [--no-tests] [--no-sanitizer] [--no-bench]
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
-VARIANTS=""; CAP=7; TWICE=0; TESTS=1; SAN=1; BENCH=1
+VARIANTS=""; CAP=7; TWICE=0; TESTS=1; SAN=1; BENCH=1; SMOKE=
 while [ $# -gt 0 ]; do
     case "$1" in
         --variants) VARIANTS=$2; shift ;;
         --cap) CAP=$2; shift ;;
         --default-twice) TWICE=1 ;;
+        --smoke) SMOKE=$2; shift ;;
         --no-tests) TESTS=0 ;;
         --no-sanitizer) SAN=0 ;;
         --no-bench) BENCH=0 ;;
@@ -40,6 +43,19 @@ cat "$D/commit" 2>/dev/null | head -3
 # The variable value of a variant: persistent ones (a `p` after the warpgroups) get the grid cap.
 env_of() { case "$1" in wg*p|wg*p*) echo "$1:$CAP" ;; *) echo "$1" ;; esac; }
 status=0
+if [ -n "$SMOKE" ]; then
+    echo "== smoke: sanitizer_small_ragged_shapes through $SMOKE (with the JIT)"
+    t0=$(date +%s)
+    CANDLE_FLASH_SM90_VARIANT=$(env_of $SMOKE) timeout 150 "$D/gpu_tests" --test-threads=1 sanitizer_small \
+        > "$LOG/smoke.log" 2>&1
+    rc=$?
+    echo "-- rc $rc ($(( $(date +%s) - t0 )) s): $(grep -E '^test result' "$LOG/smoke.log")"
+    if [ $rc != 0 ]; then
+        tail -30 "$LOG/smoke.log"
+        tar czf "${OUT:-/tmp}/logs.tgz" -C "$LOG/.." logs
+        exit 1
+    fi
+fi
 if [ $TESTS = 1 ]; then
     echo "== GPU tests: default plan and each variant, in parallel"
     t0=$(date +%s)
