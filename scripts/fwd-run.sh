@@ -7,20 +7,23 @@
 #      tests for the variants;
 #   2. compute-sanitizer memcheck, racecheck and synccheck on the small ragged shapes through
 #      the default plan and each variant (in parallel);
-#   3. gpu_bench --no-f32 for the default plan, each variant, and (--default-twice) the default
-#      again for the spread, one after the other, then scripts/sdpa_bench.py (PyTorch flash and
-#      cuDNN); a side-by-side table with ratios to cuDNN.
+#   3. gpu_bench --no-f32 for the default plan, DIR/gpu_bench_old (an older build placed there
+#      by hand, its own default plan) if present, each of --bench-variants (default: the
+#      variants; `v@n` runs v with CANDLE_FLASH_SM90_L2_KV_MIB=n), and (--default-twice) the
+#      default again for the spread, one after the other, then scripts/sdpa_bench.py (PyTorch
+#      flash and cuDNN); a side-by-side table with ratios to cuDNN.
 # --smoke v first runs sanitizer_small_ragged_shapes once through variant v (also the driver's
 # one-time JIT of the modules, which later processes reuse) and stops there if it fails.
 # Logs go to $OUT (logs.tgz and table.md).
-#   bash DIR/fwd-run.sh [--variants "wg2p wg2n176"] [--cap 7] [--default-twice] [--smoke v]
-#                       [--no-tests] [--no-sanitizer] [--no-bench]
+#   bash DIR/fwd-run.sh [--variants "wg2p wg2n176"] [--bench-variants "wg2p wg2p@32"] [--cap 7]
+#                       [--default-twice] [--smoke v] [--no-tests] [--no-sanitizer] [--no-bench]
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
-VARIANTS=""; CAP=7; TWICE=0; TESTS=1; SAN=1; BENCH=1; SMOKE=
+VARIANTS=""; BVARIANTS="-"; CAP=7; TWICE=0; TESTS=1; SAN=1; BENCH=1; SMOKE=
 while [ $# -gt 0 ]; do
     case "$1" in
         --variants) VARIANTS=$2; shift ;;
+        --bench-variants) BVARIANTS=$2; shift ;;
         --cap) CAP=$2; shift ;;
         --default-twice) TWICE=1 ;;
         --smoke) SMOKE=$2; shift ;;
@@ -94,13 +97,22 @@ if [ $SAN = 1 ]; then
     echo "   ($(( $(date +%s) - t0 )) s)"
 fi
 if [ $BENCH = 1 ]; then
-    echo "== gpu_bench --no-f32: default, then each variant"
-    runs="default $VARIANTS"
+    echo "== gpu_bench --no-f32: default, old, then each variant"
+    [ "$BVARIANTS" = "-" ] && BVARIANTS=$VARIANTS
+    runs="default"
+    [ -x "$D/gpu_bench_old" ] && runs="$runs old"
+    runs="$runs $BVARIANTS"
     [ $TWICE = 1 ] && runs="$runs default2"
     for v in $runs; do
         t0=$(date +%s)
-        case $v in default|default2) val="" ;; *) val=$v ;; esac
-        CANDLE_FLASH_SM90_VARIANT=$val timeout 120 "$D/gpu_bench" --no-f32 2>&1 \
+        bin="$D/gpu_bench"; val=""; mib=""
+        case $v in
+            default|default2) ;;
+            old) bin="$D/gpu_bench_old" ;;
+            *@*) val=${v%@*}; mib=${v#*@} ;;
+            *) val=$v ;;
+        esac
+        CANDLE_FLASH_SM90_VARIANT=$val CANDLE_FLASH_SM90_L2_KV_MIB=$mib timeout 120 "$bin" --no-f32 2>&1 \
             | sed "s/^RESULT candle /RESULT $v /" > "$LOG/bench-$v.log"
         echo "-- $v ($(( $(date +%s) - t0 )) s)"
     done

@@ -17,9 +17,9 @@
 // together and the softmax of t runs while P V completes (O is rescaled after it); between
 // warpgroups (PINGPONG), named barriers hand the GEMM issue slot round-robin so one warpgroup's
 // softmax runs under another's GEMMs. PERSIST instances run one block per SM over all tiles with
-// a dynamic scheduler: the producer thread takes the next tile from a global counter (atomicAdd;
+// a dynamic scheduler: the producer warp takes the next tile from a global counter (atomicAdd;
 // the launch zeroes it per call) and passes its index to the consumers through a two-slot ring
-// in shared memory, so it runs one tile ahead. The global order is longest first: tiles are
+// in shared memory guarded by named barriers, so it runs one tile ahead. The global order is longest first: tiles are
 // grouped by `group` (batch, head) pairs whose K and V fit in L2 together, and within a group the
 // query tiles go from the last (most keys under a causal mask) to the first, across the group's
 // heads. The next tile's Q waits on an empty-Q barrier, so its loads overlap the last GEMMs and
@@ -111,9 +111,13 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 // 8-row groups 1024 bytes apart (SBO), LBO unused. MN-major V: LBO = distance between 64-column
 // chunks, SBO = 1024 (8 keys).
 // Named barriers (0 is __syncthreads): EPI_BAR + w, warpgroup w's epilogue (128 threads);
-// PP_BAR + w, the ping-pong turn of warpgroup w (256 threads). The ranges must not overlap: a
-// barrier used with two thread counts is an illegal instruction.
+// TILE_FULL_BAR + s and TILE_EMPTY_BAR + s, slot s of the persistent scheduler's tile ring (the
+// producer warp and every consumer thread); PP_BAR + w, the ping-pong turn of warpgroup w (256
+// threads). The ranges must not overlap: a barrier used with two thread counts is an illegal
+// instruction.
 constexpr int EPI_BAR = 1;
+constexpr int TILE_FULL_BAR = 4;
+constexpr int TILE_EMPTY_BAR = 6;
 constexpr int PP_BAR = 8;
 
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
@@ -173,11 +177,13 @@ struct Traits {
     // persistent.
     static constexpr bool O_IN_Q = D > 128 || BN > 128;
     static constexpr int O_BYTES = O_IN_Q ? 0 : BM * D * 2;
-    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q, then the
-    // persistent scheduler's tile ring: full and empty barriers of its TILE_SLOTS slots and the
-    // slots themselves (one int each, 8 bytes kept for two).
+    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q; then the two
+    // slots of the persistent scheduler's tile ring (one int each; their named barriers are
+    // TILE_FULL_BAR and TILE_EMPTY_BAR).
     static constexpr int TILE_SLOTS = 2;
-    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES + 2 * TILE_SLOTS) + 4 * TILE_SLOTS;
+    static_assert(TILE_FULL_BAR + TILE_SLOTS <= TILE_EMPTY_BAR, "named barrier ranges");
+    static_assert(TILE_EMPTY_BAR + TILE_SLOTS <= PP_BAR, "named barrier ranges");
+    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES) + 4 * TILE_SLOTS;
     // 1024 of slack to align the base to a swizzle atom.
     static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + BAR_BYTES;
     // setmaxnreg budgets (a multiple of 8; producer + NWG consumers within 512 per thread slot).
@@ -214,9 +220,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     auto bar_ev = [&](int s) { return saddr(bars + 1 + 3 * STAGES + s); };
     const uint32_t bar_qe = saddr(bars + 1 + 4 * STAGES);
     constexpr int SLOTS = Tr::TILE_SLOTS;
-    auto bar_tf = [&](int s) { return saddr(bars + 2 + 4 * STAGES + s); };
-    auto bar_te = [&](int s) { return saddr(bars + 2 + 4 * STAGES + SLOTS + s); };
-    volatile int* tile_slot = reinterpret_cast<volatile int*>(bars + 2 + 4 * STAGES + 2 * SLOTS);
+    // The tile ring's named barriers count the producer warp and every consumer thread.
+    constexpr int SCHED_THREADS = 32 + 128 * NWG;
+    volatile int* tile_slot = reinterpret_cast<volatile int*>(bars + 2 + 4 * STAGES);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     // PERSIST: tile i of q_tiles x heads x batch, in the scheduler's order: groups of `group`
@@ -255,73 +261,83 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             mbar_init(bar_ek(s), 4 * NWG);
             mbar_init(bar_ev(s), 4 * NWG);
         }
-        for (int s = 0; s < SLOTS; ++s) {
-            mbar_init(bar_tf(s), 1);
-            mbar_init(bar_te(s), 4 * NWG);  // lane 0 of every consumer warp
-        }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
     __syncthreads();
 
     if (warp < 4) {
-        // ---- producer warpgroup: one thread issues every copy ----
+        // ---- producer warpgroup: warp 0 runs the tile loop, its lane 0 issues every copy ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::PRODUCER_REGS));
-        if (tid == 0) {
-            prefetch_map(tq);
-            prefetch_map(tk);
-            prefetch_map(tv);
+        if (warp == 0) {
+            if (lane == 0) {
+                prefetch_map(tq);
+                prefetch_map(tk);
+                prefetch_map(tv);
+            }
+            // The next tile of the scheduler: the first of block c is tile c, the counter (zero
+            // at launch) hands out the rest from gridDim.x on. Warp-uniform.
+            auto next_tile = [&]() {
+                int t = 0;
+                if (lane == 0) t = atomicAdd(tile_counter, 1);
+                return __shfl_sync(0xffffffff, t, 0) + (int)gridDim.x;
+            };
             int kv_it = 0, n_tile = 0;
-            // The first tile of block c is tile c (the counter starts at 0 and hands out tiles
-            // from gridDim.x on).
             int tile = PERSIST ? (int)blockIdx.x : 0;
             for (;;) {
                 int h, b;
                 BlockGeom g;
                 if constexpr (PERSIST) {
-                    while (tile < total && !tile_geom(tile, h, b, g))
-                        tile = atomicAdd(tile_counter, 1) + (int)gridDim.x;
+                    while (tile < total && !tile_geom(tile, h, b, g)) tile = next_tile();
                     // Publish the tile (or -1: no more) in slot n_tile % SLOTS once the
                     // consumers have read what it held before.
                     const int s = n_tile % SLOTS;
-                    if (n_tile >= SLOTS) mbar_wait(bar_te(s), (uint32_t)(((n_tile / SLOTS) & 1) ^ 1));
-                    tile_slot[s] = tile < total ? tile : -1;
-                    mbar_arrive(bar_tf(s));
-                    if (tile >= total) break;
+                    if (n_tile >= SLOTS) named_sync(TILE_EMPTY_BAR + s, SCHED_THREADS);
+                    if (lane == 0) tile_slot[s] = tile < total ? tile : -1;
+                    named_arrive(TILE_FULL_BAR + s, SCHED_THREADS);
+                    if (tile >= total) {
+                        // The consumers' release of the last tile's slot (they release none
+                        // after -1), so every arrival is matched.
+                        if (n_tile >= 1) named_sync(TILE_EMPTY_BAR + (n_tile - 1) % SLOTS, SCHED_THREADS);
+                        break;
+                    }
                 } else {
                     if (n_tile > 0 || !tile_geom(tile, h, b, g)) break;
                 }
-                const int kvh = h / p.kv_group;
-                const int t_begin = g.n_lo / BN;
-                const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
-                const int qb = (p.cu_q || p.q_uniform) ? 0 : b;
-                const int kb = p.cu_k ? 0 : b;
-                const int q_row = (int)(g.q_row0 + g.m0);
-                // The consumers are done with the previous tile's Q.
-                if (n_tile > 0) mbar_wait(bar_qe, (uint32_t)((n_tile - 1) & 1));
-                mbar_expect_tx(bar_q, Tr::Q_BYTES);
-#pragma unroll
-                for (int c = 0; c < CH; ++c)
-                    tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
-                for (int t = t_begin; t < t_end; ++t) {
-                    const int it = kv_it++, s = it % STAGES;
-                    const uint32_t ph = (uint32_t)((it / STAGES) & 1);
-                    const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
-                    if (it >= STAGES) mbar_wait(bar_ek(s), ph ^ 1);
-                    mbar_expect_tx(bar_fk(s), Tr::KV_BYTES);
+                if (lane == 0) {
+                    const int kvh = h / p.kv_group;
+                    const int t_begin = g.n_lo / BN;
+                    const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
+                    const int qb = (p.cu_q || p.q_uniform) ? 0 : b;
+                    const int kb = p.cu_k ? 0 : b;
+                    const int q_row = (int)(g.q_row0 + g.m0);
+                    // The consumers are done with the previous tile's Q.
+                    if (n_tile > 0) mbar_wait(bar_qe, (uint32_t)((n_tile - 1) & 1));
+                    mbar_expect_tx(bar_q, Tr::Q_BYTES);
 #pragma unroll
                     for (int c = 0; c < CH; ++c)
-                        tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s), c * 64,
-                                    kvh, k_row, kb);
-                    if (it >= STAGES) mbar_wait(bar_ev(s), ph ^ 1);
-                    mbar_expect_tx(bar_fv(s), Tr::KV_BYTES);
+                        tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
+                    for (int t = t_begin; t < t_end; ++t) {
+                        const int it = kv_it++, s = it % STAGES;
+                        const uint32_t ph = (uint32_t)((it / STAGES) & 1);
+                        const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
+                        if (it >= STAGES) mbar_wait(bar_ek(s), ph ^ 1);
+                        mbar_expect_tx(bar_fk(s), Tr::KV_BYTES);
 #pragma unroll
-                    for (int c = 0; c < CH; ++c)
-                        tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, bar_fv(s), c * 64,
-                                    kvh, k_row, kb);
+                        for (int c = 0; c < CH; ++c)
+                            tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s),
+                                        c * 64, kvh, k_row, kb);
+                        if (it >= STAGES) mbar_wait(bar_ev(s), ph ^ 1);
+                        mbar_expect_tx(bar_fv(s), Tr::KV_BYTES);
+#pragma unroll
+                        for (int c = 0; c < CH; ++c)
+                            tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, bar_fv(s),
+                                        c * 64, kvh, k_row, kb);
+                    }
                 }
+                __syncwarp();
                 ++n_tile;
-                if constexpr (PERSIST) tile = atomicAdd(tile_counter, 1) + (int)gridDim.x;
+                if constexpr (PERSIST) tile = next_tile();
             }
         }
         return;
@@ -345,14 +361,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     int tile = 0, h, b;
     BlockGeom g;
     if constexpr (PERSIST) {
-        // The producer's next tile (-1: none left). Every lane reads the slot before lane 0
-        // frees it.
+        // The producer's next tile (-1: none left); the slot is released for the tile after
+        // next once read.
         const int s = n_tile % SLOTS;
-        mbar_wait(bar_tf(s), (uint32_t)((n_tile / SLOTS) & 1));
+        named_sync(TILE_FULL_BAR + s, SCHED_THREADS);
         tile = tile_slot[s];
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_te(s));
         if (tile < 0) break;
+        named_arrive(TILE_EMPTY_BAR + s, SCHED_THREADS);
         tile_geom(tile, h, b, g);
     } else {
         if (n_tile > 0 || !tile_geom(tile, h, b, g)) break;

@@ -20,7 +20,7 @@ use half::{bf16, f16};
 use super::params::Params;
 use super::plan::{
     override_decode, override_sm90, plan, sm90_tile_group, DeviceCaps, Kernel, Module, MAX_SEQ,
-    STATIC_SMEM_RESERVE,
+    SM90_L2_KV_BYTES, STATIC_SMEM_RESERVE,
 };
 use crate::problem::{Paged, Problem, Strides};
 use crate::semantics::LOG2_E;
@@ -170,6 +170,19 @@ fn sm90_variant_override() -> Option<&'static str> {
     VARIANT
         .get_or_init(|| std::env::var("CANDLE_FLASH_SM90_VARIANT").ok())
         .as_deref()
+}
+
+/// `CANDLE_FLASH_SM90_L2_KV_MIB=n` (read once): the persistent scheduler groups (batch, head)
+/// pairs whose K and V fill n MiB of L2 instead of [`SM90_L2_KV_BYTES`]. For benchmarks; unset
+/// in normal use.
+fn sm90_l2_kv_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        std::env::var("CANDLE_FLASH_SM90_L2_KV_MIB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or(SM90_L2_KV_BYTES, |mib| mib << 20)
+    })
 }
 
 /// Window sides for the kernels: -1 unbounded, otherwise clamped so `int` arithmetic on
@@ -495,7 +508,7 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             false => None,
         };
         let counter_guard = counter.as_ref().map(|c| c.device_ptr(&stream));
-        let group = sm90_tile_group(p, plan.d_load) as i32;
+        let group = sm90_tile_group(p, plan.d_load, sm90_l2_kv_bytes()) as i32;
         let args = Sm90Args(
             params,
             maps,

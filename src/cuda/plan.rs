@@ -155,7 +155,7 @@ impl Sm90Instance {
         let tile = self.rows() * self.d * 2;
         1024 + if self.o_in_q() { tile } else { 2 * tile }
             + 2 * self.stages * self.bn * self.d * 2
-            + 8 * (2 + 4 * self.stages + 4)
+            + 8 * (2 + 4 * self.stages)
             + 8
     }
 }
@@ -164,7 +164,7 @@ impl Sm90Instance {
 /// others are variants for `CANDLE_FLASH_SM90_VARIANT`. d 64: three consumer warpgroups (192 rows)
 /// or two, persistent (softcap / ALiBi: two, not persistent: their registers spilled otherwise);
 /// d 128: two warpgroups (128 rows), as FlashAttention-3 starts from; d 256: two warpgroups
-/// and 80-key tiles in two stages (FlashAttention-3's shape; 230,520 bytes, O staged in Q).
+/// and 80-key tiles in two stages (FlashAttention-3's shape; 230,488 bytes, O staged in Q).
 pub(crate) const SM90_INSTANCES: [Sm90Instance; 9] = [
     Sm90Instance {
         d: 64,
@@ -340,11 +340,11 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
                     .find(|i| i.d >= d_load && i.mods == mods && fits(i.smem()))
             })
             .flatten();
-        // The table is ordered by width, the fastest tiles of a width first: the first wide
-        // enough instance that fits is the narrowest width with the biggest tiles the device
-        // can hold.
+        // The table is ordered by width, each width's default first: the first wide enough
+        // instance that fits is the narrowest width with the biggest tiles the device can hold;
+        // sm90_variant_for then swaps in the variant measured faster for the problem's shape.
         match sm90 {
-            Some(&i) => Some(Kernel::Sm90(i)),
+            Some(&i) => Some(Kernel::Sm90(sm90_variant_for(p, i, &fits))),
             None => MMA_INSTANCES
                 .iter()
                 .find(|i| i.d >= d_load && fits(i.smem()))
@@ -553,17 +553,48 @@ fn sm90_persistent_grid(
     Ok((tiles.clamp(1, caps.sms as usize) as u32, 1, 1))
 }
 
+/// The sm_90a variant that runs `p` fastest among the instances of `i`'s width and kind (`i`,
+/// the width's default, unless a rule below says otherwise), as measured on an H100 against the
+/// defaults (BENCHMARKS.md, 2026-11-22 ~10:30 UTC, bf16 and f16, seq 512 / 2048 / 8192 / 16384):
+/// - causal-shaped masks (keys bounded on the right only: the tiles' key counts fall with the
+///   query tile), d 128, seq_q >= 2048: the persistent longest-first scheduler (`wg2p`);
+///   d 64, 512 < seq_q <= 2048: `wg2p` too (128-row tiles; from 8192 on the 192-row default
+///   wins; seq <= 512 stays portable, above);
+/// - no mask, d 128, seq_k >= 8192: FlashAttention-3's 176-key tiles (`wg2n176`; they lose at
+///   512 and 2048).
+///
+/// Everything else (ALiBi / softcap, windows, other lengths) keeps the default.
+fn sm90_variant_for(p: &Problem, i: Sm90Instance, fits: &dyn Fn(usize) -> bool) -> Sm90Instance {
+    let (left, right) = p.window.as_i64();
+    let causal = left < 0 && right >= 0;
+    let unmasked = left < 0 && right < 0;
+    let want = match i.d {
+        _ if i.mods => return i,
+        64 if causal && p.max_seq_q > 512 && p.max_seq_q <= 2048 => "wg2p",
+        128 if causal && p.max_seq_q >= 2048 => "wg2p",
+        128 if unmasked && p.max_seq_k >= 8192 => "wg2n176",
+        _ => return i,
+    };
+    SM90_INSTANCES
+        .iter()
+        .find(|j| (j.d, j.mods) == (i.d, i.mods) && j.variant() == want && fits(j.smem()))
+        .copied()
+        .unwrap_or(i)
+}
+
 /// Bytes of K and V the persistent scheduler lets the tiles in flight share in L2 (H100 and H200
-/// hold 50 MB; FlashAttention-3's scheduler assumes 32 MiB as well).
-pub(crate) const SM90_L2_KV_BYTES: usize = 32 << 20;
+/// hold 50 MB). Measured on an H100 (BENCHMARKS.md, 2026-11-22): with FlashAttention-3's 32 MiB
+/// the persistent d 128 kernel ran 0.92x the one-block-per-tile default without a mask at seq
+/// 2048 (32 heads' K/V hot); 8 MiB keeps about one wave of tiles' worth.
+pub(crate) const SM90_L2_KV_BYTES: usize = 8 << 20;
 
 /// The persistent scheduler's group: how many (batch, head) pairs (heads fastest) take their
 /// query tiles together, longest first, before the next pairs start. As many as the K and V of
-/// their key/value heads fit in [`SM90_L2_KV_BYTES`] (consecutive query heads of a GQA group
-/// share one), at least one, at most all.
-pub(crate) fn sm90_tile_group(p: &Problem, d_load: usize) -> usize {
+/// their key/value heads fit in `l2_bytes` (normally [`SM90_L2_KV_BYTES`]; consecutive query
+/// heads of a GQA group share one), at least one, at most all.
+pub(crate) fn sm90_tile_group(p: &Problem, d_load: usize, l2_bytes: usize) -> usize {
     let kv_bytes = 2 * p.max_seq_k.max(1) * d_load.next_multiple_of(64) * 2;
-    let group = (SM90_L2_KV_BYTES / kv_bytes).max(1) * (p.heads / p.kv_heads.max(1)).max(1);
+    let group = (l2_bytes / kv_bytes).max(1) * (p.heads / p.kv_heads.max(1)).max(1);
     group.clamp(1, (p.heads * p.batch).max(1))
 }
 
@@ -860,7 +891,7 @@ mod tests {
                     pl.function,
                     format!("flash_fwd_sm90_{}_d256_wg2", dname(dtype))
                 );
-                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_520));
+                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_488));
                 let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
                 assert!(
                     matches!(pl.kernel, Kernel::Sm90(i) if i.d == 256 && i.mods),
@@ -916,6 +947,59 @@ mod tests {
         assert_eq!(pl.pack, [false, false, false]);
     }
 
+    /// The sm_90a defaults follow the H100 measurements (see `sm90_variant_for`): the persistent
+    /// scheduler for long causal calls (d 128 from seq 2048, d 64 up to 2048), 176-key tiles for
+    /// long unmasked d 128 calls, the one-block-per-tile defaults elsewhere.
+    #[test]
+    fn sm90_defaults_follow_the_measurements() {
+        let dev = Device::Cpu;
+        // The benchmark's shapes: hidden 2048, 16k tokens per batch.
+        let pick = |dtype, d: usize, s: usize, opts: &FlashAttn, caps: &DeviceCaps| {
+            let q = Tensor::zeros((16384 / s, s, 2048 / d, d), dtype, &dev).unwrap();
+            plan(&opts.problem(&q, &q, &q, None).unwrap(), dtype, caps).unwrap()
+        };
+        let plain = FlashAttn::new(0.1);
+        let causal = FlashAttn::new(0.1).causal();
+        for dtype in [DType::BF16, DType::F16] {
+            let dn = if dtype == DType::BF16 { "bf16" } else { "f16" };
+            let f = |d, s, opts: &FlashAttn| pick(dtype, d, s, opts, &DeviceCaps::SM90).function;
+            let name = |v: &str| format!("flash_fwd_sm90_{dn}_{v}");
+            for (d, s, opts, v) in [
+                (128, 512, &causal, "d128_wg2"),
+                (128, 2048, &causal, "d128_wg2p"),
+                (128, 16384, &causal, "d128_wg2p"),
+                (128, 512, &plain, "d128_wg2"),
+                (128, 2048, &plain, "d128_wg2"),
+                (128, 8192, &plain, "d128_wg2n176"),
+                (128, 16384, &plain, "d128_wg2n176"),
+                (64, 2048, &causal, "d64_wg2p"),
+                (64, 8192, &causal, "d64_wg3"),
+                (64, 2048, &plain, "d64_wg3"),
+                (64, 16384, &plain, "d64_wg3"),
+            ] {
+                assert_eq!(f(d, s, opts), name(v), "d {d} seq {s} {opts:?}");
+            }
+            // The persistent default: one block per SM; 176-key tiles: one block per tile.
+            let pl = pick(dtype, 128, 2048, &causal, &DeviceCaps::SM90);
+            assert_eq!((pl.grid, pl.smem), ((132, 1, 1), 197_720));
+            let pl = pick(dtype, 128, 8192, &plain, &DeviceCaps::SM90);
+            assert_eq!((pl.grid, pl.smem), ((64, 16, 2), 214_104));
+            // d 64 causal at seq 512 stays portable; softcap, windows keep the defaults.
+            assert!(matches!(
+                pick(dtype, 64, 512, &causal, &DeviceCaps::SM90).kernel,
+                Kernel::Mma(_)
+            ));
+            let capped = FlashAttn::new(0.1).causal().softcap(5.0);
+            assert_eq!(f(128, 2048, &capped), name("d128_wg2_mods"));
+            let window = FlashAttn::new(0.1).window(Some(256), Some(0));
+            assert_eq!(f(128, 2048, &window), name("d128_wg2"));
+            assert_eq!(f(128, 8192, &window), name("d128_wg2"));
+            // The portable path is untouched.
+            let pl = pick(dtype, 128, 2048, &causal, &DeviceCaps::SM90.portable());
+            assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+        }
+    }
+
     /// The persistent scheduler: its group of (batch, head) pairs keeps the K and V of the tiles
     /// in flight within the L2 budget; `variant:n` caps the persistent grid (tests), and the
     /// 176-key d 128 variant stages O in Q (so it is one block per tile).
@@ -927,18 +1011,26 @@ mod tests {
             let k = Tensor::zeros((b, s, hk, d), DType::BF16, &dev).unwrap();
             FlashAttn::new(0.1).problem(&q, &k, &k, None).unwrap()
         };
-        // d 128, seq 2048: 1 MiB of K and V per head, 32 heads in 32 MiB (of 8 x 16 pairs).
-        assert_eq!(sm90_tile_group(&mk(8, 2048, 16, 16, 128), 128), 32);
-        // seq 16384: 8 MiB per head, 4 pairs; GQA 4:1 shares each K/V head among 4 query heads.
-        assert_eq!(sm90_tile_group(&mk(1, 16384, 16, 16, 128), 128), 4);
-        assert_eq!(sm90_tile_group(&mk(1, 16384, 16, 4, 128), 128), 16);
-        // Never more than all pairs, never fewer than one (d 64 pads to one 64-column chunk).
-        assert_eq!(sm90_tile_group(&mk(2, 300, 4, 2, 40), 40), 8);
-        assert_eq!(sm90_tile_group(&mk(1, 1 << 20, 2, 2, 128), 128), 1);
+        let group = |p: &Problem, d| sm90_tile_group(p, d, SM90_L2_KV_BYTES);
+        // d 128, seq 2048: 1 MiB of K and V per head, 8 heads in 8 MiB (of 8 x 16 pairs): 128
+        // query tiles, about one wave of the H100's 132 SMs. 32 MiB: 32 heads.
+        assert_eq!(group(&mk(8, 2048, 16, 16, 128), 128), 8);
+        assert_eq!(
+            sm90_tile_group(&mk(8, 2048, 16, 16, 128), 128, 32 << 20),
+            32
+        );
+        // seq 8192: 4 MiB per head, 2 pairs; GQA 4:1 shares each K/V head among 4 query heads.
+        assert_eq!(group(&mk(2, 8192, 16, 16, 128), 128), 2);
+        assert_eq!(group(&mk(2, 8192, 16, 4, 128), 128), 8);
+        // Never more than all pairs, never fewer than one (d 40 pads to one 64-column chunk).
+        assert_eq!(group(&mk(2, 300, 4, 2, 40), 40), 8);
+        assert_eq!(group(&mk(1, 16384, 16, 16, 128), 128), 1);
+        assert_eq!(group(&mk(1, 1 << 20, 2, 2, 128), 128), 1);
 
         let caps = DeviceCaps::SM90;
         let p = mk(8, 2048, 16, 16, 128);
         let base = plan(&p, DType::BF16, &caps).unwrap();
+        assert_eq!(base.function, "flash_fwd_sm90_bf16_d128_wg2");
         let mut o = base.clone();
         override_sm90(&mut o, &p, &caps, "wg2p");
         assert_eq!(
@@ -952,7 +1044,7 @@ mod tests {
         let mut o = base.clone();
         override_sm90(&mut o, &p, &caps, "wg2n176:3");
         assert_eq!(o.function, "flash_fwd_sm90_bf16_d128_wg2n176");
-        assert_eq!((o.grid, o.smem), ((16, 16, 8), 214_136));
+        assert_eq!((o.grid, o.smem), ((16, 16, 8), 214_104));
         assert!(matches!(o.kernel, Kernel::Sm90(i) if i.o_in_q() && i.variant() == "wg2n176"));
         // No 176-key d 64 instance: the plan stays.
         let p64 = mk(8, 2048, 32, 32, 64);
