@@ -555,15 +555,17 @@ fn sm90_persistent_grid(
 
 /// The sm_90a variant that runs `p` fastest among the instances of `i`'s width and kind (`i`,
 /// the width's default, unless a rule below says otherwise), as measured on an H100 against the
-/// defaults (BENCHMARKS.md, 2026-11-22 ~10:30 UTC, bf16 and f16, seq 512 / 2048 / 8192 / 16384):
-/// - causal-shaped masks (keys bounded on the right only: the tiles' key counts fall with the
-///   query tile), d 128, seq_q >= 2048: the persistent longest-first scheduler (`wg2p`);
-///   d 64, 512 < seq_q <= 2048: `wg2p` too (128-row tiles; from 8192 on the 192-row default
-///   wins; seq <= 512 stays portable, above);
-/// - no mask, d 128, seq_k >= 8192: FlashAttention-3's 176-key tiles (`wg2n176`; they lose at
-///   512 and 2048).
+/// one-block-per-tile defaults (BENCHMARKS.md, 2026-11-22 ~10:40 UTC, bf16 and f16, hidden
+/// 2048, seq 512 / 2048 / 8192 / 16384):
+/// - d 128, causal-shaped masks (keys bounded on the right only: the tiles' key counts fall
+///   with the query tile): the persistent longest-first scheduler (`wg2p`), 1.00x to 1.09x;
+/// - d 128, no mask: `wg2p` below 8192 keys (1.02x to 1.07x at 512 and 2048), FlashAttention-3's
+///   176-key tiles (`wg2n176`) from 8192 on (0.99x to 1.05x; they lose at 512 and 2048);
+/// - d 64, causal-shaped, 512 < seq_q <= 2048: `wg2p` (128-row tiles, 1.05x at 2048; from 8192
+///   on the 192-row default wins; seq <= 512 stays portable, above).
 ///
-/// Everything else (ALiBi / softcap, windows, other lengths) keeps the default.
+/// Everything else (ALiBi / softcap, windows, d 64 without a mask) keeps the default. Shorter
+/// calls than 512 were not timed; they follow the rules of 512.
 fn sm90_variant_for(p: &Problem, i: Sm90Instance, fits: &dyn Fn(usize) -> bool) -> Sm90Instance {
     let (left, right) = p.window.as_i64();
     let causal = left < 0 && right >= 0;
@@ -571,8 +573,8 @@ fn sm90_variant_for(p: &Problem, i: Sm90Instance, fits: &dyn Fn(usize) -> bool) 
     let want = match i.d {
         _ if i.mods => return i,
         64 if causal && p.max_seq_q > 512 && p.max_seq_q <= 2048 => "wg2p",
-        128 if causal && p.max_seq_q >= 2048 => "wg2p",
         128 if unmasked && p.max_seq_k >= 8192 => "wg2n176",
+        128 if causal || unmasked => "wg2p",
         _ => return i,
     };
     SM90_INSTANCES
@@ -585,7 +587,8 @@ fn sm90_variant_for(p: &Problem, i: Sm90Instance, fits: &dyn Fn(usize) -> bool) 
 /// Bytes of K and V the persistent scheduler lets the tiles in flight share in L2 (H100 and H200
 /// hold 50 MB). Measured on an H100 (BENCHMARKS.md, 2026-11-22): with FlashAttention-3's 32 MiB
 /// the persistent d 128 kernel ran 0.92x the one-block-per-tile default without a mask at seq
-/// 2048 (32 heads' K/V hot); 8 MiB keeps about one wave of tiles' worth.
+/// 2048 (32 heads' K/V hot); 8 MiB keeps about one wave of tiles' worth, and ran faster than
+/// 2 MiB and 32 MiB at d 128 in the same command.
 pub(crate) const SM90_L2_KV_BYTES: usize = 8 << 20;
 
 /// The persistent scheduler's group: how many (batch, head) pairs (heads fastest) take their
@@ -860,9 +863,13 @@ mod tests {
                     "{pl:?}"
                 );
                 assert_eq!(pl.module, Module::Sm90);
-                // The defaults are one block per tile (2 batches x 4 heads here).
+                // d 64: one block per tile (2 batches x 4 heads here); d 128: persistent, one
+                // block per tile too at this size (3 x 4 x 2 tiles, fewer than the SMs).
                 let q_tiles = 300usize.div_ceil(pl_rows(&pl)) as u32;
-                assert_eq!(pl.grid, (q_tiles, 4, 2));
+                match tile {
+                    64 => assert_eq!(pl.grid, (q_tiles, 4, 2)),
+                    _ => assert_eq!(pl.grid, (q_tiles * 8, 1, 1)),
+                }
                 let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
                 assert!(matches!(pl.kernel, Kernel::Sm90(i) if i.mods), "{pl:?}");
                 assert!(pl.function.ends_with("_mods"), "{pl:?}");
@@ -948,8 +955,9 @@ mod tests {
     }
 
     /// The sm_90a defaults follow the H100 measurements (see `sm90_variant_for`): the persistent
-    /// scheduler for long causal calls (d 128 from seq 2048, d 64 up to 2048), 176-key tiles for
-    /// long unmasked d 128 calls, the one-block-per-tile defaults elsewhere.
+    /// scheduler for d 128 causal calls and unmasked ones below 8192 keys, 176-key tiles for
+    /// longer unmasked d 128 calls, the persistent scheduler for d 64 causal calls up to 2048,
+    /// the one-block-per-tile defaults elsewhere.
     #[test]
     fn sm90_defaults_follow_the_measurements() {
         let dev = Device::Cpu;
@@ -965,11 +973,11 @@ mod tests {
             let f = |d, s, opts: &FlashAttn| pick(dtype, d, s, opts, &DeviceCaps::SM90).function;
             let name = |v: &str| format!("flash_fwd_sm90_{dn}_{v}");
             for (d, s, opts, v) in [
-                (128, 512, &causal, "d128_wg2"),
+                (128, 512, &causal, "d128_wg2p"),
                 (128, 2048, &causal, "d128_wg2p"),
                 (128, 16384, &causal, "d128_wg2p"),
-                (128, 512, &plain, "d128_wg2"),
-                (128, 2048, &plain, "d128_wg2"),
+                (128, 512, &plain, "d128_wg2p"),
+                (128, 2048, &plain, "d128_wg2p"),
                 (128, 8192, &plain, "d128_wg2n176"),
                 (128, 16384, &plain, "d128_wg2n176"),
                 (64, 2048, &causal, "d64_wg2p"),
@@ -994,6 +1002,7 @@ mod tests {
             let window = FlashAttn::new(0.1).window(Some(256), Some(0));
             assert_eq!(f(128, 2048, &window), name("d128_wg2"));
             assert_eq!(f(128, 8192, &window), name("d128_wg2"));
+            assert_eq!(f(64, 2048, &window), name("d64_wg3"));
             // The portable path is untouched.
             let pl = pick(dtype, 128, 2048, &causal, &DeviceCaps::SM90.portable());
             assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
@@ -1030,7 +1039,10 @@ mod tests {
         let caps = DeviceCaps::SM90;
         let p = mk(8, 2048, 16, 16, 128);
         let base = plan(&p, DType::BF16, &caps).unwrap();
-        assert_eq!(base.function, "flash_fwd_sm90_bf16_d128_wg2");
+        assert_eq!(base.function, "flash_fwd_sm90_bf16_d128_wg2p");
+        let mut o = base.clone();
+        override_sm90(&mut o, &p, &caps, "wg2");
+        assert_eq!((o.grid, o.smem), ((16, 16, 8), 197_720));
         let mut o = base.clone();
         override_sm90(&mut o, &p, &caps, "wg2p");
         assert_eq!(
