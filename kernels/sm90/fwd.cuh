@@ -267,10 +267,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     __syncthreads();
 
     if (warp < 4) {
-        // ---- producer warpgroup: warp 0 runs the tile loop, its lane 0 issues every copy ----
+        // ---- producer warpgroup: one thread issues every copy; persistent instances run the
+        // tile loop in all of warp 0 (the tile ring's named barriers count whole warps) ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::PRODUCER_REGS));
-        if (warp == 0) {
-            if (lane == 0) {
+        const bool issuer = PERSIST ? lane == 0 : true;
+        if (PERSIST ? warp == 0 : tid == 0) {
+            if (issuer) {
                 prefetch_map(tq);
                 prefetch_map(tk);
                 prefetch_map(tv);
@@ -304,7 +306,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                 } else {
                     if (n_tile > 0 || !tile_geom(tile, h, b, g)) break;
                 }
-                if (lane == 0) {
+                if (issuer) {
                     const int kvh = h / p.kv_group;
                     const int t_begin = g.n_lo / BN;
                     const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
@@ -335,7 +337,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                                         c * 64, kvh, k_row, kb);
                     }
                 }
-                __syncwarp();
+                if constexpr (PERSIST) __syncwarp();
                 ++n_tile;
                 if constexpr (PERSIST) tile = next_tile();
             }
