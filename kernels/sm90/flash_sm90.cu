@@ -6,11 +6,11 @@
 
 // (name, T, D, consumer warpgroups, BN, stages, ping-pong, persistent, softcap/ALiBi). The `p`
 // instances are persistent (one block per SM taking tiles from the dynamic, longest-first
-// scheduler of sm90/fwd.cuh); the three-warpgroup d 64 and the
-// `_mods` instances are not (persistent, their registers spilled), nor is d 256 (its output is
-// staged in Q's buffer, Traits::O_IN_Q), whose 80-key tiles in two stages follow
-// FlashAttention-3's d 256 shape. `wg2n176`: FlashAttention-3's non-causal d 128 tile, 128 x 176
-// keys (O staged in Q's buffer too, so one block per tile).
+// scheduler of sm90/fwd.cuh); the three-warpgroup d 64 and the `_mods` instances are not
+// (persistent, their registers spilled), nor is d 256 (its output is staged in Q's buffer,
+// Traits::O_IN_Q), whose 80-key tiles in two stages follow FlashAttention-3's d 256 shape.
+// `wg2n176`: FlashAttention-3's unmasked d 128 tile, 128 x 176 keys (O staged in Q's buffer
+// too, so one block per tile).
 #define SM90_TABLE(T, TN)                                                                      \
     FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg3, T, 64, 3, 128, 2, true, false, false)   \
     FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg2p, T, 64, 2, 128, 2, true, true, false)   \

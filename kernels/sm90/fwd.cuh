@@ -19,14 +19,15 @@
 // softmax runs under another's GEMMs. PERSIST instances run one block per SM over all tiles with
 // a dynamic scheduler: the producer warp takes the next tile from a global counter (atomicAdd;
 // the launch zeroes it per call) and passes its index to the consumers through a two-slot ring
-// in shared memory guarded by named barriers, so it runs one tile ahead. The global order is longest first: tiles are
-// grouped by `group` (batch, head) pairs whose K and V fit in L2 together, and within a group the
-// query tiles go from the last (most keys under a causal mask) to the first, across the group's
-// heads. The next tile's Q waits on an empty-Q barrier, so its loads overlap the last GEMMs and
-// the epilogue. The default instances are one block per tile. The output is staged per warpgroup in
-// shared memory for 16-byte stores (d 256: in the warpgroup's own rows of Q); lse as in the
-// sm_80 kernel. d 256 takes FlashAttention-3's shape: 80-key tiles (S = Q K^T as m64n80k16),
-// O += P V as m64n256k16 into 128 f32 registers a thread.
+// in shared memory guarded by named barriers, so it runs one tile ahead. The global order is
+// longest first: tiles are grouped by `group` (batch, head) pairs whose K and V fit in L2
+// together, and within a group the query tiles go from the last (most keys under a causal mask)
+// to the first, across the group's heads. The next tile's Q waits on an empty-Q barrier, so its
+// loads overlap the last GEMMs and the epilogue. The other instances are one block per tile, and
+// one producer thread. The output is staged per warpgroup in shared memory for 16-byte stores
+// (d 256 and 176-key tiles: in the warpgroup's own rows of Q); lse as in the sm_80 kernel. d 256
+// takes FlashAttention-3's shape: 80-key tiles (S = Q K^T as m64n80k16), O += P V as m64n256k16
+// into 128 f32 registers a thread.
 #pragma once
 #include "common/mask.cuh"
 #include "common/math.cuh"
