@@ -7,9 +7,9 @@ w("// shared memory MN-major (trans-b = 1). scale_d = 0 overwrites the accumulat
 w("#pragma once")
 w("#include <stdint.h>")
 w("namespace sm90 {")
-# N of the S = Q K^T tiles (ss: the key tile, 80 for d 256) and of the O += P V tiles (rs: the
-# head dim).
-SS_N = (64, 80, 128)
+# N of the S = Q K^T tiles (ss: the key tile, 80 for d 256, 176 for d 128 non-causal) and of
+# the O += P V tiles (rs: the head dim).
+SS_N = (64, 80, 128, 176)
 RS_N = (64, 128, 256)
 for ty, pt in (("bf16", "bf16"), ("f16", "f16")):
     for n in sorted(set(SS_N) | set(RS_N)):

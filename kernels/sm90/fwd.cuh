@@ -16,12 +16,18 @@
 // Overlap (FlashAttention-3): within a warpgroup, S of tile t and P V of tile t - 1 are issued
 // together and the softmax of t runs while P V completes (O is rescaled after it); between
 // warpgroups (PINGPONG), named barriers hand the GEMM issue slot round-robin so one warpgroup's
-// softmax runs under another's GEMMs. PERSIST instances run one block per SM over all tiles
-// (the next tile's Q waits on an empty-Q barrier, so its loads overlap the last GEMMs and the
-// epilogue); the default instances are one block per tile. The output is staged per warpgroup in
-// shared memory for 16-byte stores (d 256: in the warpgroup's own rows of Q); lse as in the
-// sm_80 kernel. d 256 takes FlashAttention-3's shape: 80-key tiles (S = Q K^T as m64n80k16),
-// O += P V as m64n256k16 into 128 f32 registers a thread.
+// softmax runs under another's GEMMs. PERSIST instances run one block per SM over all tiles with
+// a dynamic scheduler: the producer warp takes the next tile from a global counter (atomicAdd;
+// the launch zeroes it per call) and passes its index to the consumers through a two-slot ring
+// in shared memory guarded by named barriers, so it runs one tile ahead. The global order is
+// longest first: tiles are grouped by `group` (batch, head) pairs whose K and V fit in L2
+// together, and within a group the query tiles go from the last (most keys under a causal mask)
+// to the first, across the group's heads. The next tile's Q waits on an empty-Q barrier, so its
+// loads overlap the last GEMMs and the epilogue. The other instances are one block per tile, and
+// one producer thread. The output is staged per warpgroup in shared memory for 16-byte stores
+// (d 256 and 176-key tiles: in the warpgroup's own rows of Q); lse as in the sm_80 kernel. d 256
+// takes FlashAttention-3's shape: 80-key tiles (S = Q K^T as m64n80k16), O += P V as m64n256k16
+// into 128 f32 registers a thread.
 #pragma once
 #include "common/mask.cuh"
 #include "common/math.cuh"
@@ -106,9 +112,13 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 // 8-row groups 1024 bytes apart (SBO), LBO unused. MN-major V: LBO = distance between 64-column
 // chunks, SBO = 1024 (8 keys).
 // Named barriers (0 is __syncthreads): EPI_BAR + w, warpgroup w's epilogue (128 threads);
-// PP_BAR + w, the ping-pong turn of warpgroup w (256 threads). The ranges must not overlap: a
-// barrier used with two thread counts is an illegal instruction.
+// TILE_FULL_BAR + s and TILE_EMPTY_BAR + s, slot s of the persistent scheduler's tile ring (the
+// producer warp and every consumer thread); PP_BAR + w, the ping-pong turn of warpgroup w (256
+// threads). The ranges must not overlap: a barrier used with two thread counts is an illegal
+// instruction.
 constexpr int EPI_BAR = 1;
+constexpr int TILE_FULL_BAR = 4;
+constexpr int TILE_EMPTY_BAR = 6;
 constexpr int PP_BAR = 8;
 
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
@@ -130,10 +140,12 @@ __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int sca
     if constexpr (IsBf16<T>::value) {
         if constexpr (N == 64) wgmma_ss_bf16_n64(d, a, b, scale_d);
         else if constexpr (N == 80) wgmma_ss_bf16_n80(d, a, b, scale_d);
+        else if constexpr (N == 176) wgmma_ss_bf16_n176(d, a, b, scale_d);
         else wgmma_ss_bf16_n128(d, a, b, scale_d);
     } else {
         if constexpr (N == 64) wgmma_ss_f16_n64(d, a, b, scale_d);
         else if constexpr (N == 80) wgmma_ss_f16_n80(d, a, b, scale_d);
+        else if constexpr (N == 176) wgmma_ss_f16_n176(d, a, b, scale_d);
         else wgmma_ss_f16_n128(d, a, b, scale_d);
     }
 }
@@ -160,13 +172,19 @@ struct Traits {
     static constexpr int Q_BYTES = BM * D * 2;
     static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
     // Output staging. d 256 has no room for a tile of its own (Q 64 KB + two stages of 80-key
-    // K and V 160 KB): each warpgroup stages its rows of O in its own rows of Q, which only its
-    // own S GEMMs read and which are complete by then. The next tile's Q would overwrite them,
-    // so such instances are not persistent.
-    static constexpr bool O_IN_Q = D > 128;
+    // K and V 160 KB), nor d 128 with 176-key tiles (Q 32 KB + K and V 176 KB): each warpgroup
+    // stages its rows of O in its own rows of Q, which only its own S GEMMs read and which are
+    // complete by then. The next tile's Q would overwrite them, so such instances are not
+    // persistent.
+    static constexpr bool O_IN_Q = D > 128 || BN > 128;
     static constexpr int O_BYTES = O_IN_Q ? 0 : BM * D * 2;
-    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q.
-    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
+    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q; then the two
+    // slots of the persistent scheduler's tile ring (one int each; their named barriers are
+    // TILE_FULL_BAR and TILE_EMPTY_BAR).
+    static constexpr int TILE_SLOTS = 2;
+    static_assert(TILE_FULL_BAR + TILE_SLOTS <= TILE_EMPTY_BAR, "named barrier ranges");
+    static_assert(TILE_EMPTY_BAR + TILE_SLOTS <= PP_BAR, "named barrier ranges");
+    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES) + 4 * TILE_SLOTS;
     // 1024 of slack to align the base to a swizzle atom.
     static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + BAR_BYTES;
     // setmaxnreg budgets (a multiple of 8; producer + NWG consumers within 512 per thread slot).
@@ -176,7 +194,8 @@ struct Traits {
 
 template <typename T, int D, int NWG, int BN, int STAGES, bool PINGPONG, bool PERSIST, bool MODS>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMap* tq,
-                                               const TmaMap* tk, const TmaMap* tv) {
+                                               const TmaMap* tk, const TmaMap* tv,
+                                               int* tile_counter, int group) {
     using Tr = Traits<T, D, NWG, BN, STAGES>;
     constexpr int BM = Tr::BM, CH = Tr::CH;
     constexpr int NT = BN / 8, DT = D / 8;
@@ -201,22 +220,31 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     auto bar_ek = [&](int s) { return saddr(bars + 1 + 2 * STAGES + s); };
     auto bar_ev = [&](int s) { return saddr(bars + 1 + 3 * STAGES + s); };
     const uint32_t bar_qe = saddr(bars + 1 + 4 * STAGES);
+    constexpr int SLOTS = Tr::TILE_SLOTS;
+    // The tile ring's named barriers count the producer warp and every consumer thread.
+    constexpr int SCHED_THREADS = 32 + 128 * NWG;
+    volatile int* tile_slot = reinterpret_cast<volatile int*>(bars + 2 + 4 * STAGES);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    // PERSIST: block c computes tiles c, c + gridDim.x, ... of q_tiles x heads x batch, query
-    // tiles fastest (the tiles of one (batch, head) run together and share K/V in L2), the
-    // longest causal tile of each (batch, head) first; the next tile's Q and K/V loads overlap
-    // the current tile's last GEMMs and epilogue. Otherwise one block per tile, grid
-    // (q_tiles, heads, batch), in the same order.
+    // PERSIST: tile i of q_tiles x heads x batch, in the scheduler's order: groups of `group`
+    // (batch, head) pairs (heads fastest), and within a group the query tiles from the last to
+    // the first, the group's pairs fastest; the longest causal tiles run first and the K/V of
+    // the tiles in flight stay in L2. Tiles past a (varlen) sequence's end are skipped by the
+    // producer and never reach the consumers. Otherwise one block per tile, grid
+    // (q_tiles, heads, batch), the last query tile first.
     const int q_tiles = PERSIST ? (p.seq_q + BM - 1) / BM : (int)gridDim.x;
-    const int total = PERSIST ? q_tiles * p.heads * p.batch : 1;
-    const int tile0 = PERSIST ? (int)blockIdx.x : 0;
-    const int tile_step = PERSIST ? (int)gridDim.x : 1;
+    const int pairs = p.heads * p.batch;
+    const int total = PERSIST ? q_tiles * pairs : 1;
     auto tile_geom = [&](int tile, int& h, int& b, BlockGeom& g) {
         if constexpr (PERSIST) {
-            const int m_block = q_tiles - 1 - tile % q_tiles;
-            h = (tile / q_tiles) % p.heads;
-            b = tile / (q_tiles * p.heads);
+            const int per_group = group * q_tiles;
+            const int gi = tile / per_group;
+            const int r = tile - gi * per_group;
+            const int gsize = min(group, pairs - gi * group);
+            const int m_block = q_tiles - 1 - r / gsize;
+            const int bh = gi * group + r % gsize;
+            h = bh % p.heads;
+            b = bh / p.heads;
             return block_geom(p, m_block, BM, h, b, g);
         } else {
             h = blockIdx.y;
@@ -240,47 +268,79 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     __syncthreads();
 
     if (warp < 4) {
-        // ---- producer warpgroup: one thread issues every copy ----
+        // ---- producer warpgroup: one thread issues every copy; persistent instances run the
+        // tile loop in all of warp 0 (the tile ring's named barriers count whole warps) ----
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::PRODUCER_REGS));
-        if (tid == 0) {
-            prefetch_map(tq);
-            prefetch_map(tk);
-            prefetch_map(tv);
+        const bool issuer = PERSIST ? lane == 0 : true;
+        if (PERSIST ? warp == 0 : tid == 0) {
+            if (issuer) {
+                prefetch_map(tq);
+                prefetch_map(tk);
+                prefetch_map(tv);
+            }
+            // The next tile of the scheduler: the first of block c is tile c, the counter (zero
+            // at launch) hands out the rest from gridDim.x on. Warp-uniform.
+            auto next_tile = [&]() {
+                int t = 0;
+                if (lane == 0) t = atomicAdd(tile_counter, 1);
+                return __shfl_sync(0xffffffff, t, 0) + (int)gridDim.x;
+            };
             int kv_it = 0, n_tile = 0;
-            for (int tile = tile0; tile < total; tile += tile_step) {
+            int tile = PERSIST ? (int)blockIdx.x : 0;
+            for (;;) {
                 int h, b;
                 BlockGeom g;
-                if (!tile_geom(tile, h, b, g)) continue;
-                const int kvh = h / p.kv_group;
-                const int t_begin = g.n_lo / BN;
-                const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
-                const int qb = (p.cu_q || p.q_uniform) ? 0 : b;
-                const int kb = p.cu_k ? 0 : b;
-                const int q_row = (int)(g.q_row0 + g.m0);
-                // The consumers are done with the previous tile's Q.
-                if (n_tile > 0) mbar_wait(bar_qe, (uint32_t)((n_tile - 1) & 1));
-                mbar_expect_tx(bar_q, Tr::Q_BYTES);
-#pragma unroll
-                for (int c = 0; c < CH; ++c)
-                    tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
-                for (int t = t_begin; t < t_end; ++t) {
-                    const int it = kv_it++, s = it % STAGES;
-                    const uint32_t ph = (uint32_t)((it / STAGES) & 1);
-                    const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
-                    if (it >= STAGES) mbar_wait(bar_ek(s), ph ^ 1);
-                    mbar_expect_tx(bar_fk(s), Tr::KV_BYTES);
-#pragma unroll
-                    for (int c = 0; c < CH; ++c)
-                        tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s), c * 64,
-                                    kvh, k_row, kb);
-                    if (it >= STAGES) mbar_wait(bar_ev(s), ph ^ 1);
-                    mbar_expect_tx(bar_fv(s), Tr::KV_BYTES);
-#pragma unroll
-                    for (int c = 0; c < CH; ++c)
-                        tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, bar_fv(s), c * 64,
-                                    kvh, k_row, kb);
+                if constexpr (PERSIST) {
+                    while (tile < total && !tile_geom(tile, h, b, g)) tile = next_tile();
+                    // Publish the tile (or -1: no more) in slot n_tile % SLOTS once the
+                    // consumers have read what it held before.
+                    const int s = n_tile % SLOTS;
+                    if (n_tile >= SLOTS) named_sync(TILE_EMPTY_BAR + s, SCHED_THREADS);
+                    if (lane == 0) tile_slot[s] = tile < total ? tile : -1;
+                    named_arrive(TILE_FULL_BAR + s, SCHED_THREADS);
+                    if (tile >= total) {
+                        // The consumers' release of the last tile's slot (they release none
+                        // after -1), so every arrival is matched.
+                        if (n_tile >= 1) named_sync(TILE_EMPTY_BAR + (n_tile - 1) % SLOTS, SCHED_THREADS);
+                        break;
+                    }
+                } else {
+                    if (n_tile > 0 || !tile_geom(tile, h, b, g)) break;
                 }
+                if (issuer) {
+                    const int kvh = h / p.kv_group;
+                    const int t_begin = g.n_lo / BN;
+                    const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
+                    const int qb = (p.cu_q || p.q_uniform) ? 0 : b;
+                    const int kb = p.cu_k ? 0 : b;
+                    const int q_row = (int)(g.q_row0 + g.m0);
+                    // The consumers are done with the previous tile's Q.
+                    if (n_tile > 0) mbar_wait(bar_qe, (uint32_t)((n_tile - 1) & 1));
+                    mbar_expect_tx(bar_q, Tr::Q_BYTES);
+#pragma unroll
+                    for (int c = 0; c < CH; ++c)
+                        tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
+                    for (int t = t_begin; t < t_end; ++t) {
+                        const int it = kv_it++, s = it % STAGES;
+                        const uint32_t ph = (uint32_t)((it / STAGES) & 1);
+                        const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
+                        if (it >= STAGES) mbar_wait(bar_ek(s), ph ^ 1);
+                        mbar_expect_tx(bar_fk(s), Tr::KV_BYTES);
+#pragma unroll
+                        for (int c = 0; c < CH; ++c)
+                            tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s),
+                                        c * 64, kvh, k_row, kb);
+                        if (it >= STAGES) mbar_wait(bar_ev(s), ph ^ 1);
+                        mbar_expect_tx(bar_fv(s), Tr::KV_BYTES);
+#pragma unroll
+                        for (int c = 0; c < CH; ++c)
+                            tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, bar_fv(s),
+                                        c * 64, kvh, k_row, kb);
+                    }
+                }
+                if constexpr (PERSIST) __syncwarp();
                 ++n_tile;
+                if constexpr (PERSIST) tile = next_tile();
             }
         }
         return;
@@ -300,10 +360,21 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     if constexpr (PINGPONG) {
         if (wg == NWG - 1) named_arrive(PP_BAR, 256);
     }
-    for (int tile = tile0; tile < total; tile += tile_step) {
-    int h, b;
+    for (;;) {
+    int tile = 0, h, b;
     BlockGeom g;
-    if (!tile_geom(tile, h, b, g)) continue;
+    if constexpr (PERSIST) {
+        // The producer's next tile (-1: none left); the slot is released for the tile after
+        // next once read.
+        const int s = n_tile % SLOTS;
+        named_sync(TILE_FULL_BAR + s, SCHED_THREADS);
+        tile = tile_slot[s];
+        if (tile < 0) break;
+        named_arrive(TILE_EMPTY_BAR + s, SCHED_THREADS);
+        tile_geom(tile, h, b, g);
+    } else {
+        if (n_tile > 0 || !tile_geom(tile, h, b, g)) break;
+    }
     const int t_begin = g.n_lo / BN;
     const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
     const int diag_t = g.m0 + row_base + g.sk - g.sq;
@@ -542,6 +613,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
 #define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES, PP, PERSIST, MODS)                     \
     extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
         NAME(const FlashParams p, const __grid_constant__ TmaMap tq,                           \
-             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv) {           \
-        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, PERSIST, MODS>(p, &tq, &tk, &tv);      \
+             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,             \
+             int* tile_counter, int group) {                                                   \
+        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, PERSIST, MODS>(p, &tq, &tk, &tv,       \
+                                                                       tile_counter, group);   \
     }

@@ -19,7 +19,8 @@ use half::{bf16, f16};
 
 use super::params::Params;
 use super::plan::{
-    override_decode, override_sm90, plan, DeviceCaps, Kernel, Module, MAX_SEQ, STATIC_SMEM_RESERVE,
+    override_decode, override_sm90, plan, sm90_tile_group, DeviceCaps, Kernel, Module, MAX_SEQ,
+    SM90_L2_KV_BYTES, STATIC_SMEM_RESERVE,
 };
 use crate::problem::{Paged, Problem, Strides};
 use crate::semantics::LOG2_E;
@@ -165,13 +166,27 @@ fn decode_overrides() -> (Option<usize>, Option<usize>) {
 }
 
 /// `CANDLE_FLASH_SM90_VARIANT=v` (read once): sm_90a calls run the instance of variant v (`wg3`,
-/// `wg2`, `wg2p`: consumer warpgroups, `p` persistent) where one exists for their width and kind.
+/// `wg2`, `wg2p`, `wg2n176`: consumer warpgroups, `p` persistent, `n` a key tile) where one
+/// exists for their width and kind; `v:n` caps a persistent grid at n blocks (tests).
 /// For benchmarks comparing instances in one run; unset in normal use.
 fn sm90_variant_override() -> Option<&'static str> {
     static VARIANT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     VARIANT
         .get_or_init(|| std::env::var("CANDLE_FLASH_SM90_VARIANT").ok())
         .as_deref()
+}
+
+/// `CANDLE_FLASH_SM90_L2_KV_MIB=n` (read once): the persistent scheduler groups (batch, head)
+/// pairs whose K and V fill n MiB of L2 instead of [`SM90_L2_KV_BYTES`]. For benchmarks; unset
+/// in normal use.
+fn sm90_l2_kv_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        std::env::var("CANDLE_FLASH_SM90_L2_KV_MIB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or(SM90_L2_KV_BYTES, |mib| mib << 20)
+    })
 }
 
 /// Window sides for the kernels: -1 unbounded, otherwise clamped so `int` arithmetic on
@@ -491,7 +506,19 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             map(&ko, p.kv_heads, k_rows, k_batches, i.bn)?,
             map(&vo, p.kv_heads, k_rows, k_batches, i.bn)?,
         ];
-        let args = Sm90Args(params, maps);
+        // The persistent scheduler's tile counter, zeroed on the stream for this call.
+        let counter = match i.persistent {
+            true => Some(dev.alloc_zeros::<i32>(1)?),
+            false => None,
+        };
+        let counter_guard = counter.as_ref().map(|c| c.device_ptr(&stream));
+        let group = sm90_tile_group(p, plan.d_load, sm90_l2_kv_bytes()) as i32;
+        let args = Sm90Args(
+            params,
+            maps,
+            counter_guard.as_ref().map_or(0, |g| g.0),
+            group,
+        );
         launch_args::<Params>(
             dev,
             plan.module,
@@ -501,6 +528,7 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             plan.smem,
             Args::Sm90(&args),
         )?;
+        drop(counter_guard);
     } else {
         launch_function(
             dev,
@@ -537,15 +565,19 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     Ok((out, lse))
 }
 
-/// The sm_90a kernels' parameters: the parameter struct, then the tensor maps of q, k and v.
-struct Sm90Args(Params, [TmaMap; 3]);
+/// The sm_90a kernels' parameters: the parameter struct, the tensor maps of q, k and v, the
+/// persistent scheduler's zeroed tile counter (0 for the other instances) and its group of
+/// (batch, head) pairs.
+struct Sm90Args(Params, [TmaMap; 3], u64, i32);
 
 impl Sm90Args {
     fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         b.arg(&self.0)
             .arg(&self.1[0])
             .arg(&self.1[1])
-            .arg(&self.1[2]);
+            .arg(&self.1[2])
+            .arg(&self.2)
+            .arg(&self.3);
     }
 }
 

@@ -115,7 +115,8 @@ pub(crate) struct Sm90Instance {
     pub bn: usize,
     /// Depth of the K/V ring.
     pub stages: usize,
-    /// Persistent: one block per SM (at most one per tile) walks the tiles.
+    /// Persistent: one block per SM (at most one per tile) takes tiles from the dynamic,
+    /// longest-first scheduler (a per-call tile counter, [`sm90_tile_group`]).
     pub persistent: bool,
     /// The `_mods` entry (softcap / ALiBi / non-positive scale).
     pub mods: bool,
@@ -127,9 +128,14 @@ impl Sm90Instance {
         let mods = if self.mods { "_mods" } else { "" };
         format!("d{}_{}{mods}", self.d, self.variant())
     }
-    /// Warpgroups and persistence, as `CANDLE_FLASH_SM90_VARIANT` names them: `wg2`, `wg2p`.
+    /// Warpgroups, persistence and (above 128) the key tile, as `CANDLE_FLASH_SM90_VARIANT`
+    /// names them: `wg2`, `wg2p`, `wg2n176`.
     pub fn variant(&self) -> String {
-        format!("wg{}{}", self.nwg, if self.persistent { "p" } else { "" })
+        let p = if self.persistent { "p" } else { "" };
+        match self.bn > 128 {
+            true => format!("wg{}{p}n{}", self.nwg, self.bn),
+            false => format!("wg{}{p}", self.nwg),
+        }
     }
     pub const fn rows(&self) -> usize {
         64 * self.nwg
@@ -138,18 +144,21 @@ impl Sm90Instance {
     pub const fn threads(&self) -> usize {
         128 * (self.nwg + 1)
     }
-    /// Heads wider than 128 stage the output in Q's buffer (`Traits::O_IN_Q`): a separate
-    /// tile does not fit beside d 256's K and V rings. Such instances cannot be persistent.
+    /// Heads wider than 128, and key tiles wider than 128, stage the output in Q's buffer
+    /// (`Traits::O_IN_Q`): a separate tile does not fit beside their K and V rings. Such
+    /// instances cannot be persistent.
     pub const fn o_in_q(&self) -> bool {
-        self.d > 128
+        self.d > 128 || self.bn > 128
     }
     /// Dynamic shared memory: alignment slack, Q, the K and V rings, the output staging tile
-    /// (unless it is Q's) and the mbarriers (`Traits::SMEM` in kernels/sm90/fwd.cuh).
+    /// (unless it is Q's), the mbarriers and the scheduler's two tile slots (`Traits::SMEM` in
+    /// kernels/sm90/fwd.cuh).
     pub const fn smem(&self) -> usize {
         let tile = self.rows() * self.d * 2;
         1024 + if self.o_in_q() { tile } else { 2 * tile }
             + 2 * self.stages * self.bn * self.d * 2
             + 8 * (2 + 4 * self.stages)
+            + 8
     }
 }
 
@@ -157,8 +166,8 @@ impl Sm90Instance {
 /// others are variants for `CANDLE_FLASH_SM90_VARIANT`. d 64: three consumer warpgroups (192 rows)
 /// or two, persistent (softcap / ALiBi: two, not persistent: their registers spilled otherwise);
 /// d 128: two warpgroups (128 rows), as FlashAttention-3 starts from; d 256: two warpgroups
-/// and 80-key tiles in two stages (FlashAttention-3's shape; 230,480 bytes, O staged in Q).
-pub(crate) const SM90_INSTANCES: [Sm90Instance; 8] = [
+/// and 80-key tiles in two stages (FlashAttention-3's shape; 230,488 bytes, O staged in Q).
+pub(crate) const SM90_INSTANCES: [Sm90Instance; 9] = [
     Sm90Instance {
         d: 64,
         nwg: 3,
@@ -197,6 +206,14 @@ pub(crate) const SM90_INSTANCES: [Sm90Instance; 8] = [
         bn: 128,
         stages: 2,
         persistent: true,
+        mods: false,
+    },
+    Sm90Instance {
+        d: 128,
+        nwg: 2,
+        bn: 176,
+        stages: 2,
+        persistent: false,
         mods: false,
     },
     Sm90Instance {
@@ -325,11 +342,11 @@ pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Launc
                     .find(|i| i.d >= d_load && i.mods == mods && fits(i.smem()))
             })
             .flatten();
-        // The table is ordered by width, the fastest tiles of a width first: the first wide
-        // enough instance that fits is the narrowest width with the biggest tiles the device
-        // can hold.
+        // The table is ordered by width, each width's default first: the first wide enough
+        // instance that fits is the narrowest width with the biggest tiles the device can hold;
+        // sm90_variant_for then swaps in the variant measured faster for the problem's shape.
         match sm90 {
-            Some(&i) => Some(Kernel::Sm90(i)),
+            Some(&i) => Some(Kernel::Sm90(sm90_variant_for(p, i, &fits))),
             None => MMA_INSTANCES
                 .iter()
                 .find(|i| i.d >= d_load && fits(i.smem()))
@@ -531,18 +548,73 @@ fn sm90_persistent_grid(
     i: Sm90Instance,
 ) -> Result<(u32, u32, u32)> {
     let tiles = p.max_seq_q.div_ceil(i.rows()) * p.heads * p.batch;
-    if tiles > i32::MAX as usize {
+    // The kernel's tile counter runs up to tiles + grid in an `int`.
+    if tiles > i32::MAX as usize / 2 {
         bail!("flash-attn: {tiles} query tiles exceed the sm_90a kernels' limit")
     }
     Ok((tiles.clamp(1, caps.sms as usize) as u32, 1, 1))
 }
 
+/// The sm_90a variant that runs `p` fastest among the instances of `i`'s width and kind (`i`,
+/// the width's default, unless a rule below says otherwise), as measured on an H100 against the
+/// one-block-per-tile defaults (BENCHMARKS.md, 2026-11-22 ~10:40 UTC, bf16 and f16, hidden
+/// 2048, seq 512 / 2048 / 8192 / 16384):
+/// - d 128, causal-shaped masks (keys bounded on the right only: the tiles' key counts fall
+///   with the query tile): the persistent longest-first scheduler (`wg2p`), 1.00x to 1.09x;
+/// - d 128, no mask: `wg2p` below 8192 keys (1.02x to 1.07x at 512 and 2048), FlashAttention-3's
+///   176-key tiles (`wg2n176`) from 8192 on (0.99x to 1.05x; they lose at 512 and 2048);
+/// - d 64, causal-shaped, 512 < seq_q <= 2048: `wg2p` (128-row tiles, 1.05x at 2048; from 8192
+///   on the 192-row default wins; seq <= 512 stays portable, above).
+///
+/// Everything else (ALiBi / softcap, windows, d 64 without a mask) keeps the default. Shorter
+/// calls than 512 were not timed; they follow the rules of 512.
+fn sm90_variant_for(p: &Problem, i: Sm90Instance, fits: &dyn Fn(usize) -> bool) -> Sm90Instance {
+    let (left, right) = p.window.as_i64();
+    let causal = left < 0 && right >= 0;
+    let unmasked = left < 0 && right < 0;
+    let want = match i.d {
+        _ if i.mods => return i,
+        64 if causal && p.max_seq_q > 512 && p.max_seq_q <= 2048 => "wg2p",
+        128 if unmasked && p.max_seq_k >= 8192 => "wg2n176",
+        128 if causal || unmasked => "wg2p",
+        _ => return i,
+    };
+    SM90_INSTANCES
+        .iter()
+        .find(|j| (j.d, j.mods) == (i.d, i.mods) && j.variant() == want && fits(j.smem()))
+        .copied()
+        .unwrap_or(i)
+}
+
+/// Bytes of K and V the persistent scheduler lets the tiles in flight share in L2 (H100 and H200
+/// hold 50 MB). Measured on an H100 (BENCHMARKS.md, 2026-11-22): with FlashAttention-3's 32 MiB
+/// the persistent d 128 kernel ran 0.92x the one-block-per-tile default without a mask at seq
+/// 2048 (32 heads' K/V hot); 8 MiB keeps about one wave of tiles' worth, and ran faster than
+/// 2 MiB and 32 MiB at d 128 in the same command.
+pub(crate) const SM90_L2_KV_BYTES: usize = 8 << 20;
+
+/// The persistent scheduler's group: how many (batch, head) pairs (heads fastest) take their
+/// query tiles together, longest first, before the next pairs start. As many as the K and V of
+/// their key/value heads fit in `l2_bytes` (normally [`SM90_L2_KV_BYTES`]; consecutive query
+/// heads of a GQA group share one), at least one, at most all.
+pub(crate) fn sm90_tile_group(p: &Problem, d_load: usize, l2_bytes: usize) -> usize {
+    let kv_bytes = 2 * p.max_seq_k.max(1) * d_load.next_multiple_of(64) * 2;
+    let group = (l2_bytes / kv_bytes).max(1) * (p.heads / p.kv_heads.max(1)).max(1);
+    group.clamp(1, (p.heads * p.batch).max(1))
+}
+
 /// Overrides an sm_90a plan's instance for benchmarks that compare variants in one run: the
 /// instance of the same width and kind whose [`Sm90Instance::variant`] is `variant`, if there is
-/// one. Other plans are left as they are.
+/// one. `variant:n` (a persistent one) also caps its grid at n blocks, so that tests and
+/// compute-sanitizer see each block take many tiles from the scheduler. Other plans are left as
+/// they are.
 pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, caps: &DeviceCaps, variant: &str) {
     let Kernel::Sm90(i) = plan.kernel else {
         return;
+    };
+    let (variant, cap) = match variant.split_once(':') {
+        Some((v, n)) => (v, n.parse::<u32>().ok().filter(|&n| n > 0)),
+        None => (variant, None),
     };
     let Some(&j) = SM90_INSTANCES
         .iter()
@@ -571,7 +643,10 @@ pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, caps: &DeviceCap
     plan.threads = j.threads() as u32;
     plan.smem = j.smem();
     plan.function = format!("flash_fwd_sm90_{dname}_{}", j.suffix());
-    plan.grid = grid;
+    plan.grid = match (j.persistent, cap) {
+        (true, Some(n)) => (grid.0.min(n), 1, 1),
+        _ => grid,
+    };
 }
 
 /// Overrides a decode plan's choices for benchmarks that compare variants in one run: `waves`
@@ -790,9 +865,13 @@ mod tests {
                     "{pl:?}"
                 );
                 assert_eq!(pl.module, Module::Sm90);
-                // The defaults are one block per tile (2 batches x 4 heads here).
+                // d 64: one block per tile (2 batches x 4 heads here); d 128: persistent, one
+                // block per tile too at this size (3 x 4 x 2 tiles, fewer than the SMs).
                 let q_tiles = 300usize.div_ceil(pl_rows(&pl)) as u32;
-                assert_eq!(pl.grid, (q_tiles, 4, 2));
+                match tile {
+                    64 => assert_eq!(pl.grid, (q_tiles, 4, 2)),
+                    _ => assert_eq!(pl.grid, (q_tiles * 8, 1, 1)),
+                }
                 let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
                 assert!(matches!(pl.kernel, Kernel::Sm90(i) if i.mods), "{pl:?}");
                 assert!(pl.function.ends_with("_mods"), "{pl:?}");
@@ -821,7 +900,7 @@ mod tests {
                     pl.function,
                     format!("flash_fwd_sm90_{}_d256_wg2", dname(dtype))
                 );
-                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_480));
+                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_488));
                 let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
                 assert!(
                     matches!(pl.kernel, Kernel::Sm90(i) if i.d == 256 && i.mods),
@@ -875,6 +954,122 @@ mod tests {
         assert_eq!(pl.pack, [false, true, false]);
         let pl = plan(&p, DType::BF16, &DeviceCaps::SM80).unwrap();
         assert_eq!(pl.pack, [false, false, false]);
+    }
+
+    /// The sm_90a defaults follow the H100 measurements (see `sm90_variant_for`): the persistent
+    /// scheduler for d 128 causal calls and unmasked ones below 8192 keys, 176-key tiles for
+    /// longer unmasked d 128 calls, the persistent scheduler for d 64 causal calls up to 2048,
+    /// the one-block-per-tile defaults elsewhere.
+    #[test]
+    fn sm90_defaults_follow_the_measurements() {
+        let dev = Device::Cpu;
+        // The benchmark's shapes: hidden 2048, 16k tokens per batch.
+        let pick = |dtype, d: usize, s: usize, opts: &FlashAttn, caps: &DeviceCaps| {
+            let q = Tensor::zeros((16384 / s, s, 2048 / d, d), dtype, &dev).unwrap();
+            plan(&opts.problem(&q, &q, &q, None).unwrap(), dtype, caps).unwrap()
+        };
+        let plain = FlashAttn::new(0.1);
+        let causal = FlashAttn::new(0.1).causal();
+        for dtype in [DType::BF16, DType::F16] {
+            let dn = if dtype == DType::BF16 { "bf16" } else { "f16" };
+            let f = |d, s, opts: &FlashAttn| pick(dtype, d, s, opts, &DeviceCaps::SM90).function;
+            let name = |v: &str| format!("flash_fwd_sm90_{dn}_{v}");
+            for (d, s, opts, v) in [
+                (128, 512, &causal, "d128_wg2p"),
+                (128, 2048, &causal, "d128_wg2p"),
+                (128, 16384, &causal, "d128_wg2p"),
+                (128, 512, &plain, "d128_wg2p"),
+                (128, 2048, &plain, "d128_wg2p"),
+                (128, 8192, &plain, "d128_wg2n176"),
+                (128, 16384, &plain, "d128_wg2n176"),
+                (64, 2048, &causal, "d64_wg2p"),
+                (64, 8192, &causal, "d64_wg3"),
+                (64, 2048, &plain, "d64_wg3"),
+                (64, 16384, &plain, "d64_wg3"),
+            ] {
+                assert_eq!(f(d, s, opts), name(v), "d {d} seq {s} {opts:?}");
+            }
+            // The persistent default: one block per SM; 176-key tiles: one block per tile.
+            let pl = pick(dtype, 128, 2048, &causal, &DeviceCaps::SM90);
+            assert_eq!((pl.grid, pl.smem), ((132, 1, 1), 197_720));
+            let pl = pick(dtype, 128, 8192, &plain, &DeviceCaps::SM90);
+            assert_eq!((pl.grid, pl.smem), ((64, 16, 2), 214_104));
+            // d 64 causal at seq 512 stays portable; softcap, windows keep the defaults.
+            assert!(matches!(
+                pick(dtype, 64, 512, &causal, &DeviceCaps::SM90).kernel,
+                Kernel::Mma(_)
+            ));
+            let capped = FlashAttn::new(0.1).causal().softcap(5.0);
+            assert_eq!(f(128, 2048, &capped), name("d128_wg2_mods"));
+            let window = FlashAttn::new(0.1).window(Some(256), Some(0));
+            assert_eq!(f(128, 2048, &window), name("d128_wg2"));
+            assert_eq!(f(128, 8192, &window), name("d128_wg2"));
+            assert_eq!(f(64, 2048, &window), name("d64_wg3"));
+            // The portable path is untouched.
+            let pl = pick(dtype, 128, 2048, &causal, &DeviceCaps::SM90.portable());
+            assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
+        }
+    }
+
+    /// The persistent scheduler: its group of (batch, head) pairs keeps the K and V of the tiles
+    /// in flight within the L2 budget; `variant:n` caps the persistent grid (tests), and the
+    /// 176-key d 128 variant stages O in Q (so it is one block per tile).
+    #[test]
+    fn sm90_persistent_scheduler_and_variants() {
+        let dev = Device::Cpu;
+        let mk = |b: usize, s: usize, h: usize, hk: usize, d: usize| {
+            let q = Tensor::zeros((b, s, h, d), DType::BF16, &dev).unwrap();
+            let k = Tensor::zeros((b, s, hk, d), DType::BF16, &dev).unwrap();
+            FlashAttn::new(0.1).problem(&q, &k, &k, None).unwrap()
+        };
+        let group = |p: &Problem, d| sm90_tile_group(p, d, SM90_L2_KV_BYTES);
+        // d 128, seq 2048: 1 MiB of K and V per head, 8 heads in 8 MiB (of 8 x 16 pairs): 128
+        // query tiles, about one wave of the H100's 132 SMs. 32 MiB: 32 heads.
+        assert_eq!(group(&mk(8, 2048, 16, 16, 128), 128), 8);
+        assert_eq!(
+            sm90_tile_group(&mk(8, 2048, 16, 16, 128), 128, 32 << 20),
+            32
+        );
+        // seq 8192: 4 MiB per head, 2 pairs; GQA 4:1 shares each K/V head among 4 query heads.
+        assert_eq!(group(&mk(2, 8192, 16, 16, 128), 128), 2);
+        assert_eq!(group(&mk(2, 8192, 16, 4, 128), 128), 8);
+        // Never more than all pairs, never fewer than one (d 40 pads to one 64-column chunk).
+        assert_eq!(group(&mk(2, 300, 4, 2, 40), 40), 8);
+        assert_eq!(group(&mk(1, 16384, 16, 16, 128), 128), 1);
+        assert_eq!(group(&mk(1, 1 << 20, 2, 2, 128), 128), 1);
+
+        let caps = DeviceCaps::SM90;
+        let p = mk(8, 2048, 16, 16, 128);
+        let base = plan(&p, DType::BF16, &caps).unwrap();
+        assert_eq!(base.function, "flash_fwd_sm90_bf16_d128_wg2p");
+        let mut o = base.clone();
+        override_sm90(&mut o, &p, &caps, "wg2");
+        assert_eq!((o.grid, o.smem), ((16, 16, 8), 197_720));
+        let mut o = base.clone();
+        override_sm90(&mut o, &p, &caps, "wg2p");
+        assert_eq!(
+            (o.grid, o.function.as_str()),
+            ((132, 1, 1), "flash_fwd_sm90_bf16_d128_wg2p")
+        );
+        let mut o = base.clone();
+        override_sm90(&mut o, &p, &caps, "wg2p:3");
+        assert_eq!(o.grid, (3, 1, 1));
+        // A cap on a non-persistent variant leaves its grid alone.
+        let mut o = base.clone();
+        override_sm90(&mut o, &p, &caps, "wg2n176:3");
+        assert_eq!(o.function, "flash_fwd_sm90_bf16_d128_wg2n176");
+        assert_eq!((o.grid, o.smem), ((16, 16, 8), 214_104));
+        assert!(matches!(o.kernel, Kernel::Sm90(i) if i.o_in_q() && i.variant() == "wg2n176"));
+        // No 176-key d 64 instance: the plan stays.
+        let p64 = mk(8, 2048, 32, 32, 64);
+        let base = plan(&p64, DType::BF16, &caps).unwrap();
+        let mut o = base.clone();
+        override_sm90(&mut o, &p64, &caps, "wg2n176");
+        assert_eq!(o, base);
+        // Persistent instances never stage O in Q (the next tile's Q would overwrite it).
+        for i in SM90_INSTANCES {
+            assert!(!(i.persistent && i.o_in_q()), "{i:?}");
+        }
     }
 
     /// Few packed rows per K/V head take the split-KV decode kernel, split so that a small batch
