@@ -6,8 +6,10 @@
 #   prefill-torch.csv: plot them with scripts/plot.py), go to $OUT when it is set.
 #   The decode benchmark (decode_bench and scripts/sdpa_decode.py, bf16, 32/8 heads, d 128) writes
 #   decode-candle.csv and decode-torch.csv.
-#   The backward pass (gpu_backward_tests, its sanitizer shapes, gpu_bench --backward and
-#   sdpa_bench.py --backward side by side) runs unless --no-backward.
+#   The backward pass (gpu_backward_tests, on Hopper twice like the forward tests, its sanitizer
+#   shapes, gpu_bench --backward, on Hopper also with CANDLE_FLASH_PORTABLE=1, elsewhere with
+#   CANDLE_FLASH_BWD_DETERMINISTIC=0, and sdpa_bench.py --backward side by side) runs unless
+#   --no-backward.
 #   examples/train.rs on the GPU (naive and flash in lockstep, f32) runs unless --no-train.
 #   --ab-old: the forward benchmark on the portable kernels (CANDLE_FLASH_PORTABLE=1) alternates
 #   with .gpu/gpu_bench_old, a gpu_bench built from an older commit (placed there by hand), twice
@@ -40,6 +42,8 @@ for f in .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_backward_tests .gpu/gpu_bench 
     [ -e "$f" ] && chmod +x "$f"
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+HOPPER=0
+[ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)" = "9.0" ] && HOPPER=1
 status=0
 if [ $TESTS = 1 ]; then
     echo "== GPU tests"
@@ -97,6 +101,11 @@ if [ $BACKWARD = 1 ]; then
         echo "== backward tests (tests/gpu_backward.rs)"
         ./.gpu/gpu_backward_tests --test-threads=1 2>&1 | tee "$LOG/backward-tests.log" | grep -E "^test |test result|panicked" || true
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        if [ "$HOPPER" = 1 ]; then
+            echo "== backward tests again with CANDLE_FLASH_PORTABLE=1 (the sm_80 kernels on this Hopper GPU)"
+            CANDLE_FLASH_PORTABLE=1 ./.gpu/gpu_backward_tests --test-threads=1 2>&1 | tee "$LOG/backward-tests-portable.log" | grep -E "^test |test result|panicked" || true
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        fi
     fi
     if [ $SAN = 1 ]; then
         for tool in memcheck racecheck synccheck initcheck; do
@@ -108,10 +117,18 @@ if [ $BACKWARD = 1 ]; then
         done
     fi
     if [ $BENCH = 1 ]; then
-        echo "== backward: candle-flash (deterministic default, then CANDLE_FLASH_BWD_DETERMINISTIC=0)"
+        echo "== backward: candle-flash (deterministic default)"
         ./.gpu/gpu_bench --backward $QUICK 2>&1 | tee "$LOG/bench-backward.log" | grep -v '^RESULT'
-        CANDLE_FLASH_BWD_DETERMINISTIC=0 ./.gpu/gpu_bench --backward $QUICK 2>&1 \
-            | sed 's/^RESULT_BWD candle /RESULT_BWD candle_atomic /' | tee "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
+        if [ "$HOPPER" = 1 ]; then
+            # The Hopper kernels serve both modes; the portable ones are the comparison here.
+            echo "== backward: candle-flash with CANDLE_FLASH_PORTABLE=1 (the sm_80 kernels)"
+            CANDLE_FLASH_PORTABLE=1 ./.gpu/gpu_bench --backward $QUICK 2>&1 \
+                | sed 's/^RESULT_BWD candle /RESULT_BWD candle_portable /' | tee "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
+        else
+            echo "== backward: candle-flash with CANDLE_FLASH_BWD_DETERMINISTIC=0"
+            CANDLE_FLASH_BWD_DETERMINISTIC=0 ./.gpu/gpu_bench --backward $QUICK 2>&1 \
+                | sed 's/^RESULT_BWD candle /RESULT_BWD candle_atomic /' | tee "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
+        fi
         echo "== backward: PyTorch SDPA"
         python3 .gpu/sdpa_bench.py --backward $QUICK 2>&1 | tee "$LOG/sdpa-backward.log" | grep -v '^RESULT'
         echo "== backward side by side (TFLOP/s at 2.5x the forward's flops; ratios = candle / torch)"
@@ -123,13 +140,13 @@ for l in sys.stdin:
     if len(p) == 7 and p[0] == "RESULT_BWD":
         r[(p[1], p[2], int(p[3]), int(p[4]), p[5])] = float(p[6])
 keys = sorted({k[1:] for k in r}, key=lambda k: (k[0], k[1], k[3], k[2]))
-print("| dtype | d | seq | causal | candle-flash | candle atomic dQ | torch flash | torch cuDNN | vs flash | vs cuDNN |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("| dtype | d | seq | causal | candle-flash | portable (sm_80) | atomic dQ | torch flash | torch cuDNN | vs flash | vs cuDNN | vs portable |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for k in keys:
-    c, a, f, n = (r.get((s,) + k) for s in ("candle", "candle_atomic", "torch_flash", "torch_cudnn"))
+    c, p, a, f, n = (r.get((s,) + k) for s in ("candle", "candle_portable", "candle_atomic", "torch_flash", "torch_cudnn"))
     fmt = lambda x: f"{x:.1f}" if x else "-"
     rat = lambda x, y: f"{x / y:.2f}" if x and y else "-"
-    print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {fmt(c)} | {fmt(a)} | {fmt(f)} | {fmt(n)} | {rat(c, f)} | {rat(c, n)} |")
+    print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {fmt(c)} | {fmt(p)} | {fmt(a)} | {fmt(f)} | {fmt(n)} | {rat(c, f)} | {rat(c, n)} | {rat(c, p)} |")
 ' | tee "$LOG/table-backward.md"
     fi
 fi
