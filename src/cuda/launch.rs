@@ -199,6 +199,66 @@ fn window_side(w: i64) -> i64 {
     }
 }
 
+/// The fields of [`Params`] that follow from the validated problem alone, shared by the forward
+/// and backward launches so the two cannot drift: the strides of q, k and v as the kernel reads
+/// them (`strides`: in place, or of packed copies), the contiguous output's layout, the lse
+/// layout, the window, lengths (`seq_k`: the key bound, a paged cache's capacity included),
+/// heads, the columns read (`d_load`) and written, and the score modifiers. Pointers and the
+/// decode / paged / prefix fields stay at their defaults (0, null; one split; no page shift)
+/// for the caller.
+pub(crate) fn problem_params(
+    p: &Problem,
+    [q, k, v]: [&Strides; 3],
+    d_load: usize,
+    seq_k: usize,
+) -> Result<Params> {
+    let (win_left, win_right) = p.window.as_i64();
+    let softcap = p.score.softcap;
+    let d = p.head_dim;
+    Ok(Params {
+        q_batch: q.batch as i64,
+        q_seq: q.seq as i64,
+        q_head: q.head as i64,
+        q_dim: q.dim as i64,
+        k_batch: k.batch as i64,
+        k_seq: k.seq as i64,
+        k_head: k.head as i64,
+        k_dim: k.dim as i64,
+        v_batch: v.batch as i64,
+        v_seq: v.seq as i64,
+        v_head: v.head as i64,
+        v_dim: v.dim as i64,
+        o_seq: (p.heads * d) as i64,
+        o_head: d as i64,
+        lse_head: p.lse_head_stride() as i64,
+        win_left: window_side(win_left),
+        win_right: window_side(win_right),
+        seq_q: to_i32(p.max_seq_q, "seq_q")?,
+        seq_k: to_i32(seq_k, "seq_k")?,
+        heads: to_i32(p.heads, "heads")?,
+        kv_group: to_i32(p.heads / p.kv_heads, "heads")?,
+        d_load: to_i32(d_load, "head_dim")?,
+        d_out: to_i32(d, "head_dim")?,
+        scale_log2: p.score.scale * LOG2_E,
+        softcap,
+        scale_over_cap: if softcap > 0.0 {
+            p.score.scale / softcap
+        } else {
+            0.0
+        },
+        cap_log2: softcap * LOG2_E,
+        alibi_batch: to_i32(p.alibi_batch_stride, "alibi stride")?,
+        dv_splits: 1,
+        num_splits: 1,
+        m_tiles: 1,
+        total_q: to_i32(p.total_q, "total_q")?,
+        total_k: to_i32(p.varlen.as_ref().map_or(0, |vl| vl.total_k), "total_k")?,
+        page_shift: -1,
+        batch: to_i32(p.batch, "batch")?,
+        ..Params::default()
+    })
+}
+
 /// The forward pass of `p` on the GPU: returns (out, lse). `alibi` holds the slopes when
 /// `p.has_alibi`.
 pub(crate) fn forward(
@@ -404,8 +464,10 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     let (o_guard, lse_guard) = (out.device_ptr_mut(&stream), lse.device_ptr_mut(&stream));
     let alibi_guard = alibi_slice.map(|(s, off)| (s.device_ptr(&stream), off));
 
-    let (win_left, win_right) = p.window.as_i64();
-    let softcap = p.score.softcap;
+    let seq_k = p
+        .paged
+        .as_ref()
+        .map_or(p.max_seq_k, |pg| p.max_seq_k.min(pg.max_blocks * pg.page));
     let params = Params {
         q: qo.ptr,
         k: ko.ptr,
@@ -425,43 +487,6 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             None => 0,
         },
         prefix: prefix_ptr,
-        q_batch: qo.s.batch as i64,
-        q_seq: qo.s.seq as i64,
-        q_head: qo.s.head as i64,
-        q_dim: qo.s.dim as i64,
-        k_batch: ko.s.batch as i64,
-        k_seq: ko.s.seq as i64,
-        k_head: ko.s.head as i64,
-        k_dim: ko.s.dim as i64,
-        v_batch: vo.s.batch as i64,
-        v_seq: vo.s.seq as i64,
-        v_head: vo.s.head as i64,
-        v_dim: vo.s.dim as i64,
-        o_seq: (p.heads * d) as i64,
-        o_head: d as i64,
-        lse_head: p.lse_head_stride() as i64,
-        win_left: window_side(win_left),
-        win_right: window_side(win_right),
-        seq_q: to_i32(p.max_seq_q, "seq_q")?,
-        seq_k: to_i32(
-            p.paged
-                .as_ref()
-                .map_or(p.max_seq_k, |pg| p.max_seq_k.min(pg.max_blocks * pg.page)),
-            "seq_k",
-        )?,
-        heads: to_i32(p.heads, "heads")?,
-        kv_group: to_i32(p.heads / p.kv_heads, "heads")?,
-        d_load: to_i32(plan.d_load, "head_dim")?,
-        d_out: to_i32(d, "head_dim")?,
-        scale_log2: p.score.scale * LOG2_E,
-        softcap,
-        scale_over_cap: if softcap > 0.0 {
-            p.score.scale / softcap
-        } else {
-            0.0
-        },
-        cap_log2: softcap * LOG2_E,
-        alibi_batch: to_i32(p.alibi_batch_stride, "alibi stride")?,
         dv_splits: to_i32(plan.dv_splits, "dv splits")?,
         num_splits: plan.decode.as_ref().map_or(1, |s| s.splits) as i32,
         split_keys: to_i32(
@@ -469,8 +494,6 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             "split keys",
         )?,
         m_tiles: plan.decode.as_ref().map_or(1, |s| s.m_tiles) as i32,
-        total_q: to_i32(p.total_q, "total_q")?,
-        total_k: to_i32(p.varlen.as_ref().map_or(0, |vl| vl.total_k), "total_k")?,
         page: to_i32(p.paged.as_ref().map_or(0, |pg| pg.page), "page_block_size")?,
         max_blocks: to_i32(p.paged.as_ref().map_or(0, |pg| pg.max_blocks), "max_blocks")?,
         num_blocks: to_i32(p.paged.as_ref().map_or(0, |pg| pg.num_blocks), "num_blocks")?,
@@ -485,7 +508,7 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             .filter(|pg| pg.page.is_power_of_two())
             .map_or(-1, |pg| pg.page.trailing_zeros() as i32),
         q_uniform: q_uniform as i32,
-        batch: to_i32(p.batch, "batch")?,
+        ..problem_params(p, [&qo.s, &ko.s, &vo.s], plan.d_load, seq_k)?
     };
     if let Kernel::Sm90(i) = plan.kernel {
         let bf16 = T::DTYPE == DType::BF16;

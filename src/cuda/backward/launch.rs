@@ -13,11 +13,10 @@ use half::{bf16, f16};
 use super::instances::Sm90Bwd;
 use super::params::BwdParams;
 use super::plan::{plan, BwdDevice, Launch};
-use crate::cuda::launch::{caps, launch_function, launch_with_maps, tma_map};
+use crate::cuda::launch::{caps, launch_function, launch_with_maps, problem_params, tma_map};
 use crate::cuda::params::Params;
-use crate::cuda::plan::{Module, MAX_SEQ};
+use crate::cuda::plan::Module;
 use crate::problem::{Problem, Strides};
-use crate::semantics::LOG2_E;
 
 // SAFETY: `BwdParams` is `#[repr(C)]`, `Copy`, made of plain integers and floats (the forward
 // `Params` included), and its C twin is checked field by field at build time (see params.rs).
@@ -76,15 +75,6 @@ struct Storages<'a> {
 fn to_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x)
         .map_err(|_| candle::Error::Msg(format!("flash-attn backward: {what} = {x} exceeds i32")))
-}
-
-/// Window sides as the kernels read them: -1 unbounded, else clamped (see launch.rs).
-fn window_side(w: i64) -> i64 {
-    if w < 0 {
-        -1
-    } else {
-        w.min(MAX_SEQ as i64)
-    }
 }
 
 fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
@@ -201,8 +191,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         dsum.device_ptr_mut(&stream),
     );
     let acc_g = dq_accum.as_mut().map(|a| a.device_ptr_mut(&stream));
-    let (win_left, win_right) = p.window.as_i64();
-    let softcap = p.score.softcap;
     let fwd = Params {
         q: q_g.0 + p.q.offset as u64 * esize,
         k: k_g.0 + p.k.offset as u64 * esize,
@@ -212,45 +200,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         alibi: alibi_ptr,
         cu_q: cu_ptrs.0,
         cu_k: cu_ptrs.1,
-        q_batch: p.q.batch as i64,
-        q_seq: p.q.seq as i64,
-        q_head: p.q.head as i64,
-        q_dim: p.q.dim as i64,
-        k_batch: p.k.batch as i64,
-        k_seq: p.k.seq as i64,
-        k_head: p.k.head as i64,
-        k_dim: p.k.dim as i64,
-        v_batch: p.v.batch as i64,
-        v_seq: p.v.seq as i64,
-        v_head: p.v.head as i64,
-        v_dim: p.v.dim as i64,
-        o_seq: (p.heads * d) as i64,
-        o_head: d as i64,
-        lse_head: p.lse_head_stride() as i64,
-        win_left: window_side(win_left),
-        win_right: window_side(win_right),
-        seq_q: to_i32(p.max_seq_q, "seq_q")?,
-        seq_k: to_i32(p.max_seq_k, "seq_k")?,
-        heads: to_i32(p.heads, "heads")?,
-        kv_group: to_i32(p.heads / p.kv_heads, "heads")?,
-        d_load: to_i32(d, "head_dim")?,
-        d_out: to_i32(d, "head_dim")?,
-        scale_log2: p.score.scale * LOG2_E,
-        softcap,
-        scale_over_cap: if softcap > 0.0 {
-            p.score.scale / softcap
-        } else {
-            0.0
-        },
-        cap_log2: softcap * LOG2_E,
-        alibi_batch: to_i32(p.alibi_batch_stride, "alibi stride")?,
-        dv_splits: 1,
-        num_splits: 1,
-        m_tiles: 1,
-        total_q: to_i32(p.total_q, "total_q")?,
-        total_k: to_i32(p.varlen.as_ref().map_or(0, |vl| vl.total_k), "total_k")?,
-        page_shift: -1,
-        ..Params::default()
+        ..problem_params(p, [&p.q, &p.k, &p.v], d, p.max_seq_k)?
     };
     let params = BwdParams {
         fwd,
