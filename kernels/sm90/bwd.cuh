@@ -14,14 +14,18 @@
 //     S^T = K Q^T, dP^T = V dO^T            wgmma SS (K, V rows; Q, dO K-major)
 //     P^T = exp2(S^T log2e scale - lse), dS^T = P^T (dP^T - D) [(1 - tanh^2)]
 //     dV += P^T dO, dK += dS^T Q            wgmma RS (P^T, dS^T from registers; dO, Q MN-major)
-//   The next step's S^T and dP^T are issued before this step's dV / dK, and its P^T and dS^T
-//   computed while they run (FlashAttention-3's intra-warpgroup overlap).
 // dq: one block per (query tile of BM = 128 rows, head, batch), the forward kernel's shape;
 //   warpgroup w owns rows [64 w, 64 w + 64). Q and dO are loaded once, K and V stream BN keys at
-//   a time: S = Q K^T, dP = dO V^T (SS), dS = P (dP - D), dQ += dS K (RS, K MN-major), with the
-//   same overlap. Seven products per pair of tiles instead of the fused kernel's five, but no
-//   atomics.
+//   a time: S = Q K^T, dP = dO V^T (SS), dS = P (dP - D), dQ += dS K (RS, K MN-major). Seven
+//   products per pair of tiles instead of the fused kernel's five, but no atomics.
+// Scheduling within a block, per instance (src/cuda/backward/instances.rs picks them): one step
+//   at a time, the two warpgroups interleaving freely; the same with PINGPONG (they take turns
+//   issuing products, so one's element-wise work runs under the other's products); or OVERLAP
+//   (the next step's first products issued before this step's last ones, FlashAttention-3's
+//   intra-warpgroup overlap; more registers). Full tiles run an element-wise loop without mask
+//   tests; tiles a mask or a sequence end cuts run a second copy with them.
 // Both write their gradients once, from registers, in T (dK and dQ scaled by the softmax scale).
+// Grids are (heads, batch, tiles): every head's longest causal tiles launch first.
 #pragma once
 #include "backward/mma.cuh"
 #include "sm90/fwd.cuh"

@@ -148,9 +148,9 @@ impl Sm90Bwd {
 // Defaults from three H100 runs (BENCHMARKS.md, 2026-11-22, bf16 seq 2048 / 8192, causal or
 // not): the d 64 dK/dV kernel with 128-row steps (no overlap) ran 1.09-1.24x the 64-row one with
 // overlap; the d 128 pair with three stages and 128-key dQ tiles 1.05-1.16x two stages and
-// 64-key tiles; ping-pong ran d 64 1.05-1.12x faster (d 128: 0.98-1.13x, within the noise of
-// seq 2048, where identical kernels differed by up to 15% between runs), and three stages d 64
-// 1.00-1.03x.
+// 64-key tiles; ping-pong ran d 64 1.05-1.12x faster (d 128: 0.96-1.13x over two runs, within
+// the noise of seq 2048, where identical kernels differed by up to 15% between runs), and three
+// stages d 64 1.01-1.03x.
 pub const BWD_SM90: &[Sm90Bwd] = &[
     Sm90Bwd {
         name: "dkdv_d64",

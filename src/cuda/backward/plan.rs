@@ -7,7 +7,9 @@
 //! (`kernels/backward/generic.cuh`). Deterministic plans (the default) give dQ its own pass;
 //! otherwise one fused tensor-core kernel computes dK, dV and dQ = dS K per key tile, adds the
 //! latter into f32 sums with atomics (five matmuls per pair of tiles instead of seven,
-//! run-to-run bit differences in dq), and a last pass converts them.
+//! run-to-run bit differences in dq), and a last pass converts them. On compute capability 9.0
+//! such calls take the sm_90a pair instead (`kernels/sm90/bwd.cuh`, table `BWD_SM90`) in both
+//! modes, where an instance covers them.
 
 use candle::{bail, DType, Result};
 
