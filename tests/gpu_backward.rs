@@ -388,6 +388,80 @@ fn varlen_against_reference() {
     }
 }
 
+/// Packed sequences stay independent: NaN in every element of one sequence (q, k, v and the
+/// output gradient) leaves its neighbours' outputs and gradients bitwise unchanged. The Hopper
+/// kernels load whole tiles with the tensor copy engine, across sequence ends; the next
+/// sequence's rows must not reach this one's products (0 * NaN is NaN). Lengths put a partial
+/// tile at every tile size the kernels use; the poisoned sequence sits between two others.
+#[test]
+fn nan_in_one_sequence_stays_there() {
+    let Some(dev) = gpu() else { return };
+    let lens = [100usize, 77, 203];
+    let cu: Vec<u32> = std::iter::once(0)
+        .chain(lens.iter().scan(0u32, |a, &l| {
+            *a += l as u32;
+            Some(*a)
+        }))
+        .collect();
+    let total = cu[3] as usize;
+    let max = *lens.iter().max().unwrap();
+    let (p0, p1) = (cu[1] as usize, cu[2] as usize);
+    let cu_t = Tensor::new(cu.as_slice(), &dev).unwrap();
+    for (d, dtype) in [(64, DType::BF16), (128, DType::F16), (128, DType::BF16)] {
+        for opts in [FlashAttn::new(scale(d)), FlashAttn::new(scale(d)).causal()] {
+            let opts = on(&opts, &dev);
+            let (h, hk) = (4, 2);
+            let clean = [
+                randn(&[total, h, d], dtype, 21, &dev).unwrap(),
+                randn(&[total, hk, d], dtype, 22, &dev).unwrap(),
+                randn(&[total, hk, d], dtype, 23, &dev).unwrap(),
+                randn(&[total, h, d], dtype, 24, &dev).unwrap(),
+            ];
+            // Rows p0..p1 (sequence 1) replaced by NaN.
+            let poison = |t: &Tensor| {
+                let (_, heads, d) = t.dims3().unwrap();
+                let nan = Tensor::full(f32::NAN, (p1 - p0, heads, d), &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                Tensor::cat(
+                    &[
+                        &t.narrow(0, 0, p0).unwrap(),
+                        &nan,
+                        &t.narrow(0, p1, total - p1).unwrap(),
+                    ],
+                    0,
+                )
+                .unwrap()
+            };
+            let dirty: Vec<Tensor> = clean.iter().map(poison).collect();
+            let run = |t: &[Tensor]| {
+                let f = |q: &Tensor, k: &Tensor, v: &Tensor| {
+                    opts.forward_varlen(q, k, v, &cu_t, &cu_t, max, max)
+                };
+                let out = f(&t[0], &t[1], &t[2]).unwrap();
+                let (dq, dk, dv) = autograd(&t[0], &t[1], &t[2], &t[3], f).unwrap();
+                [out, dq, dk, dv]
+            };
+            let (a, b) = (run(&clean), run(&dirty));
+            for (name, x, y) in [
+                ("out", &a[0], &b[0]),
+                ("dq", &a[1], &b[1]),
+                ("dk", &a[2], &b[2]),
+                ("dv", &a[3], &b[3]),
+            ] {
+                for (seq, (lo, hi)) in [(0, (0, p0)), (2, (p1, total))] {
+                    assert_bitwise_eq(
+                        &format!("{dtype:?} d {d} {opts:?}: {name} of sequence {seq}"),
+                        &x.narrow(0, lo, hi - lo).unwrap(),
+                        &y.narrow(0, lo, hi - lo).unwrap(),
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Tests that read or set `CANDLE_FLASH_BWD_DETERMINISTIC` take this lock (the variable is
 /// process-wide and tests may run in parallel).
 static MODE: std::sync::Mutex<()> = std::sync::Mutex::new(());

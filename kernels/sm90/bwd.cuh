@@ -40,8 +40,8 @@ struct DkdvTraits {
     static constexpr int KV_BYTES = BN * D * 2;  // K or V of the key tile
     static constexpr int Q_BYTES = BQ * D * 2;   // Q or dO of one step
     static constexpr int L_FLOATS = 2 * BQ;      // lse (base 2) and D of one step
-    // Barriers: K/V full, full[s], empty[s].
-    static constexpr int BAR_BYTES = 8 * (1 + 2 * STAGES);
+    // Barriers: K/V full, full[s], empty[s], and the tail copies' own (see zero_tail).
+    static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES);
     static constexpr int SMEM =
         1024 + 2 * KV_BYTES + STAGES * 2 * Q_BYTES + STAGES * L_FLOATS * 4 + BAR_BYTES;
 };
@@ -53,10 +53,30 @@ struct DqTraits {
     static constexpr int THREADS = 128 * (NWG + 1);
     static constexpr int Q_BYTES = BM * D * 2;   // Q or dO of the tile
     static constexpr int KV_BYTES = BN * D * 2;  // K or V of one key tile
-    // Barriers: Q/dO full, full[s], empty[s].
-    static constexpr int BAR_BYTES = 8 * (1 + 2 * STAGES);
+    // Barriers: Q/dO full, full[s], empty[s], and the tail copies' own (see zero_tail).
+    static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES);
     static constexpr int SMEM = 1024 + 2 * Q_BYTES + 2 * STAGES * KV_BYTES + BAR_BYTES;
 };
+
+// Varlen operands are one packed run of rows, so a tile that reaches past its sequence's end
+// also holds the next sequence's first rows. The products multiply them by exact zeros, but
+// 0 * NaN is NaN: a non-finite value in one sequence would reach its neighbour's gradients. Such
+// tail tiles complete their copies on a barrier of their own; the producer warp then zeroes rows
+// [from, ROWS) of each [D/64][ROWS][64] tile (a 128-byte row holds its swizzled 16-byte chunks in
+// some order: whole rows are zeroed either way), orders the writes before the tensor cores'
+// reads (proxy fence) and only then signals the stage full.
+template <int D, int ROWS>
+__device__ __forceinline__ void zero_rows(unsigned char* tile, int from, int lane) {
+    const int n = (ROWS - from) * 8;  // 16-byte units per 64-column chunk
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+        for (int i = lane; i < n; i += 32)
+            *reinterpret_cast<uint4*>(tile + c * ROWS * 128 + from * 128 + i * 16) =
+                make_uint4(0, 0, 0, 0);
+}
+__device__ __forceinline__ void proxy_fence() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 
 // Consumer register budget: two warpgroups of 240 and a producer warpgroup of 24 fill the
 // register file (FlashAttention-3's backward split).
@@ -138,6 +158,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
     const uint32_t bar_kv = saddr(bars);
     auto bar_full = [&](int s) { return saddr(bars + 1 + s); };
     auto bar_empty = [&](int s) { return saddr(bars + 1 + STAGES + s); };
+    const uint32_t bar_tail = saddr(bars + 1 + 2 * STAGES);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     // Grid (K/V heads, batch, key tiles): the key tiles with the most query tiles (causal: the
@@ -151,6 +172,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
 
     if (tid == 0) {
         mbar_init(bar_kv, 1);
+        mbar_init(bar_tail, 1);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full(s), 32);          // the producer warp's lanes (lse and D)
             // Every consumer thread: each releases its own reads of the stage's lse and D
@@ -185,6 +207,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
                 tma_load_4d(saddr(sV + c * BN * 64), tv, bar_kv, c * 64, kvh, k_row, kb);
             }
         }
+        uint32_t tail_phase = 0;
         for (int s = 0; s < steps; ++s) {
             const int st = s % STAGES;
             if (s >= STAGES) mbar_wait(bar_empty(st), (uint32_t)(((s / STAGES) - 1) & 1));
@@ -197,19 +220,31 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
                 sl[r] = ok ? bwd::lse_log2(p.lse[l0 + r]) : INFINITY;
                 sl[BQ + r] = ok ? bp.dsum[l0 + r] : 0.f;
             }
+            // A varlen step past its sequence's end: its copies complete on bar_tail, then the
+            // rows of the next sequence are zeroed (zero_rows) before the stage is full.
+            const int valid = g.sq - m0;
+            const bool tail = p.cu_q && valid < BQ;
+            unsigned char* sq = sQ0 + st * 2 * Tr::Q_BYTES;
             if (lane == 0) {
-                T* sq = reinterpret_cast<T*>(sQ0 + st * 2 * Tr::Q_BYTES);
-                T* sdo = sq + BQ * D;
+                const uint32_t bar = tail ? bar_tail : bar_full(st);
                 const int q_row = (int)(g.q_row0 + m0);
                 const int o_row = p.cu_q ? (int)(g.out_row0 + m0) : m0;
-                mbar_expect_tx(bar_full(st), 2 * Tr::Q_BYTES);
+                mbar_expect_tx(bar, 2 * Tr::Q_BYTES);
 #pragma unroll
                 for (int c = 0; c < CH; ++c) {
-                    tma_load_4d(saddr(sq + c * BQ * 64), tq, bar_full(st), c * 64, h, q_row, qb);
-                    tma_load_4d(saddr(sdo + c * BQ * 64), tdo, bar_full(st), c * 64, h, o_row,
-                                qb);
+                    tma_load_4d(saddr(sq + c * BQ * 128), tq, bar, c * 64, h, q_row, qb);
+                    tma_load_4d(saddr(sq + Tr::Q_BYTES + c * BQ * 128), tdo, bar, c * 64, h,
+                                o_row, qb);
                 }
-            } else {
+            }
+            if (tail) {
+                mbar_wait(bar_tail, tail_phase);
+                tail_phase ^= 1;
+                zero_rows<D, BQ>(sq, valid, lane);
+                zero_rows<D, BQ>(sq + Tr::Q_BYTES, valid, lane);
+                proxy_fence();
+                mbar_arrive(bar_full(st));
+            } else if (lane != 0) {
                 mbar_arrive(bar_full(st));
             }
         }
@@ -408,6 +443,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
     const uint32_t bar_q = saddr(bars);
     auto bar_full = [&](int s) { return saddr(bars + 1 + s); };
     auto bar_empty = [&](int s) { return saddr(bars + 1 + STAGES + s); };
+    const uint32_t bar_tail = saddr(bars + 1 + 2 * STAGES);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     // Grid (heads, batch, query tiles), the last (longest causal) query tiles first.
@@ -420,8 +456,9 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
 
     if (tid == 0) {
         mbar_init(bar_q, 1);
+        mbar_init(bar_tail, 1);
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bar_full(s), 1);
+            mbar_init(bar_full(s), 32);  // the producer warp's lanes
             mbar_init(bar_empty(s), 4 * Tr::NWG);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -431,32 +468,52 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
 
     if (warp < 4) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(BWD_PRODUCER_REGS));
-        if (tid == 0) {
-            prefetch_map(tq);
-            prefetch_map(tk);
-            prefetch_map(tv);
-            prefetch_map(tdo);
+        if (warp == 0) {
+            // Lane 0 issues the copies; the whole warp zeroes the tails (zero_rows).
             const int kvh = h / p.kv_group;
-            const int qb = p.cu_q ? 0 : b, kb = p.cu_k ? 0 : b;
-            const int q_row = (int)(g.q_row0 + g.m0);
-            const int o_row = p.cu_q ? (int)(g.out_row0 + g.m0) : g.m0;
-            mbar_expect_tx(bar_q, 2 * Tr::Q_BYTES);
+            const int kb = p.cu_k ? 0 : b;
+            if (lane == 0) {
+                prefetch_map(tq);
+                prefetch_map(tk);
+                prefetch_map(tv);
+                prefetch_map(tdo);
+                const int qb = p.cu_q ? 0 : b;
+                const int q_row = (int)(g.q_row0 + g.m0);
+                const int o_row = p.cu_q ? (int)(g.out_row0 + g.m0) : g.m0;
+                mbar_expect_tx(bar_q, 2 * Tr::Q_BYTES);
 #pragma unroll
-            for (int c = 0; c < CH; ++c) {
-                tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
-                tma_load_4d(saddr(sdO + c * BM * 64), tdo, bar_q, c * 64, h, o_row, qb);
+                for (int c = 0; c < CH; ++c) {
+                    tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
+                    tma_load_4d(saddr(sdO + c * BM * 64), tdo, bar_q, c * 64, h, o_row, qb);
+                }
             }
+            uint32_t tail_phase = 0;
             for (int t = t_begin; t < t_end; ++t) {
                 const int it = t - t_begin, st = it % STAGES;
                 if (it >= STAGES) mbar_wait(bar_empty(st), (uint32_t)(((it / STAGES) - 1) & 1));
-                T* sk = reinterpret_cast<T*>(sK0 + st * 2 * Tr::KV_BYTES);
-                T* sv = sk + BN * D;
-                const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
-                mbar_expect_tx(bar_full(st), 2 * Tr::KV_BYTES);
+                unsigned char* sk = sK0 + st * 2 * Tr::KV_BYTES;
+                const int valid = g.sk - t * BN;
+                const bool tail = p.cu_k && valid < BN;
+                if (lane == 0) {
+                    const uint32_t bar = tail ? bar_tail : bar_full(st);
+                    const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
+                    mbar_expect_tx(bar, 2 * Tr::KV_BYTES);
 #pragma unroll
-                for (int c = 0; c < CH; ++c) {
-                    tma_load_4d(saddr(sk + c * BN * 64), tk, bar_full(st), c * 64, kvh, k_row, kb);
-                    tma_load_4d(saddr(sv + c * BN * 64), tv, bar_full(st), c * 64, kvh, k_row, kb);
+                    for (int c = 0; c < CH; ++c) {
+                        tma_load_4d(saddr(sk + c * BN * 128), tk, bar, c * 64, kvh, k_row, kb);
+                        tma_load_4d(saddr(sk + Tr::KV_BYTES + c * BN * 128), tv, bar, c * 64, kvh,
+                                    k_row, kb);
+                    }
+                }
+                if (tail) {
+                    mbar_wait(bar_tail, tail_phase);
+                    tail_phase ^= 1;
+                    zero_rows<D, BN>(sk, valid, lane);
+                    zero_rows<D, BN>(sk + Tr::KV_BYTES, valid, lane);
+                    proxy_fence();
+                    mbar_arrive(bar_full(st));
+                } else if (lane != 0) {
+                    mbar_arrive(bar_full(st));
                 }
             }
         }

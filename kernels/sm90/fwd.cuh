@@ -184,7 +184,9 @@ struct Traits {
     static constexpr int TILE_SLOTS = 2;
     static_assert(TILE_FULL_BAR + TILE_SLOTS <= TILE_EMPTY_BAR, "named barrier ranges");
     static_assert(TILE_EMPTY_BAR + TILE_SLOTS <= PP_BAR, "named barrier ranges");
-    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES) + 4 * TILE_SLOTS;
+    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q, a varlen tail's
+    // V (see the producer), then the tile ring's slots.
+    static constexpr int BAR_BYTES = 8 * (3 + 4 * STAGES) + 4 * TILE_SLOTS;
     // 1024 of slack to align the base to a swizzle atom.
     static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + BAR_BYTES;
     // setmaxnreg budgets (a multiple of 8; producer + NWG consumers within 512 per thread slot).
@@ -220,10 +222,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     auto bar_ek = [&](int s) { return saddr(bars + 1 + 2 * STAGES + s); };
     auto bar_ev = [&](int s) { return saddr(bars + 1 + 3 * STAGES + s); };
     const uint32_t bar_qe = saddr(bars + 1 + 4 * STAGES);
+    const uint32_t bar_tail = saddr(bars + 2 + 4 * STAGES);
     constexpr int SLOTS = Tr::TILE_SLOTS;
     // The tile ring's named barriers count the producer warp and every consumer thread.
     constexpr int SCHED_THREADS = 32 + 128 * NWG;
-    volatile int* tile_slot = reinterpret_cast<volatile int*>(bars + 2 + 4 * STAGES);
+    volatile int* tile_slot = reinterpret_cast<volatile int*>(bars + 3 + 4 * STAGES);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     // PERSIST: tile i of q_tiles x heads x batch, in the scheduler's order: groups of `group`
@@ -256,6 +259,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     if (tid == 0) {
         mbar_init(bar_q, 1);
         mbar_init(bar_qe, 4 * NWG);
+        mbar_init(bar_tail, 1);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_fk(s), 1);
             mbar_init(bar_fv(s), 1);
@@ -286,6 +290,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                 return __shfl_sync(0xffffffff, t, 0) + (int)gridDim.x;
             };
             int kv_it = 0, n_tile = 0;
+            uint32_t tail_phase = 0;
             int tile = PERSIST ? (int)blockIdx.x : 0;
             for (;;) {
                 int h, b;
@@ -331,11 +336,34 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                             tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s),
                                         c * 64, kvh, k_row, kb);
                         if (it >= STAGES) mbar_wait(bar_ev(s), ph ^ 1);
-                        mbar_expect_tx(bar_fv(s), Tr::KV_BYTES);
+                        // Varlen: a tile past the sequence's end also holds the next sequence's
+                        // first rows. P is exactly 0 there, but 0 * NaN is NaN: so such a V
+                        // tile lands on bar_tail, the rows of the last 16-row step the P V
+                        // product reads (it stops there, see the consumers) are zeroed, and only
+                        // then is the stage full. K needs nothing: its scores are masked by a
+                        // select.
+                        const int valid = g.sk - t * BN;
+                        const bool tail = p.cu_k && valid < BN;
+                        const uint32_t vbar = tail ? bar_tail : bar_fv(s);
+                        mbar_expect_tx(vbar, Tr::KV_BYTES);
 #pragma unroll
                         for (int c = 0; c < CH; ++c)
-                            tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, bar_fv(s),
-                                        c * 64, kvh, k_row, kb);
+                            tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, vbar, c * 64,
+                                        kvh, k_row, kb);
+                        if (tail) {
+                            mbar_wait(bar_tail, tail_phase);
+                            tail_phase ^= 1;
+                            const int end = min(BN, (valid + 15) / 16 * 16);
+                            for (int c = 0; c < CH; ++c)
+                                for (int r = valid; r < end; ++r)
+#pragma unroll
+                                    for (int u = 0; u < 8; ++u)
+                                        *reinterpret_cast<uint4*>(sV + s * BN * D + c * BN * 64 +
+                                                                  r * 64 + u * 8) =
+                                            make_uint4(0, 0, 0, 0);
+                            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                            mbar_arrive(bar_fv(s));
+                        }
                     }
                 }
                 if constexpr (PERSIST) __syncwarp();
@@ -402,12 +430,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
         }
     };
     // Issue O += P V of the tile in stage s.
-    auto issue_pv = [&](const uint32_t (*pa)[4], int s) {
+    // Issue O += P V of the tile in stage s, over its first nk 16-key steps (a varlen tail
+    // tile's last step ends its keys: the V rows after it are not read, see the producer).
+    auto issue_pv = [&](const uint32_t (*pa)[4], int s, int nk) {
         const uint64_t dv = make_desc(saddr(sV) + s * BN * D * 2, BN * 128, 1024);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             const uint64_t db = dv + (uint64_t)((kk * 16 * 128) >> 4);
-            mma_rs<T, D>(acc_o, pa[kk], db, 1);
+            if (kk < nk) mma_rs<T, D>(acc_o, pa[kk], db, 1);
         }
     };
     // Masks, score modifiers and the online softmax of tile t in place (acc_s becomes P in
@@ -506,7 +536,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             wg_fence();
             issue_s(acc_s, s);
             wg_commit();
-            issue_pv(pa, sp);
+            issue_pv(pa, sp, BN / 16);
             wg_commit();
             turn_end();
             wg_wait<1>();
@@ -530,10 +560,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
         // Last tile's P V.
         {
             const int it = kv_it + t_end - 1 - t_begin, sp = it % STAGES;
+            const int valid = g.sk - (t_end - 1) * BN;
+            const int nk = p.cu_k && valid < BN ? (valid + 15) / 16 : BN / 16;
             mbar_wait(bar_fv(sp), (uint32_t)((it / STAGES) & 1));
             turn_begin();
             wg_fence();
-            issue_pv(pa, sp);
+            issue_pv(pa, sp, nk);
             wg_commit();
             turn_end();
             wg_wait<0>();

@@ -157,7 +157,7 @@ impl Sm90Instance {
         let tile = self.rows() * self.d * 2;
         1024 + if self.o_in_q() { tile } else { 2 * tile }
             + 2 * self.stages * self.bn * self.d * 2
-            + 8 * (2 + 4 * self.stages)
+            + 8 * (3 + 4 * self.stages)
             + 8
     }
 }

@@ -137,11 +137,11 @@ impl Sm90Bwd {
 
     /// Dynamic shared memory: 1 KB of alignment slack, the block's two fixed tiles (K and V, or
     /// Q and dO), `stages` of the two streamed tiles (plus the step's lse and D for dK/dV),
-    /// then the mbarriers.
+    /// then the mbarriers (fixed tiles, full and empty per stage, varlen tails).
     pub const fn smem(&self) -> usize {
         let fixed = 2 * Self::BLOCK * self.d * 2;
         let stage = 2 * self.rows * self.d * 2 + if self.dkdv() { 2 * self.rows * 4 } else { 0 };
-        1024 + fixed + self.stages * stage + 8 * (1 + 2 * self.stages)
+        1024 + fixed + self.stages * stage + 8 * (2 + 2 * self.stages)
     }
 }
 
