@@ -324,20 +324,24 @@ fn bwd_instances_header() -> String {
         let kind = if i.dkdv() { "DKDV" } else { "DQ" };
         let mods: &[bool] = if i.mods { &[false, true] } else { &[false] };
         for &m in mods {
-            write!(
-                h,
-                " \\\n    FLASH_BWD_SM90_{kind}(flash_bwd_sm90_##TN##_{}{}, T, {}, {}, {}, {}, {}, {}, {})",
-                i.name,
-                if m { "_mods" } else { "" },
-                i.d,
-                i.rows,
-                i.stages,
-                i.overlap,
-                i.pingpong,
-                m,
-                i.smem()
-            )
-            .unwrap();
+            for varlen in [false, true] {
+                write!(
+                    h,
+                    " \\\n    FLASH_BWD_SM90_{kind}(flash_bwd_sm90_##TN##_{}{}{}, T, {}, {}, {}, {}, {}, {}, {}, {})",
+                    i.name,
+                    if varlen { "_varlen" } else { "" },
+                    if m { "_mods" } else { "" },
+                    i.d,
+                    i.rows,
+                    i.stages,
+                    i.overlap,
+                    i.pingpong,
+                    m,
+                    varlen,
+                    i.smem()
+                )
+                .unwrap();
+            }
         }
     }
     h.push('\n');

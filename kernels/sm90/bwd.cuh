@@ -61,7 +61,8 @@ struct DqTraits {
 // Varlen operands are one packed run of rows, so a tile that reaches past its sequence's end
 // also holds the next sequence's first rows. The products multiply them by exact zeros, but
 // 0 * NaN is NaN: a non-finite value in one sequence would reach its neighbour's gradients. Such
-// tail tiles complete their copies on a barrier of their own; the producer warp then zeroes rows
+// tail tiles (VARLEN instances: the planner's `_varlen` twins) complete their copies on a barrier
+// of their own; the producer warp then zeroes rows
 // [from, ROWS) of each [D/64][ROWS][64] tile (a 128-byte row holds its swizzled 16-byte chunks in
 // some order: whole rows are zeroed either way), orders the writes before the tensor cores'
 // reads (proxy fence) and only then signals the stage full.
@@ -137,7 +138,8 @@ __device__ __forceinline__ void pingpong_end(int wg) {
     if (wg == 0) named_sync(PP_BAR, 256);
 }
 
-template <typename T, int D, int BQ, int STAGES, bool OVERLAP, bool PINGPONG, bool MODS>
+template <typename T, int D, int BQ, int STAGES, bool OVERLAP, bool PINGPONG, bool MODS,
+          bool VARLEN>
 __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap* tq,
                                               const TmaMap* tk, const TmaMap* tv,
                                               const TmaMap* tdo) {
@@ -223,7 +225,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
             // A varlen step past its sequence's end: its copies complete on bar_tail, then the
             // rows of the next sequence are zeroed (zero_rows) before the stage is full.
             const int valid = g.sq - m0;
-            const bool tail = p.cu_q && valid < BQ;
+            const bool tail = VARLEN && valid < BQ;
             unsigned char* sq = sQ0 + st * 2 * Tr::Q_BYTES;
             if (lane == 0) {
                 const uint32_t bar = tail ? bar_tail : bar_full(st);
@@ -423,7 +425,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
     }
 }
 
-template <typename T, int D, int BN, int STAGES, bool OVERLAP, bool PINGPONG, bool MODS>
+template <typename T, int D, int BN, int STAGES, bool OVERLAP, bool PINGPONG, bool MODS,
+          bool VARLEN>
 __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* tq,
                                             const TmaMap* tk, const TmaMap* tv,
                                             const TmaMap* tdo) {
@@ -458,7 +461,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
         mbar_init(bar_q, 1);
         mbar_init(bar_tail, 1);
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bar_full(s), 32);  // the producer warp's lanes
+            mbar_init(bar_full(s), VARLEN ? 32 : 1);  // the producer's threads (see below)
             mbar_init(bar_empty(s), 4 * Tr::NWG);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -468,8 +471,9 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
 
     if (warp < 4) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(BWD_PRODUCER_REGS));
-        if (warp == 0) {
-            // Lane 0 issues the copies; the whole warp zeroes the tails (zero_rows).
+        // Lane 0 issues the copies; VARLEN instances run the loop in the whole warp, which zeroes
+        // the tails (zero_rows).
+        if (VARLEN ? warp == 0 : tid == 0) {
             const int kvh = h / p.kv_group;
             const int kb = p.cu_k ? 0 : b;
             if (lane == 0) {
@@ -493,7 +497,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
                 if (it >= STAGES) mbar_wait(bar_empty(st), (uint32_t)(((it / STAGES) - 1) & 1));
                 unsigned char* sk = sK0 + st * 2 * Tr::KV_BYTES;
                 const int valid = g.sk - t * BN;
-                const bool tail = p.cu_k && valid < BN;
+                const bool tail = VARLEN && valid < BN;
                 if (lane == 0) {
                     const uint32_t bar = tail ? bar_tail : bar_full(st);
                     const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
@@ -673,19 +677,19 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
 
 // Entry points: (BwdParams, then the tensor maps of q, k, v and dO). SMEM_BYTES is the planner's
 // figure (src/cuda/backward/instances.rs, `Sm90Bwd::smem`), pinned against the traits here.
-#define FLASH_BWD_SM90_DKDV(NAME, T, D, BQ, STAGES, OVERLAP, PINGPONG, MODS, SMEM_BYTES)                       \
+#define FLASH_BWD_SM90_DKDV(NAME, T, D, BQ, STAGES, OVERLAP, PINGPONG, MODS, VARLEN, SMEM_BYTES)                       \
     static_assert(sm90::DkdvTraits<D, BQ, STAGES>::SMEM == SMEM_BYTES, "instances.rs: " #NAME);     \
     extern "C" __global__ void __launch_bounds__(384, 1)                                       \
         NAME(const BwdParams p, const __grid_constant__ TmaMap tq,                             \
              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,             \
              const __grid_constant__ TmaMap tdo) {                                             \
-        sm90::bwd_dkdv_sm90<T, D, BQ, STAGES, OVERLAP, PINGPONG, MODS>(p, &tq, &tk, &tv, &tdo);          \
+        sm90::bwd_dkdv_sm90<T, D, BQ, STAGES, OVERLAP, PINGPONG, MODS, VARLEN>(p, &tq, &tk, &tv, &tdo);          \
     }
-#define FLASH_BWD_SM90_DQ(NAME, T, D, BN, STAGES, OVERLAP, PINGPONG, MODS, SMEM_BYTES)                         \
+#define FLASH_BWD_SM90_DQ(NAME, T, D, BN, STAGES, OVERLAP, PINGPONG, MODS, VARLEN, SMEM_BYTES)                         \
     static_assert(sm90::DqTraits<D, BN, STAGES>::SMEM == SMEM_BYTES, "instances.rs: " #NAME);       \
     extern "C" __global__ void __launch_bounds__(384, 1)                                       \
         NAME(const BwdParams p, const __grid_constant__ TmaMap tq,                             \
              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,             \
              const __grid_constant__ TmaMap tdo) {                                             \
-        sm90::bwd_dq_sm90<T, D, BN, STAGES, OVERLAP, PINGPONG, MODS>(p, &tq, &tk, &tv, &tdo);            \
+        sm90::bwd_dq_sm90<T, D, BN, STAGES, OVERLAP, PINGPONG, MODS, VARLEN>(p, &tq, &tk, &tv, &tdo);            \
     }

@@ -900,7 +900,7 @@ mod tests {
                     pl.function,
                     format!("flash_fwd_sm90_{}_d256_wg2", dname(dtype))
                 );
-                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_488));
+                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_496));
                 let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
                 assert!(
                     matches!(pl.kernel, Kernel::Sm90(i) if i.d == 256 && i.mods),
@@ -991,9 +991,9 @@ mod tests {
             }
             // The persistent default: one block per SM; 176-key tiles: one block per tile.
             let pl = pick(dtype, 128, 2048, &causal, &DeviceCaps::SM90);
-            assert_eq!((pl.grid, pl.smem), ((132, 1, 1), 197_720));
+            assert_eq!((pl.grid, pl.smem), ((132, 1, 1), 197_728));
             let pl = pick(dtype, 128, 8192, &plain, &DeviceCaps::SM90);
-            assert_eq!((pl.grid, pl.smem), ((64, 16, 2), 214_104));
+            assert_eq!((pl.grid, pl.smem), ((64, 16, 2), 214_112));
             // d 64 causal at seq 512 stays portable; softcap, windows keep the defaults.
             assert!(matches!(
                 pick(dtype, 64, 512, &causal, &DeviceCaps::SM90).kernel,
@@ -1044,7 +1044,7 @@ mod tests {
         assert_eq!(base.function, "flash_fwd_sm90_bf16_d128_wg2p");
         let mut o = base.clone();
         override_sm90(&mut o, &p, &caps, "wg2");
-        assert_eq!((o.grid, o.smem), ((16, 16, 8), 197_720));
+        assert_eq!((o.grid, o.smem), ((16, 16, 8), 197_728));
         let mut o = base.clone();
         override_sm90(&mut o, &p, &caps, "wg2p");
         assert_eq!(
@@ -1058,7 +1058,7 @@ mod tests {
         let mut o = base.clone();
         override_sm90(&mut o, &p, &caps, "wg2n176:3");
         assert_eq!(o.function, "flash_fwd_sm90_bf16_d128_wg2n176");
-        assert_eq!((o.grid, o.smem), ((16, 16, 8), 214_104));
+        assert_eq!((o.grid, o.smem), ((16, 16, 8), 214_112));
         assert!(matches!(o.kernel, Kernel::Sm90(i) if i.o_in_q() && i.variant() == "wg2n176"));
         // No 176-key d 64 instance: the plan stays.
         let p64 = mk(8, 2048, 32, 32, 64);

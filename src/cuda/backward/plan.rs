@@ -174,9 +174,11 @@ pub(crate) fn plan(
     };
     if let Some(pair) = pair {
         let dn = if dtype == DType::BF16 { "bf16" } else { "f16" };
+        // Packed sequences take the twins that zero the next sequence's rows in tail tiles.
+        let varlen = if p.varlen.is_some() { "_varlen" } else { "" };
         let launch = |i: &Sm90Bwd, tiles: usize, heads: u32| -> Result<Launch> {
             Ok(Launch {
-                function: format!("flash_bwd_sm90_{dn}_{}{suffix}", i.name),
+                function: format!("flash_bwd_sm90_{dn}_{}{varlen}{suffix}", i.name),
                 grid: (
                     heads,
                     batch,
@@ -509,6 +511,20 @@ mod tests {
         let v = plan(&p, DType::BF16, [0, 0], &H100, true, &["pp"]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_pp");
         assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_pp");
+        // Packed sequences take the `_varlen` twins (they zero the next sequence's rows).
+        let mut packed = p.clone();
+        packed.varlen = Some(crate::problem::VarLen {
+            batch: 2,
+            cu_q: vec![0, 300, 600],
+            cu_k: vec![0, 517, 1034],
+            max_seqlen_q: 300,
+            max_seqlen_k: 517,
+            total_k: 1034,
+            device: None,
+        });
+        let v = plan(&packed, DType::BF16, [0, 0], &H100, true, &[]).unwrap();
+        assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_varlen");
+        assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_varlen");
         // Misaligned output offsets, a broadcast K and too little shared memory: portable.
         assert!(plan(&p, DType::BF16, [4, 0], &H100, true, &[])
             .unwrap()
