@@ -40,7 +40,7 @@ struct DkdvTraits {
     static constexpr int KV_BYTES = BN * D * 2;  // K or V of the key tile
     static constexpr int Q_BYTES = BQ * D * 2;   // Q or dO of one step
     static constexpr int L_FLOATS = 2 * BQ;      // lse (base 2) and D of one step
-    // Barriers: K/V full, full[s], empty[s], and the tail copies' own (see zero_tail).
+    // Barriers: K/V full, full[s], empty[s], and the varlen tail copies' own (see zero_rows).
     static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES);
     static constexpr int SMEM =
         1024 + 2 * KV_BYTES + STAGES * 2 * Q_BYTES + STAGES * L_FLOATS * 4 + BAR_BYTES;
@@ -53,7 +53,7 @@ struct DqTraits {
     static constexpr int THREADS = 128 * (NWG + 1);
     static constexpr int Q_BYTES = BM * D * 2;   // Q or dO of the tile
     static constexpr int KV_BYTES = BN * D * 2;  // K or V of one key tile
-    // Barriers: Q/dO full, full[s], empty[s], and the tail copies' own (see zero_tail).
+    // Barriers: Q/dO full, full[s], empty[s], and the varlen tail copies' own (see zero_rows).
     static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES);
     static constexpr int SMEM = 1024 + 2 * Q_BYTES + 2 * STAGES * KV_BYTES + BAR_BYTES;
 };
@@ -62,10 +62,10 @@ struct DqTraits {
 // also holds the next sequence's first rows. The products multiply them by exact zeros, but
 // 0 * NaN is NaN: a non-finite value in one sequence would reach its neighbour's gradients. Such
 // tail tiles (VARLEN instances: the planner's `_varlen` twins) complete their copies on a barrier
-// of their own; the producer warp then zeroes rows
-// [from, ROWS) of each [D/64][ROWS][64] tile (a 128-byte row holds its swizzled 16-byte chunks in
-// some order: whole rows are zeroed either way), orders the writes before the tensor cores'
-// reads (proxy fence) and only then signals the stage full.
+// of their own; the producer warp then zeroes rows [from, ROWS) of each [D/64][ROWS][64] tile (a
+// 128-byte row holds its swizzled 16-byte chunks in some order: whole rows are zeroed either
+// way), orders the writes before the tensor cores' reads (proxy fence) and only then signals the
+// stage full.
 template <int D, int ROWS>
 __device__ __forceinline__ void zero_rows(unsigned char* tile, int from, int lane) {
     const int n = (ROWS - from) * 8;  // 16-byte units per 64-column chunk
