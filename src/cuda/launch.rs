@@ -605,7 +605,8 @@ impl Sm90Args {
 }
 
 /// Loads `function` from `module`, opts into its `smem` bytes of dynamic shared memory and
-/// launches it with its parameters: every forward and backward kernel goes through here.
+/// launches it with its parameter struct: every forward and backward kernel goes through here
+/// or [`launch_with_maps`].
 pub(crate) fn launch_function<P: DeviceRepr>(
     dev: &CudaDevice,
     module: Module,
@@ -615,19 +616,11 @@ pub(crate) fn launch_function<P: DeviceRepr>(
     smem: usize,
     params: &P,
 ) -> Result<()> {
-    launch_args(
-        dev,
-        module,
-        function,
-        grid,
-        threads,
-        smem,
-        Args::One(params),
-    )
+    launch_with_maps(dev, module, function, grid, threads, smem, params, &[])
 }
 
-/// Loads `function` from `module` and launches it with a parameter struct followed by tensor
-/// maps (`__grid_constant__` parameters): the sm_90a backward kernels.
+/// As [`launch_function`], the parameter struct followed by tensor maps (`__grid_constant__`
+/// parameters): the sm_90a backward kernels.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_with_maps<P: DeviceRepr>(
     dev: &CudaDevice,
@@ -650,10 +643,9 @@ pub(crate) fn launch_with_maps<P: DeviceRepr>(
     )
 }
 
-/// What a launch pushes: one parameter struct, the sm_90a forward kernels' four parameters, or
-/// a parameter struct and tensor maps.
+/// What a launch pushes: the sm_90a forward kernels' parameters, or a parameter struct and
+/// tensor maps (none for most kernels).
 enum Args<'p, P: DeviceRepr> {
-    One(&'p P),
     Sm90(&'p Sm90Args),
     Maps(&'p P, &'p [TmaMap]),
 }
@@ -694,9 +686,6 @@ fn launch_args<P: DeviceRepr>(
     };
     let mut builder = func.builder();
     match args {
-        Args::One(p) => {
-            builder.arg(p);
-        }
         Args::Sm90(a) => a.push(&mut builder),
         Args::Maps(p, maps) => {
             builder.arg(p);
