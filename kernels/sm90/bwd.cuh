@@ -25,7 +25,11 @@
 //   intra-warpgroup overlap; more registers). Full tiles run an element-wise loop without mask
 //   tests; tiles a mask or a sequence end cuts run a second copy with them.
 // Both write their gradients once, from registers, in T (dK and dQ scaled by the softmax scale).
-// Grids are (heads, batch, tiles): every head's longest causal tiles launch first.
+// Grids are (tiles, heads, batch), the tile index fastest: the blocks resident at once are the
+// tiles of a few heads, which read the same streamed operand (Q and dO, or K and V) at about the
+// same time, so most of those reads hit L2. (With the tile index last, they were as many
+// different heads as SMs, whose streams did not fit L2 at short sequences.) Within a head the
+// tiles with the most work (causal: the first key tiles, the last query tiles) launch first.
 #pragma once
 #include "backward/mma.cuh"
 #include "sm90/fwd.cuh"
@@ -163,13 +167,12 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
     const uint32_t bar_tail = saddr(bars + 1 + 2 * STAGES);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    // Grid (K/V heads, batch, key tiles): the key tiles with the most query tiles (causal: the
-    // first) launch first for every head.
-    const int kvh = blockIdx.x, b = blockIdx.y;
+    // Grid (key tiles, K/V heads, batch): see the header on the order.
+    const int kvh = blockIdx.y, b = blockIdx.z;
     BlockGeom g;
     bwd::KeyTile kt;
     // Uniform over the block: a key tile past its sequence has no gradient to write.
-    if (!bwd::key_tile<BN, BQ>(p, b, (int)blockIdx.z, g, kt)) return;
+    if (!bwd::key_tile<BN, BQ>(p, b, (int)blockIdx.x, g, kt)) return;
     const int steps = kt.m_count * p.kv_group;
 
     if (tid == 0) {
@@ -449,11 +452,11 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
     const uint32_t bar_tail = saddr(bars + 1 + 2 * STAGES);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    // Grid (heads, batch, query tiles), the last (longest causal) query tiles first.
-    const int h = blockIdx.x, b = blockIdx.y;
+    // Grid (query tiles, heads, batch), the last (longest causal) query tile of a head first.
+    const int h = blockIdx.y, b = blockIdx.z;
     BlockGeom g;
     // Uniform over the block.
-    if (!block_geom(p, (int)gridDim.z - 1 - (int)blockIdx.z, BM, h, b, g)) return;
+    if (!block_geom(p, (int)gridDim.x - 1 - (int)blockIdx.x, BM, h, b, g)) return;
     const int t_begin = g.n_lo / BN;
     const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
 

@@ -164,15 +164,9 @@ pub(crate) fn plan(
     };
     let mods = p.has_alibi || p.score.softcap > 0.0;
     let suffix = if mods { "_mods" } else { "" };
-    // The Hopper grids put the tile index last (grid.z, at most 65535 tiles: sequences up to
-    // 8M), so the blocks of every head with the most work (causal: the first key tiles, the
-    // last query tiles) launch first and the short ones fill the tail.
-    let max_seq = p.max_seq_q.max(p.max_seq_k);
-    let pair = match sm90_pair(p, dtype, offsets, dev, variants) {
-        Some(pair) if max_seq.div_ceil(Sm90Bwd::BLOCK) <= 65535 => Some(pair),
-        _ => None,
-    };
-    if let Some(pair) = pair {
+    // The Hopper grids put the tile index first, as the tensor-core grids below do: blocks
+    // resident together share their streamed operands through L2 (kernels/sm90/bwd.cuh).
+    if let Some(pair) = sm90_pair(p, dtype, offsets, dev, variants) {
         let dn = if dtype == DType::BF16 { "bf16" } else { "f16" };
         // Packed sequences take the twins that zero the next sequence's rows in tail tiles.
         let varlen = if p.varlen.is_some() { "_varlen" } else { "" };
@@ -180,9 +174,9 @@ pub(crate) fn plan(
             Ok(Launch {
                 function: format!("flash_bwd_sm90_{dn}_{}{varlen}{suffix}", i.name),
                 grid: (
+                    to_u32(tiles.div_ceil(Sm90Bwd::BLOCK), "tiles")?,
                     heads,
                     batch,
-                    to_u32(tiles.div_ceil(Sm90Bwd::BLOCK), "tiles")?,
                 ),
                 threads: Sm90Bwd::THREADS as u32,
                 smem: i.smem(),
@@ -480,8 +474,9 @@ mod tests {
                             format!("flash_bwd_sm90_{dn}_dq_d{d}{suffix}")
                         );
                         assert!(!pl.atomic && pl.mma.is_none(), "{what}");
-                        assert_eq!(pl.dkdv.grid, (3, 2, 5), "{what}");
-                        assert_eq!(pl.dq.grid, (6, 2, 3), "{what}");
+                        // Tile index first: 517 keys in 5 key tiles, 300 rows in 3 query tiles.
+                        assert_eq!(pl.dkdv.grid, (5, 3, 2), "{what}");
+                        assert_eq!(pl.dq.grid, (3, 6, 2), "{what}");
                         assert_eq!((pl.dkdv.threads, pl.dq.threads), (384, 384));
                         for (l, i) in [
                             (&pl.dkdv, pl.sm90.unwrap()[0]),
