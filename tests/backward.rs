@@ -589,3 +589,10 @@ fn large_scores_with_one_winner() {
         }
     }
 }
+
+/// `FlashAttn::backward` (no autograd) gives bitwise the gradients of `loss.backward()`, and
+/// refuses saved results that do not fit the call.
+#[test]
+fn explicit_backward_matches_autograd() {
+    common::grad::explicit_backward_matches_autograd(&Device::Cpu, &[DType::F32, DType::BF16]);
+}

@@ -605,3 +605,11 @@ fn sanitizer_shapes() {
     }
     std::env::remove_var("CANDLE_FLASH_BWD_DETERMINISTIC");
 }
+
+/// `FlashAttn::backward` (no autograd) gives bitwise the gradients of `loss.backward()` on the
+/// GPU (the Hopper kernels there for bf16), and refuses saved results that do not fit the call.
+#[test]
+fn explicit_backward_matches_autograd() {
+    let Some(dev) = gpu() else { return };
+    common::grad::explicit_backward_matches_autograd(&dev, &[DType::F32, DType::BF16]);
+}

@@ -251,6 +251,94 @@ impl FlashAttn {
         self.run(problem, q, k, v)
     }
 
+    /// Gradients of q, k and v for the output gradient `grad_out`, from the `out` and `lse` that
+    /// [`forward_with_lse`](Self::forward_with_lse) returned for the same q, k, v and options:
+    /// the kernels `loss.backward()` runs, without autograd (custom training loops, activation
+    /// recomputation). `grad_out` has the output's shape and any float dtype (it is converted
+    /// to q's). Returns contiguous dq, dk, dv shaped and typed like q, k, v.
+    ///
+    /// ```
+    /// use candle::{Device, Tensor};
+    /// use candle_flash::FlashAttn;
+    /// let q = Tensor::randn(0f32, 1., (1, 5, 4, 16), &Device::Cpu)?;
+    /// let kv = Tensor::randn(0f32, 1., (1, 7, 2, 16), &Device::Cpu)?;
+    /// let op = FlashAttn::new(0.25).causal();
+    /// let (out, lse) = op.forward_with_lse(&q, &kv, &kv)?;
+    /// let (dq, dk, dv) = op.backward(&q, &kv, &kv, &out, &out.ones_like()?, &lse)?;
+    /// assert_eq!((dq.dims(), dk.dims(), dv.dims()), (q.dims(), kv.dims(), kv.dims()));
+    /// # Ok::<(), candle::Error>(())
+    /// ```
+    pub fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+        lse: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let problem = self.problem(q, k, v, None)?;
+        self.run_backward(problem, [q, k, v], out, grad_out, lse)
+    }
+
+    /// [`backward`](Self::backward) for a packed variable-length batch, with the arguments of
+    /// [`forward_varlen_with_lse`](Self::forward_varlen_with_lse).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_varlen(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+        lse: &Tensor,
+        seqlens_q: &Tensor,
+        seqlens_k: &Tensor,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        if self.block_table.is_some() {
+            bail!("flash-attn backward: paged K/V calls have no backward pass (inference only)")
+        }
+        let vl = read_seqlens(
+            q,
+            k,
+            seqlens_q,
+            seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            false,
+        )?;
+        let problem = self.problem(q, k, v, Some(vl))?;
+        self.run_backward(problem, [q, k, v], out, grad_out, lse)
+    }
+
+    fn run_backward(
+        &self,
+        problem: Problem,
+        [q, k, v]: [&Tensor; 3],
+        out: &Tensor,
+        grad_out: &Tensor,
+        lse: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        validate::check_saved(&problem, q, out, grad_out, lse)?;
+        if problem.out_shape().iter().product::<usize>() == 0 {
+            // No query row: nothing flows back (dk and dv are zero too).
+            let z = |t: &Tensor| empty_zeros(t.dims(), t.dtype(), t.device());
+            return Ok((z(q)?, z(k)?, z(v)?));
+        }
+        backward::backward(
+            &problem,
+            self.alibi_slopes.as_ref(),
+            q,
+            k,
+            v,
+            out,
+            grad_out,
+            lse,
+        )
+    }
+
     fn run(
         &self,
         problem: Problem,

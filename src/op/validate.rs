@@ -181,6 +181,53 @@ impl FlashAttn {
     }
 }
 
+/// The saved forward results and the output gradient handed to [`FlashAttn::backward`]: `out`
+/// and `grad_out` in the output's shape (`out` in q's dtype, `grad_out` in any float dtype),
+/// `lse` f32 in the log-sum-exp's shape, all on q's device.
+pub(super) fn check_saved(
+    p: &Problem,
+    q: &Tensor,
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
+) -> Result<()> {
+    let (out_shape, lse_shape) = (p.out_shape(), p.lse_shape());
+    for (name, t) in [("out", out), ("grad_out", grad_out)] {
+        if t.dims() != out_shape.as_slice() {
+            bail!(
+                "flash-attn backward: {name} must have the output's shape {out_shape:?}, got {:?}",
+                t.dims()
+            )
+        }
+        check_device(name, t, q)?;
+    }
+    if out.dtype() != q.dtype() {
+        bail!(
+            "flash-attn backward: out must have q's dtype {:?}, got {:?}",
+            q.dtype(),
+            out.dtype()
+        )
+    }
+    if !matches!(
+        grad_out.dtype(),
+        DType::F16 | DType::BF16 | DType::F32 | DType::F64
+    ) {
+        bail!(
+            "flash-attn backward: grad_out must be a float tensor, got {:?}",
+            grad_out.dtype()
+        )
+    }
+    if lse.dims() != lse_shape.as_slice() || lse.dtype() != DType::F32 {
+        bail!(
+            "flash-attn backward: lse must be f32 of shape {lse_shape:?} (forward_with_lse), got \
+             {:?} {:?}",
+            lse.dtype(),
+            lse.dims()
+        )
+    }
+    check_device("lse", lse, q)
+}
+
 /// `t` (the argument `name`) must live on q's device.
 fn check_device(name: &str, t: &Tensor, q: &Tensor) -> Result<()> {
     if !t.device().same_device(q.device()) {

@@ -328,3 +328,85 @@ pub fn finite_where(g: &Grads, r: &RefGrads) -> bool {
         .iter()
         .all(|(t, r)| max_abs_err_slice(&values(t).unwrap(), r).is_some())
 }
+
+// ---------------------------------------------------------------------------------------------
+// The explicit backward (`FlashAttn::backward`), for the CPU and GPU backward tests.
+
+/// `FlashAttn::backward` and `backward_varlen` on `dev` give bitwise the gradients that
+/// `loss.backward()` gives through the op (dense with GQA, a causal window, softcap and ALiBi,
+/// q transposed in storage; varlen with an empty sequence), in each of `dtypes`; and refuse
+/// saved results that do not belong to the call, naming the argument.
+pub fn explicit_backward_matches_autograd(dev: &candle::Device, dtypes: &[DType]) {
+    use super::{assert_bitwise_eq, randn, transposed_view};
+    let slopes = Tensor::new(&[0.3f32, 0.1, 0.5, 0.05, 0.2, 0.0], dev).unwrap();
+    let cases = [
+        FlashAttn::new(0.125),
+        FlashAttn::new(0.125)
+            .window(Some(30), Some(0))
+            .softcap(4.0)
+            .alibi(&slopes),
+    ];
+    for &dtype in dtypes {
+        for (n, opts) in cases.iter().enumerate() {
+            let what = format!("{dtype:?} case {n}");
+            let (b, sq, sk, h, hk, d) = (2, 77, 91, 6, 2, 64);
+            let q = randn(&[b, sq, h, d], dtype, 10 + n as u64, dev).unwrap();
+            let k = randn(&[b, sk, hk, d], dtype, 20, dev).unwrap();
+            let v = randn(&[b, sk, hk, d], dtype, 30, dev).unwrap();
+            let g = randn(&[b, sq, h, d], dtype, 40, dev).unwrap();
+            let q = transposed_view(&q).unwrap();
+            let want = autograd(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v)).unwrap();
+            let (out, lse) = opts.forward_with_lse(&q, &k, &v).unwrap();
+            let got = opts.backward(&q, &k, &v, &out, &g, &lse).unwrap();
+            assert_bitwise_eq(&format!("{what} dq"), &got.0, &want.0);
+            assert_bitwise_eq(&format!("{what} dk"), &got.1, &want.1);
+            assert_bitwise_eq(&format!("{what} dv"), &got.2, &want.2);
+
+            // Saved results of another call, or of the wrong kind: errors naming them.
+            let expect_err = |r: Result<(Tensor, Tensor, Tensor)>, name: &str| {
+                let e = r.expect_err(name).to_string();
+                assert!(e.contains(name), "{what}: {e:?} does not name {name}");
+            };
+            let short = out.narrow(1, 0, sq - 1).unwrap();
+            expect_err(opts.backward(&q, &k, &v, &short, &g, &lse), "out");
+            expect_err(opts.backward(&q, &k, &v, &out, &short, &lse), "grad_out");
+            let lse16 = lse.to_dtype(DType::F16).unwrap();
+            expect_err(opts.backward(&q, &k, &v, &out, &g, &lse16), "lse");
+            let lse_t = lse.narrow(2, 1, sq - 1).unwrap();
+            expect_err(opts.backward(&q, &k, &v, &out, &g, &lse_t), "lse");
+            let other = if dtype == DType::F32 {
+                DType::BF16
+            } else {
+                DType::F32
+            };
+            let out_x = out.to_dtype(other).unwrap();
+            expect_err(opts.backward(&q, &k, &v, &out_x, &g, &lse), "out");
+            let g_int = g.to_dtype(DType::U32).unwrap();
+            expect_err(opts.backward(&q, &k, &v, &out, &g_int, &lse), "grad_out");
+        }
+        // Varlen: three sequences, the middle one without queries.
+        let cu_q = [0u32, 37, 37, 120];
+        let cu_k = [0u32, 50, 61, 140];
+        let (h, hk, d) = (4, 2, 64);
+        let opts = FlashAttn::new(0.125).causal();
+        let q = randn(&[120, h, d], dtype, 50, dev).unwrap();
+        let k = randn(&[140, hk, d], dtype, 51, dev).unwrap();
+        let v = randn(&[140, hk, d], dtype, 52, dev).unwrap();
+        let g = randn(&[120, h, d], dtype, 53, dev).unwrap();
+        let cq = Tensor::new(&cu_q, dev).unwrap();
+        let ck = Tensor::new(&cu_k, dev).unwrap();
+        let want = autograd(&q, &k, &v, &g, |q, k, v| {
+            opts.forward_varlen(q, k, v, &cq, &ck, 83, 79)
+        })
+        .unwrap();
+        let (out, lse) = opts
+            .forward_varlen_with_lse(&q, &k, &v, &cq, &ck, 83, 79)
+            .unwrap();
+        let got = opts
+            .backward_varlen(&q, &k, &v, &out, &g, &lse, &cq, &ck, 83, 79)
+            .unwrap();
+        assert_bitwise_eq(&format!("{dtype:?} varlen dq"), &got.0, &want.0);
+        assert_bitwise_eq(&format!("{dtype:?} varlen dk"), &got.1, &want.1);
+        assert_bitwise_eq(&format!("{dtype:?} varlen dv"), &got.2, &want.2);
+    }
+}
