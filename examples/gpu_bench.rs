@@ -22,10 +22,15 @@
 //! Lines starting with `RESULT` are for scripts (scripts/gpu-run.sh builds its table from them).
 //!
 //! `--backward` times the backward pass instead (only): bf16 and f16, d 64 and 128, the same
-//! shapes, causal and not. The forward runs once outside the clock; each timed call is
-//! `out.backward()` on the same graph (candle seeds dO with ones and allocates the gradients, as
-//! PyTorch's `out.backward(dO)` does). TFLOP/s counts 2.5 times the forward's flops (FA's
-//! convention: five matmuls instead of two). Lines start with `RESULT_BWD`.
+//! shapes, causal and not. The forward runs once outside the clock. Two timings per shape:
+//! * `FlashAttn::backward` from the saved output and log-sum-exp with a random dO, what
+//!   scripts/sdpa_bench.py times for PyTorch (`torch.autograd.grad` of SDPA's output with dO:
+//!   the attention backward, no accumulation into existing gradients); `RESULT_BWD candle`;
+//! * `out.backward()` on the same graph (`RESULT_BWD candle_autograd`), which adds candle's
+//!   autograd bookkeeping: a ones dO, then a zeros tensor and an add for each of q, k and v
+//!   (about 1 GiB of memory traffic at these shapes); `--no-autograd` skips it.
+//!
+//! TFLOP/s counts 2.5 times the forward's flops (FA's convention: five matmuls instead of two).
 
 use std::time::Instant;
 
@@ -55,6 +60,9 @@ struct Args {
     /// --backward; e.g. for a profiler).
     #[arg(long)]
     shape: Option<String>,
+    /// With --backward: skip the timing through `out.backward()`.
+    #[arg(long)]
+    no_autograd: bool,
 }
 
 /// Columns of `--csv` (one row per implementation and shape), as scripts/plot.py reads them.
@@ -152,7 +160,7 @@ fn main() -> Result<()> {
         }
     };
     if args.backward {
-        return backward_section(&dev, seqs, budget, args.quick, shape);
+        return backward_section(&dev, seqs, budget, args.quick, shape, !args.no_autograd);
     }
     let (dims, seqs): (Vec<usize>, Vec<usize>) = match shape {
         Some((d, s)) if HIDDEN.is_multiple_of(d) && s > 0 => (vec![d], vec![s]),
@@ -298,11 +306,12 @@ fn backward_section(
     budget: f64,
     quick: bool,
     shape: Option<(usize, usize)>,
+    autograd: bool,
 ) -> Result<()> {
     println!("candle-flash CUDA backward, hidden {HIDDEN}, {TOKENS} tokens per batch");
     println!(
-        "{:<6} {:>4} {:>6} {:>6} {:>4} {:>7} {:>10} {:>9}",
-        "dtype", "d", "seq", "batch", "h", "causal", "ms", "TFLOP/s"
+        "{:<6} {:>4} {:>6} {:>6} {:>4} {:>7} {:>10} {:>9} {:>10} {:>9}",
+        "dtype", "d", "seq", "batch", "h", "causal", "ms", "TFLOP/s", "autograd", "TFLOP/s"
     );
     let dtypes: &[DType] = if quick {
         &[DType::BF16]
@@ -327,20 +336,40 @@ fn backward_section(
                     if causal {
                         op = op.causal();
                     }
-                    let out = op.forward(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+                    let (qt, kt, vt) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+                    let (out, lse) = op.forward_with_lse(qt, kt, vt)?;
+                    let dout = Tensor::randn(0f32, 1.0, (b, s, h, d), dev)?.to_dtype(dtype)?;
                     let t = time(dev, budget, || {
-                        let g = out.backward()?;
-                        g.get(q.as_tensor())
-                            .cloned()
-                            .ok_or_else(|| candle::Error::Msg("no gradient reached q".into()))
+                        Ok(op.backward(qt, kt, vt, &out, &dout, &lse)?.0)
                     })?;
-                    let tf = 2.5 * flops(b, h, s, d, causal) / t / 1e12;
+                    let t_autograd = match autograd {
+                        false => None,
+                        true => Some(time(dev, budget, || {
+                            let g = out.backward()?;
+                            g.get(qt)
+                                .cloned()
+                                .ok_or_else(|| candle::Error::Msg("no gradient reached q".into()))
+                        })?),
+                    };
+                    let tflops = |t: f64| 2.5 * flops(b, h, s, d, causal) / t / 1e12;
                     let dname = format!("{dtype:?}").to_lowercase();
+                    let (ag_ms, ag_tf) = match t_autograd {
+                        Some(t) => (format!("{:.3}", t * 1e3), format!("{:.1}", tflops(t))),
+                        None => ("-".into(), "-".into()),
+                    };
                     println!(
-                        "{dname:<6} {d:>4} {s:>6} {b:>6} {h:>4} {causal:>7} {:>10.3} {tf:>9.1}",
-                        t * 1e3
+                        "{dname:<6} {d:>4} {s:>6} {b:>6} {h:>4} {causal:>7} {:>10.3} {:>9.1} {ag_ms:>10} {ag_tf:>9}",
+                        t * 1e3,
+                        tflops(t)
                     );
-                    println!("RESULT_BWD candle {dname} {d} {s} {causal} {tf:.2}");
+                    println!(
+                        "RESULT_BWD candle {dname} {d} {s} {causal} {:.2}",
+                        tflops(t)
+                    );
+                    if let Some(t) = t_autograd {
+                        let tf = tflops(t);
+                        println!("RESULT_BWD candle_autograd {dname} {d} {s} {causal} {tf:.2}");
+                    }
                 }
             }
         }

@@ -80,16 +80,16 @@ if [ $BENCH = 1 ]; then
     "$D/gpu_bench" --backward $QUICK 2>&1 | tee "$LOG/bench-backward.log" | grep -v '^RESULT'
     : > "$LOG/bench-backward-atomic.log"
     if [ $ATOMIC = 1 ]; then
-        CANDLE_FLASH_BWD_DETERMINISTIC=0 "$D/gpu_bench" --backward $QUICK 2>&1 \
+        CANDLE_FLASH_BWD_DETERMINISTIC=0 "$D/gpu_bench" --backward --no-autograd $QUICK 2>&1 \
             | sed 's/^RESULT_BWD candle /RESULT_BWD candle_atomic /' | tee "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
     fi
     if [ $HOPPER = 1 ]; then
         echo "== backward: candle-flash with CANDLE_FLASH_PORTABLE=1 (sm_80 kernels)"
-        CANDLE_FLASH_PORTABLE=1 "$D/gpu_bench" --backward $QUICK 2>&1 \
+        CANDLE_FLASH_PORTABLE=1 "$D/gpu_bench" --backward --no-autograd $QUICK 2>&1 \
             | sed 's/^RESULT_BWD candle /RESULT_BWD candle_portable /' | tee -a "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
         for v in $VARIANT; do
             echo "== backward: candle-flash with CANDLE_FLASH_BWD_SM90_VARIANT=$v"
-            CANDLE_FLASH_BWD_SM90_VARIANT=$v "$D/gpu_bench" --backward $QUICK 2>&1 \
+            CANDLE_FLASH_BWD_SM90_VARIANT=$v "$D/gpu_bench" --backward --no-autograd $QUICK 2>&1 \
                 | sed "s/^RESULT_BWD candle /RESULT_BWD variant:$v /" | tee -a "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
         done
     fi
@@ -102,26 +102,7 @@ if [ $BENCH = 1 ]; then
     echo "== backward: PyTorch SDPA"
     python3 "$D/sdpa_bench.py" --backward $QUICK 2>&1 | tee "$LOG/sdpa-backward.log" | grep -v '^RESULT'
     echo "== backward side by side (TFLOP/s at 2.5x the forward's flops; ratios = candle / torch)"
-    cat "$LOG/bench-backward.log" "$LOG/bench-backward-atomic.log" "$LOG/sdpa-backward.log" | python3 -c '
-import sys
-r = {}
-for l in sys.stdin:
-    p = l.split()
-    if len(p) == 7 and p[0] == "RESULT_BWD":
-        r[(p[1], p[2], int(p[3]), int(p[4]), p[5])] = float(p[6])
-keys = sorted({k[1:] for k in r}, key=lambda k: (k[0], k[1], k[3], k[2]))
-variants = sorted({k[0] for k in r if k[0].startswith("variant:")})
-head = ["candle-flash", "atomic dQ", "portable"] + variants + ["torch flash", "torch cuDNN", "vs flash", "vs cuDNN", "vs portable"] + [v + " vs flash" for v in variants]
-print("| dtype | d | seq | causal | " + " | ".join(head) + " |")
-print("|---" * (4 + len(head)) + "|")
-fmt = lambda x: f"{x:.1f}" if x else "-"
-rat = lambda x, y: f"{x / y:.2f}" if x and y else "-"
-for k in keys:
-    c, a, p, f, n = (r.get((s,) + k) for s in ("candle", "candle_atomic", "candle_portable", "torch_flash", "torch_cudnn"))
-    vs = [r.get((v,) + k) for v in variants]
-    cells = [fmt(c), fmt(a), fmt(p)] + [fmt(x) for x in vs] + [fmt(f), fmt(n), rat(c, f), rat(c, n), rat(c, p)] + [rat(x, f) for x in vs]
-    print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(cells) + " |")
-' | tee "$LOG/table-backward.md"
+    cat "$LOG/bench-backward.log" "$LOG/bench-backward-atomic.log" "$LOG/sdpa-backward.log" | python3 "$D/bwd_table.py" | tee "$LOG/table-backward.md"
 fi
 cd "$LOG" && tar czf logs.tgz *.log 2>/dev/null && rm -f *.log
 exit $status

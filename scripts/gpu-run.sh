@@ -122,32 +122,17 @@ if [ $BACKWARD = 1 ]; then
         if [ "$HOPPER" = 1 ]; then
             # The Hopper kernels serve both modes; the portable ones are the comparison here.
             echo "== backward: candle-flash with CANDLE_FLASH_PORTABLE=1 (the sm_80 kernels)"
-            CANDLE_FLASH_PORTABLE=1 ./.gpu/gpu_bench --backward $QUICK 2>&1 \
+            CANDLE_FLASH_PORTABLE=1 ./.gpu/gpu_bench --backward --no-autograd $QUICK 2>&1 \
                 | sed 's/^RESULT_BWD candle /RESULT_BWD candle_portable /' | tee "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
         else
             echo "== backward: candle-flash with CANDLE_FLASH_BWD_DETERMINISTIC=0"
-            CANDLE_FLASH_BWD_DETERMINISTIC=0 ./.gpu/gpu_bench --backward $QUICK 2>&1 \
+            CANDLE_FLASH_BWD_DETERMINISTIC=0 ./.gpu/gpu_bench --backward --no-autograd $QUICK 2>&1 \
                 | sed 's/^RESULT_BWD candle /RESULT_BWD candle_atomic /' | tee "$LOG/bench-backward-atomic.log" | grep -v '^RESULT'
         fi
         echo "== backward: PyTorch SDPA"
         python3 .gpu/sdpa_bench.py --backward $QUICK 2>&1 | tee "$LOG/sdpa-backward.log" | grep -v '^RESULT'
         echo "== backward side by side (TFLOP/s at 2.5x the forward's flops; ratios = candle / torch)"
-        cat "$LOG/bench-backward.log" "$LOG/bench-backward-atomic.log" "$LOG/sdpa-backward.log" | python3 -c '
-import sys
-r = {}
-for l in sys.stdin:
-    p = l.split()
-    if len(p) == 7 and p[0] == "RESULT_BWD":
-        r[(p[1], p[2], int(p[3]), int(p[4]), p[5])] = float(p[6])
-keys = sorted({k[1:] for k in r}, key=lambda k: (k[0], k[1], k[3], k[2]))
-print("| dtype | d | seq | causal | candle-flash | portable (sm_80) | atomic dQ | torch flash | torch cuDNN | vs flash | vs cuDNN | vs portable |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-for k in keys:
-    c, p, a, f, n = (r.get((s,) + k) for s in ("candle", "candle_portable", "candle_atomic", "torch_flash", "torch_cudnn"))
-    fmt = lambda x: f"{x:.1f}" if x else "-"
-    rat = lambda x, y: f"{x / y:.2f}" if x and y else "-"
-    print(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {fmt(c)} | {fmt(p)} | {fmt(a)} | {fmt(f)} | {fmt(n)} | {rat(c, f)} | {rat(c, n)} | {rat(c, p)} |")
-' | tee "$LOG/table-backward.md"
+        cat "$LOG/bench-backward.log" "$LOG/bench-backward-atomic.log" "$LOG/sdpa-backward.log" | python3 scripts/bwd_table.py | tee "$LOG/table-backward.md"
     fi
 fi
 if [ $DECODE = 1 ]; then
