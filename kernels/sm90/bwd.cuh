@@ -83,6 +83,40 @@ __device__ __forceinline__ void proxy_fence() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// The producer warp's load of one ring stage: two [D/64][ROWS][64] tiles, A at `dst` and B right
+// after it, from maps `ma` and `mb` at (column chunk, head, row ra / rb, batch). Lane 0 issues the
+// copies; `full` then counts every lane of the warp (lane 0 through the expected bytes), except
+// where only lane 0 runs this (a non-VARLEN dQ producer: one arrival). A VARLEN stage with
+// `valid` < ROWS rows left in its sequence lands on `tail` first and is zeroed from there on
+// (zero_rows) by the whole warp, which must run this then.
+template <int D, int ROWS, bool VARLEN>
+__device__ __forceinline__ void load_stage(unsigned char* dst, const TmaMap* ma, int ra,
+                                           const TmaMap* mb, int rb, int head, int batch,
+                                           uint32_t full, uint32_t tail, uint32_t& tail_phase,
+                                           int valid, int lane) {
+    constexpr int TILE = ROWS * D * 2;
+    const bool cut = VARLEN && valid < ROWS;
+    if (lane == 0) {
+        const uint32_t bar = cut ? tail : full;
+        mbar_expect_tx(bar, 2 * TILE);
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) {
+            tma_load_4d(saddr(dst + c * ROWS * 128), ma, bar, c * 64, head, ra, batch);
+            tma_load_4d(saddr(dst + TILE + c * ROWS * 128), mb, bar, c * 64, head, rb, batch);
+        }
+    }
+    if (cut) {
+        mbar_wait(tail, tail_phase);
+        tail_phase ^= 1;
+        zero_rows<D, ROWS>(dst, valid, lane);
+        zero_rows<D, ROWS>(dst + TILE, valid, lane);
+        proxy_fence();
+        mbar_arrive(full);
+    } else if (lane != 0) {
+        mbar_arrive(full);
+    }
+}
+
 // Consumer register budget: two warpgroups of 240 and a producer warpgroup of 24 fill the
 // register file (FlashAttention-3's backward split).
 constexpr int BWD_PRODUCER_REGS = 24;
@@ -140,6 +174,69 @@ __device__ __forceinline__ void pingpong_start(int wg) {
 }
 __device__ __forceinline__ void pingpong_end(int wg) {
     if (wg == 0) named_sync(PP_BAR, 256);
+}
+
+// The consumer step loop of both kernels, over steps 0 .. n - 1 (query steps of dK/dV, key tiles
+// of dQ). Per step: `wait_full(s)`; the first products (S and dP, `first(s)`, committed); their
+// accumulators' register fence `fence_first()`; `scores(s)` turns them into the gradient
+// fragments' f32 values and `pack()` into A fragments; the second products (dV and dK, or dQ:
+// `second(s)`, committed) and `fence_second()`; `release(s)` frees the stage. One step at a time,
+// the two warpgroups taking turns with PINGPONG; or OVERLAP: step s's first products issued with
+// step s - 1's second ones, its scores computed while those complete (the A fragments of s - 1
+// are repacked only after they have).
+template <bool OVERLAP, bool PINGPONG, class Wait, class First, class FenceFirst, class Scores,
+          class Pack, class Second, class FenceSecond, class Release>
+__device__ __forceinline__ void step_loop(int wg, int n, Wait wait_full, First first,
+                                          FenceFirst fence_first, Scores scores, Pack pack,
+                                          Second second, FenceSecond fence_second,
+                                          Release release) {
+    if (!OVERLAP) {
+        if (PINGPONG) pingpong_start(wg);
+        for (int s = 0; s < n; ++s) {
+            wait_full(s);
+            turn_begin<PINGPONG>(wg);
+            wg_fence();
+            first(s);
+            turn_end<PINGPONG>(wg);
+            wg_wait<0>();
+            fence_first();
+            scores(s);
+            pack();
+            turn_begin<PINGPONG>(wg);
+            wg_fence();
+            second(s);
+            turn_end<PINGPONG>(wg);
+            wg_wait<0>();
+            fence_second();
+            release(s);
+        }
+        if (PINGPONG) pingpong_end(wg);
+    } else if (n > 0) {
+        wait_full(0);
+        wg_fence();
+        first(0);
+        wg_wait<0>();
+        fence_first();
+        scores(0);
+        pack();
+        for (int s = 1; s < n; ++s) {
+            wait_full(s);
+            wg_fence();
+            first(s);
+            second(s - 1);
+            wg_wait<1>();
+            fence_first();
+            scores(s);
+            wg_wait<0>();
+            fence_second();
+            release(s - 1);
+            pack();
+        }
+        wg_fence();
+        second(n - 1);
+        wg_wait<0>();
+        fence_second();
+    }
 }
 
 template <typename T, int D, int BQ, int STAGES, bool OVERLAP, bool PINGPONG, bool MODS,
@@ -225,33 +322,11 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
                 sl[r] = ok ? bwd::lse_log2(p.lse[l0 + r]) : INFINITY;
                 sl[BQ + r] = ok ? bp.dsum[l0 + r] : 0.f;
             }
-            // A varlen step past its sequence's end: its copies complete on bar_tail, then the
-            // rows of the next sequence are zeroed (zero_rows) before the stage is full.
-            const int valid = g.sq - m0;
-            const bool tail = VARLEN && valid < BQ;
-            unsigned char* sq = sQ0 + st * 2 * Tr::Q_BYTES;
-            if (lane == 0) {
-                const uint32_t bar = tail ? bar_tail : bar_full(st);
-                const int q_row = (int)(g.q_row0 + m0);
-                const int o_row = p.cu_q ? (int)(g.out_row0 + m0) : m0;
-                mbar_expect_tx(bar, 2 * Tr::Q_BYTES);
-#pragma unroll
-                for (int c = 0; c < CH; ++c) {
-                    tma_load_4d(saddr(sq + c * BQ * 128), tq, bar, c * 64, h, q_row, qb);
-                    tma_load_4d(saddr(sq + Tr::Q_BYTES + c * BQ * 128), tdo, bar, c * 64, h,
-                                o_row, qb);
-                }
-            }
-            if (tail) {
-                mbar_wait(bar_tail, tail_phase);
-                tail_phase ^= 1;
-                zero_rows<D, BQ>(sq, valid, lane);
-                zero_rows<D, BQ>(sq + Tr::Q_BYTES, valid, lane);
-                proxy_fence();
-                mbar_arrive(bar_full(st));
-            } else if (lane != 0) {
-                mbar_arrive(bar_full(st));
-            }
+            // A varlen step past its sequence's end zeroes the next sequence's rows.
+            const int q_row = (int)(g.q_row0 + m0);
+            const int o_row = p.cu_q ? (int)(g.out_row0 + m0) : m0;
+            load_stage<D, BQ, VARLEN>(sQ0 + st * 2 * Tr::Q_BYTES, tq, q_row, tdo, o_row, h, qb,
+                                      bar_full(st), bar_tail, tail_phase, g.sq - m0, lane);
         }
         return;
     }
@@ -348,66 +423,25 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
     // K and V of the tile have landed (waited for even with no step: the block must not exit
     // with its copies in flight).
     mbar_wait(bar_kv, 0);
-    if (!OVERLAP) {
-        // One step at a time (the other warpgroup's products fill the gaps): P^T and dS^T of a
-        // step and the previous step's fragments are never live together.
-        if (PINGPONG) pingpong_start(wg);
-        for (int s = 0; s < steps; ++s) {
-            wait_full(s);
-            turn_begin<PINGPONG>(wg);
-            wg_fence();
-            issue_sdp(s);
-            turn_end<PINGPONG>(wg);
-            wg_wait<0>();
+    // One step at a time (the other warpgroup's products fill the gaps): P^T and dS^T of a
+    // step and the previous step's fragments are never live together; or OVERLAP.
+    step_loop<OVERLAP, PINGPONG>(
+        wg, steps, wait_full, issue_sdp,
+        [&] {
             reg_fence(acc_s);
             reg_fence(acc_dp);
-            grads_of_scores(s);
+        },
+        grads_of_scores,
+        [&] {
             pack_a<T, BQ>(acc_s, pa);
             pack_a<T, BQ>(acc_dp, da);
-            turn_begin<PINGPONG>(wg);
-            wg_fence();
-            issue_dkdv(s);
-            turn_end<PINGPONG>(wg);
-            wg_wait<0>();
+        },
+        issue_dkdv,
+        [&] {
             reg_fence(acc_dk);
             reg_fence(acc_dv);
-            mbar_arrive(bar_empty(s % STAGES));
-        }
-        if (PINGPONG) pingpong_end(wg);
-    } else if (steps > 0) {
-        wait_full(0);
-        wg_fence();
-        issue_sdp(0);
-        wg_wait<0>();
-        reg_fence(acc_s);
-        reg_fence(acc_dp);
-        grads_of_scores(0);
-        pack_a<T, BQ>(acc_s, pa);
-        pack_a<T, BQ>(acc_dp, da);
-        for (int s = 1; s < steps; ++s) {
-            // S^T / dP^T of step s and dV / dK of step s - 1 in flight together; the scores of
-            // step s become gradients while the latter complete.
-            wait_full(s);
-            wg_fence();
-            issue_sdp(s);
-            issue_dkdv(s - 1);
-            wg_wait<1>();
-            reg_fence(acc_s);
-            reg_fence(acc_dp);
-            grads_of_scores(s);
-            wg_wait<0>();
-            reg_fence(acc_dk);
-            reg_fence(acc_dv);
-            mbar_arrive(bar_empty((s - 1) % STAGES));
-            pack_a<T, BQ>(acc_s, pa);
-            pack_a<T, BQ>(acc_dp, da);
-        }
-        wg_fence();
-        issue_dkdv(steps - 1);
-        wg_wait<0>();
-        reg_fence(acc_dk);
-        reg_fence(acc_dv);
-    }
+        },
+        [&](int s) { mbar_arrive(bar_empty(s % STAGES)); });
 
     // Epilogue: keys n0 + key_l (+8), columns 8 j + 2 (lane % 4) (+1), packed pairs.
     T* dkg = static_cast<T*>(bp.dk) + (int64_t)b * bp.dkv_batch +
@@ -498,30 +532,10 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
             for (int t = t_begin; t < t_end; ++t) {
                 const int it = t - t_begin, st = it % STAGES;
                 if (it >= STAGES) mbar_wait(bar_empty(st), (uint32_t)(((it / STAGES) - 1) & 1));
-                unsigned char* sk = sK0 + st * 2 * Tr::KV_BYTES;
-                const int valid = g.sk - t * BN;
-                const bool tail = VARLEN && valid < BN;
-                if (lane == 0) {
-                    const uint32_t bar = tail ? bar_tail : bar_full(st);
-                    const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
-                    mbar_expect_tx(bar, 2 * Tr::KV_BYTES);
-#pragma unroll
-                    for (int c = 0; c < CH; ++c) {
-                        tma_load_4d(saddr(sk + c * BN * 128), tk, bar, c * 64, kvh, k_row, kb);
-                        tma_load_4d(saddr(sk + Tr::KV_BYTES + c * BN * 128), tv, bar, c * 64, kvh,
-                                    k_row, kb);
-                    }
-                }
-                if (tail) {
-                    mbar_wait(bar_tail, tail_phase);
-                    tail_phase ^= 1;
-                    zero_rows<D, BN>(sk, valid, lane);
-                    zero_rows<D, BN>(sk + Tr::KV_BYTES, valid, lane);
-                    proxy_fence();
-                    mbar_arrive(bar_full(st));
-                } else if (lane != 0) {
-                    mbar_arrive(bar_full(st));
-                }
+                const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
+                load_stage<D, BN, VARLEN>(sK0 + st * 2 * Tr::KV_BYTES, tk, k_row, tv, k_row, kvh,
+                                          kb, bar_full(st), bar_tail, tail_phase, g.sk - t * BN,
+                                          lane);
             }
         }
         return;
@@ -561,10 +575,10 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
         gemm_abt<T, D, BN>(acc_dp, opaque(do_base), BM, k_addr(st) + Tr::KV_BYTES);
         wg_commit();
     };
-    // dS of key tile t in place of dP. Element (j, e): row row_l + 8 (e / 2), key
+    // dS of key tile t = t_begin + it in place of dP. Element (j, e): row row_l + 8 (e / 2), key
     // t BN + 8 j + 2 (lane % 4) + e % 2.
-    auto grads_of_scores = [&](int t) {
-        const int k0 = t * BN;
+    auto grads_of_scores = [&](int it) {
+        const int k0 = (t_begin + it) * BN;
         const bool full = tile_is_full(p, g, k0, BN);
         if constexpr (!MODS) {
             // As in the dK/dV kernel: full tiles test nothing (rows past the sequence: lse +inf).
@@ -609,57 +623,17 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
     };
 
     mbar_wait(bar_q, 0);
-    const int n = t_end - t_begin;
-    if (!OVERLAP) {
-        if (PINGPONG) pingpong_start(wg);
-        for (int it = 0; it < n; ++it) {
-            wait_full(it);
-            turn_begin<PINGPONG>(wg);
-            wg_fence();
-            issue_sdp(it);
-            turn_end<PINGPONG>(wg);
-            wg_wait<0>();
+    step_loop<OVERLAP, PINGPONG>(
+        wg, t_end - t_begin, wait_full, issue_sdp,
+        [&] {
             reg_fence(acc_s);
             reg_fence(acc_dp);
-            grads_of_scores(t_begin + it);
-            pack_a<T, BN>(acc_dp, da);
-            turn_begin<PINGPONG>(wg);
-            wg_fence();
-            issue_dq(it);
-            turn_end<PINGPONG>(wg);
-            wg_wait<0>();
-            reg_fence(acc_dq);
+        },
+        grads_of_scores, [&] { pack_a<T, BN>(acc_dp, da); },
+        issue_dq, [&] { reg_fence(acc_dq); },
+        [&](int it) {
             if (lane == 0) mbar_arrive(bar_empty(it % STAGES));
-        }
-        if (PINGPONG) pingpong_end(wg);
-    } else if (n > 0) {
-        wait_full(0);
-        wg_fence();
-        issue_sdp(0);
-        wg_wait<0>();
-        reg_fence(acc_s);
-        reg_fence(acc_dp);
-        grads_of_scores(t_begin);
-        pack_a<T, BN>(acc_dp, da);
-        for (int it = 1; it < n; ++it) {
-            wait_full(it);
-            wg_fence();
-            issue_sdp(it);
-            issue_dq(it - 1);
-            wg_wait<1>();
-            reg_fence(acc_s);
-            reg_fence(acc_dp);
-            grads_of_scores(t_begin + it);
-            wg_wait<0>();
-            reg_fence(acc_dq);
-            if (lane == 0) mbar_arrive(bar_empty((it - 1) % STAGES));
-            pack_a<T, BN>(acc_dp, da);
-        }
-        wg_fence();
-        issue_dq(n - 1);
-        wg_wait<0>();
-        reg_fence(acc_dq);
-    }
+        });
 
     // Epilogue: rows row_l (+8), columns 8 j + 2 (lane % 4) (+1), scaled, packed pairs.
     T* dqg = static_cast<T*>(bp.dq) + (g.out_row0 + g.m0 + row_l) * p.o_seq + (int64_t)h * p.o_head;
