@@ -145,6 +145,28 @@ __device__ __forceinline__ void load_kv_tile(const FlashParams& p, int b, int kv
     load_tile<T, D, BN, THREADS>(sV, vg, p.v_seq, t.rows_k, p.d_load);
 }
 
+// Starts the cp.async copies of one query step of a dK/dV kernel into a ring stage: Q and dO
+// rows [m0, m0 + BM) of head h at sQ and sQ + BM D (rows past the sequence zero-filled), their
+// lse and D at sL and sL + BM (zeros past the sequence).
+template <typename T, int D, int BM, int THREADS>
+__device__ __forceinline__ void load_q_step(const BwdParams& bp, int b, int h, int m0,
+                                            const BlockGeom& g, T* sQ, float* sL, int tid) {
+    const FlashParams& p = bp.f;
+    const int rows = min(BM, g.sq - m0);
+    const T* qg = static_cast<const T*>(p.q) + (int64_t)b * p.q_batch +
+                  (g.q_row0 + m0) * p.q_seq + (int64_t)h * p.q_head;
+    const T* dog =
+        static_cast<const T*>(bp.dout) + (g.out_row0 + m0) * p.o_seq + (int64_t)h * p.o_head;
+    load_tile<T, D, BM, THREADS>(sQ, qg, p.q_seq, rows, p.d_load);
+    load_tile<T, D, BM, THREADS>(sQ + BM * D, dog, p.o_seq, rows, p.d_load);
+    const int64_t l0 = lse_index(p, b, h, g.q_row0, m0);
+    for (int r = tid; r < 2 * BM; r += THREADS) {
+        const int rr = r % BM;
+        const float* src = (r < BM ? p.lse : bp.dsum) + l0 + rr;
+        cp_async4(sL + r, rr < rows ? src : p.lse, rr < rows ? 4 : 0);
+    }
+}
+
 template <typename T, int D, int BM, int WARPS>
 struct DkdvTraits {
     static constexpr int BN = 16 * WARPS;  // keys per block
@@ -180,23 +202,9 @@ __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
 
     // Step s: query head kvh * group + s / m_count, query tile m_begin + s % m_count.
     auto issue = [&](int s) {
-        const int h = kvh * p.kv_group + s / m_count;
-        const int m0 = (m_begin + s % m_count) * BM;
-        const int rows = min(BM, g.sq - m0);
-        T* sQ = sQ0 + (s % 2) * STEP;
-        const T* qg = static_cast<const T*>(p.q) + (int64_t)b * p.q_batch +
-                      (g.q_row0 + m0) * p.q_seq + (int64_t)h * p.q_head;
-        const T* dog = static_cast<const T*>(bp.dout) + (g.out_row0 + m0) * p.o_seq +
-                       (int64_t)h * p.o_head;
-        load_tile<T, D, BM, THREADS>(sQ, qg, p.q_seq, rows, p.d_load);
-        load_tile<T, D, BM, THREADS>(sQ + BM * D, dog, p.o_seq, rows, p.d_load);
-        const int64_t l0 = lse_index(p, b, h, g.q_row0, m0);
-        float* sL = sL0 + (s % 2) * 2 * BM;
-        for (int r = tid; r < 2 * BM; r += THREADS) {
-            const int rr = r % BM;
-            const float* src = (r < BM ? p.lse : bp.dsum) + l0 + rr;
-            cp_async4(sL + r, rr < rows ? src : p.lse, rr < rows ? 4 : 0);
-        }
+        load_q_step<T, D, BM, THREADS>(bp, b, kvh * p.kv_group + s / m_count,
+                                       (m_begin + s % m_count) * BM, g, sQ0 + (s % 2) * STEP,
+                                       sL0 + (s % 2) * 2 * BM, tid);
     };
     if (steps > 0) issue(0);
     cp_async_commit();
@@ -399,23 +407,8 @@ __device__ __forceinline__ void dkdvq_mma(const BwdParams& bp) {
     // Step s: query head kvh * group + s / m_count, query tile (last first) m_tile(s).
     auto m_tile = [&](int s) { return m_begin + m_count - 1 - s % m_count; };
     auto issue = [&](int s) {
-        const int h = kvh * p.kv_group + s / m_count;
-        const int m0 = m_tile(s) * BM;
-        const int rows = min(BM, g.sq - m0);
-        T* sQ = sQ0 + (s % 2) * STEP;
-        const T* qg = static_cast<const T*>(p.q) + (int64_t)b * p.q_batch +
-                      (g.q_row0 + m0) * p.q_seq + (int64_t)h * p.q_head;
-        const T* dog = static_cast<const T*>(bp.dout) + (g.out_row0 + m0) * p.o_seq +
-                       (int64_t)h * p.o_head;
-        load_tile<T, D, BM, THREADS>(sQ, qg, p.q_seq, rows, p.d_load);
-        load_tile<T, D, BM, THREADS>(sQ + BM * D, dog, p.o_seq, rows, p.d_load);
-        const int64_t l0 = lse_index(p, b, h, g.q_row0, m0);
-        float* sL = sL0 + (s % 2) * 2 * BM;
-        for (int r = tid; r < 2 * BM; r += THREADS) {
-            const int rr = r % BM;
-            const float* src = (r < BM ? p.lse : bp.dsum) + l0 + rr;
-            cp_async4(sL + r, rr < rows ? src : p.lse, rr < rows ? 4 : 0);
-        }
+        load_q_step<T, D, BM, THREADS>(bp, b, kvh * p.kv_group + s / m_count, m_tile(s) * BM, g,
+                                       sQ0 + (s % 2) * STEP, sL0 + (s % 2) * 2 * BM, tid);
     };
     if (steps > 0) issue(0);
     cp_async_commit();
