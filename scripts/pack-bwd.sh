@@ -8,14 +8,7 @@ cd "$(dirname "$0")/.."
 DEST=${1:-.gpu-bwd}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
 features=cuda,candle-nn/cuda
-test_bin() {
-    cargo test --release --features "$features" $1 --no-run --message-format=json 2>/dev/null \
-        | python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
-        print(m["executable"])' "$2"
-}
+. scripts/test-bin.sh
 bwd_bin=$(test_bin "--test gpu_backward" gpu_backward)
 lib_bin=$(test_bin "--lib" candle_flash)
 cargo build --release --features "$features" --example gpu_bench

@@ -8,12 +8,8 @@ cd "$(dirname "$0")/.."
 DEST=${1:-.gpu-fwd}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
 features=cuda,candle-nn/cuda
-gpu_bin=$(cargo test --release --features "$features" --test gpu --no-run --message-format=json 2>/dev/null \
-    | python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
-        print(m["executable"])')
+. scripts/test-bin.sh
+gpu_bin=$(test_bin "--test gpu" gpu)
 cargo build --release --features "$features" --example gpu_bench
 mkdir -p "$DEST"
 rm -rf "${DEST:?}"/*

@@ -16,18 +16,10 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
 features=cuda,candle-nn/cuda
 mkdir -p .gpu
 rm -rf .gpu/*
-# A test binary's path is only known from cargo's JSON messages.
-test_bin() {
-    cargo test --release --features "$features" --test "$1" --no-run --message-format=json 2>/dev/null \
-        | python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
-        print(m["executable"])' "$1"
-}
-gpu_bin=$(test_bin gpu)
-paged_bin=$(test_bin paged)
-bwd_bin=$(test_bin gpu_backward)
+. scripts/test-bin.sh
+gpu_bin=$(test_bin "--test gpu" gpu)
+paged_bin=$(test_bin "--test paged" paged)
+bwd_bin=$(test_bin "--test gpu_backward" gpu_backward)
 cargo build --release --features "$features" --example gpu_bench --example decode_bench --example train
 cp "$gpu_bin" .gpu/gpu_tests
 cp "$paged_bin" .gpu/paged_tests
