@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What runs on the GPU machine (carry .gpu/, made by scripts/pack-gpu.sh):
 #   GPU tests (on a Hopper GPU twice: sm_90a default and CANDLE_FLASH_PORTABLE=1), compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on small ragged shapes, the
-#   candle-flash benchmark, PyTorch SDPA (flash and cuDNN) on the same shapes, and a
+#   candle-flash benchmark, PyTorch SDPA (flash and cuDNN) on the same shapes (d 64 and 128, then
+#   d 256 one sequence length at a time), and a
 #   side-by-side table with ratios. Logs, and the benchmarks' CSV (prefill-candle.csv,
 #   prefill-torch.csv: plot them with scripts/plot.py), go to $OUT when it is set.
 #   The decode benchmark (decode_bench and scripts/sdpa_decode.py, bf16, 32/8 heads, d 128) writes
@@ -14,17 +15,19 @@
 #   --ab-old: the forward benchmark on the portable kernels (CANDLE_FLASH_PORTABLE=1) alternates
 #   with .gpu/gpu_bench_old, a gpu_bench built from an older commit (placed there by hand), twice
 #   each (AB_ROUNDS=n: n each), for a same-machine A/B.
-#   scripts/gpu-run.sh [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-decode]
-#                      [--no-backward] [--no-train] [--ab-old]
+#   --no-forward skips the forward benchmark (the backward's and decode's still run).
+#   scripts/gpu-run.sh [--quick] [--no-tests] [--no-sanitizer] [--no-bench] [--no-forward]
+#                      [--no-decode] [--no-backward] [--no-train] [--ab-old]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-QUICK=""; TESTS=1; SAN=1; BENCH=1; DECODE=1; BACKWARD=1; TRAIN=1; AB=0
+QUICK=""; TESTS=1; SAN=1; BENCH=1; FORWARD=1; DECODE=1; BACKWARD=1; TRAIN=1; AB=0
 for a in "$@"; do
     case "$a" in
         --quick) QUICK=--quick ;;
         --no-tests) TESTS=0 ;;
         --no-sanitizer) SAN=0 ;;
         --no-bench) BENCH=0 ;;
+        --no-forward) FORWARD=0 ;;
         --no-decode) DECODE=0 ;;
         --no-backward) BACKWARD=0 ;;
         --no-train) TRAIN=0 ;;
@@ -73,11 +76,18 @@ if [ $SAN = 1 ]; then
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done
 fi
-if [ $BENCH = 1 ]; then
+if [ $BENCH = 1 ] && [ $FORWARD = 1 ]; then
     echo "== candle-flash benchmark"
     ./.gpu/gpu_bench $QUICK --csv "$LOG/prefill-candle.csv" 2>&1 | tee "$LOG/bench.log" | grep -v '^RESULT'
     echo "== PyTorch SDPA"
     python3 .gpu/sdpa_bench.py $QUICK --csv "$LOG/prefill-torch.csv" 2>&1 | tee "$LOG/sdpa.log" | grep -v '^RESULT'
+    echo "== d 256 rows: gpu_bench --shape 256:SEQ beside sdpa_bench.py --shape 256:SEQ"
+    seqs256="512 2048 8192 16384"
+    [ -n "$QUICK" ] && seqs256="2048 8192"
+    for s in $seqs256; do
+        ./.gpu/gpu_bench --shape 256:$s --no-f32 2>&1 | tee -a "$LOG/bench.log" | grep -E '^(bf16|f16) '
+        python3 .gpu/sdpa_bench.py --shape 256:$s 2>&1 | tee -a "$LOG/sdpa.log" | grep -E '^(flash|cudnn) '
+    done
     echo "== side by side (TFLOP/s; ratio = candle / torch flash)"
     cat "$LOG/bench.log" "$LOG/sdpa.log" | python3 -c '
 import sys
