@@ -24,12 +24,8 @@ for a in "$@"; do
     esac
 done
 LOG=${OUT:-/tmp}
-export LD_LIBRARY_PATH=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))'):${LD_LIBRARY_PATH:-}
-for f in "$D"/*.xz; do
-    [ -e "$f" ] || continue
-    python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$f" "${f%.xz}" && rm -f "$f"
-    chmod +x "${f%.xz}"
-done
+. "$D/device-env.sh"
+device_setup "$D"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 HOPPER=0
 [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)" = "9.0" ] && HOPPER=1

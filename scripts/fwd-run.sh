@@ -35,12 +35,8 @@ while [ $# -gt 0 ]; do
 done
 LOG=${OUT:-/tmp}/logs
 mkdir -p "$LOG"
-export LD_LIBRARY_PATH=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))'):${LD_LIBRARY_PATH:-}
-for f in "$D"/*.xz; do
-    [ -e "$f" ] || continue
-    python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$f" "${f%.xz}" && rm -f "$f"
-    chmod +x "${f%.xz}"
-done
+. "$D/device-env.sh"
+device_setup "$D"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 cat "$D/commit" 2>/dev/null | head -3
 # The variable value of a variant: persistent ones (a `p` after the warpgroups) get the grid cap.

@@ -35,15 +35,10 @@ for a in "$@"; do
     esac
 done
 LOG=${OUT:-/tmp}
-export LD_LIBRARY_PATH=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))'):${LD_LIBRARY_PATH:-}
-# scripts/pack-gpu.sh leaves xz files; Python's lzma unpacks them where xz is not installed.
-for f in .gpu/*.xz; do
-    [ -e "$f" ] || continue
-    python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$f" "${f%.xz}" && rm -f "$f"
-done
-for f in .gpu/gpu_tests .gpu/paged_tests .gpu/gpu_backward_tests .gpu/gpu_bench .gpu/decode_bench .gpu/train .gpu/gpu_bench_old; do
-    [ -e "$f" ] && chmod +x "$f"
-done
+# scripts/pack-gpu.sh leaves xz files in .gpu/ (a gpu_bench_old placed by hand may be plain).
+. scripts/device-env.sh
+device_setup .gpu
+[ -e .gpu/gpu_bench_old ] && chmod +x .gpu/gpu_bench_old
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 HOPPER=0
 [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1)" = "9.0" ] && HOPPER=1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the forward GPU test binary (tests/gpu.rs) and gpu_bench from this worktree and leaves
-# them stripped and xz-compressed in $DEST (default .gpu-fwd/), with scripts/sdpa_bench.py and
-# scripts/fwd-run.sh, for a device run of the Hopper forward variants (bash $DEST/fwd-run.sh).
+# them stripped and xz-compressed in $DEST (default .gpu-fwd/), with scripts/sdpa_bench.py,
+# fwd-run.sh and device-env.sh, for a device run of the Hopper forward variants (bash $DEST/fwd-run.sh).
 #   scripts/pack-fwd.sh [dest]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ mkdir -p "$DEST"
 rm -rf "${DEST:?}"/*
 cp "$gpu_bin" "$DEST/gpu_tests"
 cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" "$DEST/gpu_bench"
-cp scripts/sdpa_bench.py scripts/fwd-run.sh "$DEST/"
+cp scripts/sdpa_bench.py scripts/fwd-run.sh scripts/device-env.sh "$DEST/"
 bins="$DEST/gpu_tests $DEST/gpu_bench"
 for b in $bins; do
     grep -q flash_fwd_sm90_bf16_d128_wg2p "$b" || { echo "$b lacks the sm_90a module (stale PTX?)" >&2; exit 1; }
