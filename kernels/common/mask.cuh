@@ -105,6 +105,31 @@ __device__ __forceinline__ bool visible(const FlashParams& p, int diag, int j, i
     return true;
 }
 
+// `visible` as an interval: key j >= 0 is visible from the row with diagonal `diag` iff
+// lo <= j < hi. Per-element masks then compare against two per-row bounds instead of
+// evaluating the window rules for every key.
+struct KeySpan {
+    int lo, hi;
+};
+__device__ __forceinline__ KeySpan key_span(const FlashParams& p, int diag, int sk) {
+    int64_t lo = 0, hi = sk;
+    if (p.win_left >= 0) lo = max(lo, (int64_t)diag - p.win_left);
+    if (p.win_right >= 0) hi = min(hi, (int64_t)diag + p.win_right + 1);
+    // lo <= sk < 2^31; hi may fall below lo or 0 (nothing visible).
+    return {(int)lo, (int)max(hi, lo)};
+}
+// The transpose of key_span, for masks along a row of queries (the backward's S^T tiles): the
+// diagonals that see key `key` are [lo, hi); returned relative to `base` and clamped to
+// [0, 2^30], so a column at diagonal base + c (c >= 0) is visible iff lo <= c < hi.
+__device__ __forceinline__ KeySpan diag_span(const FlashParams& p, int key, int sk, int base) {
+    if (key >= sk) return {0, 0};
+    int64_t lo = p.win_right >= 0 ? (int64_t)key - p.win_right : -(int64_t)1 << 40;
+    int64_t hi = p.win_left >= 0 ? (int64_t)key + p.win_left + 1 : (int64_t)1 << 40;
+    lo = max(lo - base, (int64_t)0);
+    hi = max(min(hi - base, (int64_t)1 << 30), lo);
+    return {(int)lo, (int)hi};
+}
+
 
 // Keys [lo, hi) the row with diagonal `diag` of sequence b sees: its window, widened by every
 // multimodal prefix range that holds the diagonal (SeqMask::row_range: the union is one interval,

@@ -272,12 +272,19 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int j = 0; j < NT; ++j)
+                for (int hf = 0; hf < 2; ++hf) {
+                    // The row's visible keys relative to col: each element compares its column
+                    // offset (a constant) against two bounds.
+                    const KeySpan ks = key_span(p, diag_t + mt * 16 + hf * 8, g.sk);
+                    const int lo = ks.lo - col, hi = ks.hi - col;
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int diag = diag_t + mt * 16 + (e / 2) * 8;
-                        if (!visible(p, diag, col + j * 8 + e % 2, g.sk)) acc_s[mt][j][e] = -INFINITY;
-                    }
+                    for (int j = 0; j < NT; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int c = j * 8 + e;
+                            if (c < lo || c >= hi) acc_s[mt][j][2 * hf + e] = -INFINITY;
+                        }
+                }
         }
 
         // Online softmax: new running max, rescale O and l, exponentiate in place.

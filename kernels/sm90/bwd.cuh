@@ -369,6 +369,13 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
             // Two copies of the loop: full tiles (most of them) test nothing. Query rows past
             // the sequence need no test either: their lse is +inf, so P = 0.
             auto body = [&](auto masked) {
+                // Each row's (key's) visible queries, relative to this thread's first column.
+                KeySpan qs[2] = {{0, 0}, {0, 0}};
+                if constexpr (decltype(masked)::value) {
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf)
+                        qs[hf] = diag_span(p, n0 + key_l + 8 * hf, g.sk, m0 + 2 * (lane % 4) + off);
+                }
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     const int cq = 8 * j + 2 * (lane % 4);
@@ -378,8 +385,8 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
                     for (int e = 0; e < 4; ++e) {
                         float x = fmaf(acc_s[4 * j + e], p.scale_log2, -(e % 2 ? l2.y : l2.x));
                         if constexpr (decltype(masked)::value) {
-                            if (!visible(p, m0 + cq + e % 2 + off, n0 + key_l + 8 * (e / 2), g.sk))
-                                x = -INFINITY;
+                            const int c = 8 * j + e % 2;
+                            if (c < qs[e / 2].lo || c >= qs[e / 2].hi) x = -INFINITY;
                         }
                         const float pv = fast_exp2(x);
                         acc_s[4 * j + e] = pv;
@@ -583,6 +590,16 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
         if constexpr (!MODS) {
             // As in the dK/dV kernel: full tiles test nothing (rows past the sequence: lse +inf).
             auto body = [&](auto masked) {
+                // Each row's visible keys, relative to this thread's first column.
+                int lo[2] = {0, 0}, hi[2] = {0, 0};
+                if constexpr (decltype(masked)::value) {
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const KeySpan ks = key_span(p, diag_t + 8 * hf, g.sk);
+                        lo[hf] = ks.lo - (k0 + 2 * (lane % 4));
+                        hi[hf] = ks.hi - (k0 + 2 * (lane % 4));
+                    }
+                }
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -590,9 +607,8 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
                         const int hf = e / 2;
                         float x = fmaf(acc_s[4 * j + e], p.scale_log2, -lse2[hf]);
                         if constexpr (decltype(masked)::value) {
-                            if (!visible(p, diag_t + 8 * hf, k0 + 8 * j + 2 * (lane % 4) + e % 2,
-                                         g.sk))
-                                x = -INFINITY;
+                            const int c = 8 * j + e % 2;
+                            if (c < lo[hf] || c >= hi[hf]) x = -INFINITY;
                         }
                         acc_dp[4 * j + e] = fast_exp2(x) * (acc_dp[4 * j + e] - dsum[hf]);
                     }
