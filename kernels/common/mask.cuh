@@ -119,8 +119,9 @@ __device__ __forceinline__ KeySpan key_span(const FlashParams& p, int diag, int 
     return {(int)lo, (int)max(hi, lo)};
 }
 // The transpose of key_span, for masks along a row of queries (the backward's S^T tiles): the
-// diagonals that see key `key` are [lo, hi); returned relative to `base` and clamped to
-// [0, 2^30], so a column at diagonal base + c (c >= 0) is visible iff lo <= c < hi.
+// diagonals that see key `key` are [lo, hi); returned relative to `base`, lo clamped below at 0
+// and hi above at 2^30, so a column at diagonal base + c (0 <= c < 2^30) is visible iff
+// lo <= c < hi. lo - base < 2^31 fits: key < 2^30 and base > -2^30 (sequences are shorter).
 __device__ __forceinline__ KeySpan diag_span(const FlashParams& p, int key, int sk, int base) {
     if (key >= sk) return {0, 0};
     int64_t lo = p.win_right >= 0 ? (int64_t)key - p.win_right : -(int64_t)1 << 40;
