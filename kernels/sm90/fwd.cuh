@@ -14,9 +14,12 @@
 // read as zeros.
 //
 // Overlap (FlashAttention-3): within a warpgroup, S of tile t and P V of tile t - 1 are issued
-// together and the softmax of t runs while P V completes (O is rescaled after it); between
-// warpgroups (PINGPONG), named barriers hand the GEMM issue slot round-robin so one warpgroup's
-// softmax runs under another's GEMMs. PERSIST instances run one block per SM over all tiles with
+// together and the softmax of t runs while P V completes (O is rescaled after it, and in the
+// d >= 128 instances only when a row's reference max moves: LAZY); between warpgroups
+// (PINGPONG), named barriers hand the GEMM issue slot round-robin so one warpgroup's softmax
+// runs under another's GEMMs. (The d 64 instances keep P's registers unpinned, so ptxas places
+// P V's wait before their softmax: measured faster there.) The producer issues K one tile ahead
+// of V. PERSIST instances run one block per SM over all tiles with
 // a dynamic scheduler: the producer warp takes the next tile from a global counter (atomicAdd;
 // the launch zeroes it per call) and passes its index to the consumers through a two-slot ring
 // in shared memory guarded by named barriers, so it runs one tile ahead. The global order is
@@ -95,6 +98,22 @@ __device__ __forceinline__ void reg_fence(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+// Keeps P's registers in use until after the softmax: a store that never executes (`off` is
+// false at run time, which ptxas cannot know) reads them at an address that depends on `after`
+// (a softmax result). Otherwise ptxas gives the softmax's temporaries the registers of the P
+// an in-flight P V wgmma still reads, and must place that GEMM's wait before the softmax.
+template <int N>
+__device__ __forceinline__ void pin_regs(const uint32_t (&r)[N][4], bool off, uint32_t addr,
+                                         float after) {
+    const uint32_t a = addr + ((__float_as_uint(after) >> 31) << 4);
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n"
+            "@p st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n}\n" ::"r"(a),
+            "r"(r[i][0]), "r"(r[i][1]), "r"(r[i][2]), "r"(r[i][3]), "r"((uint32_t)off)
+            : "memory");
+}
 // The value through an opaque move: recomputed where used instead of hoisted into registers.
 __device__ __forceinline__ uint32_t opaque(uint32_t x) {
     uint32_t y;
@@ -164,6 +183,10 @@ __device__ __forceinline__ void mma_rs(float* d, const uint32_t* a, uint64_t b, 
 
 // ---- the kernel -----------------------------------------------------------------------------
 
+// LAZY instances: the online softmax's reference max moves only when a tile's max exceeds it by
+// more than this (base 2), so P = 2^(s - m) stays below 2^8.
+constexpr float RESCALE_LOG2 = 8.f;
+
 template <typename T, int D, int NWG, int BN, int STAGES>
 struct Traits {
     static constexpr int BM = 64 * NWG;
@@ -199,6 +222,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                                                const TmaMap* tk, const TmaMap* tv,
                                                int* tile_counter, int group) {
     using Tr = Traits<T, D, NWG, BN, STAGES>;
+    // Lazy rescaling (see the softmax) and P kept in its registers until its P V GEMM has been
+    // waited for (pin_regs), so that the softmax overlaps that GEMM. Measured on an H100
+    // (BENCHMARKS.md, 2026-11-22): +3-7% at d 256, +0-3% at d 128 from seq 2048, and 3-5%
+    // slower at d 64, whose instances keep the eager form.
+    constexpr bool LAZY = D >= 128;
     constexpr int BM = Tr::BM, CH = Tr::CH;
     constexpr int NT = BN / 8, DT = D / 8;
     // Whole swizzle atoms: 64-column chunks, and 8-row groups so every K/V chunk (BN rows of
@@ -325,17 +353,23 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
 #pragma unroll
                     for (int c = 0; c < CH; ++c)
                         tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
-                    for (int t = t_begin; t < t_end; ++t) {
-                        const int it = kv_it++, s = it % STAGES;
-                        const uint32_t ph = (uint32_t)((it / STAGES) & 1);
+                    // K runs one tile ahead of V (K(t + 1) is issued before V(t)): a K stage
+                    // is released as soon as its S GEMM completes, a V stage only after its
+                    // P V GEMM, so waiting for V first would hold back the next K.
+                    auto load_k = [&](int t, int it) {
+                        const int s = it % STAGES;
                         const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
-                        if (it >= STAGES) mbar_wait(bar_ek(s), ph ^ 1);
+                        if (it >= STAGES) mbar_wait(bar_ek(s), ((it / STAGES) & 1) ^ 1);
                         mbar_expect_tx(bar_fk(s), Tr::KV_BYTES);
 #pragma unroll
                         for (int c = 0; c < CH; ++c)
                             tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s),
                                         c * 64, kvh, k_row, kb);
-                        if (it >= STAGES) mbar_wait(bar_ev(s), ph ^ 1);
+                    };
+                    auto load_v = [&](int t, int it) {
+                        const int s = it % STAGES;
+                        const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
+                        if (it >= STAGES) mbar_wait(bar_ev(s), ((it / STAGES) & 1) ^ 1);
                         // Varlen: a tile past the sequence's end also holds the next sequence's
                         // first rows. P is exactly 0 there, but 0 * NaN is NaN: so such a V
                         // tile lands on bar_tail, the rows of the last 16-row step the P V
@@ -364,7 +398,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                             mbar_arrive(bar_fv(s));
                         }
+                    };
+                    for (int t = t_begin; t < t_end; ++t) {
+                        load_k(t, kv_it + t - t_begin);
+                        if (t > t_begin) load_v(t - 1, kv_it + t - 1 - t_begin);
                     }
+                    if (t_end > t_begin) load_v(t_end - 1, kv_it + t_end - 1 - t_begin);
+                    kv_it += t_end - t_begin;
                 }
                 if constexpr (PERSIST) __syncwarp();
                 ++n_tile;
@@ -441,7 +481,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
         }
     };
     // Masks, score modifiers and the online softmax of tile t in place (acc_s becomes P in
-    // f32); returns the factors O must be scaled by once the previous P V has completed.
+    // f32); alpha receives the factors O must be scaled by once the previous P V has completed,
+    // and the result says whether any row of this warp needs it. Each row keeps a reference max
+    // m. LAZY instances move m only when a tile's max exceeds it by more than 2^RESCALE_LOG2:
+    // exps are taken against m, so P stays below 2^8 (f16 and bf16 hold it with the same
+    // relative rounding as P <= 1), and l and O are rescaled only when m moves, which after a
+    // row's first tiles is rare. The others move m to every new max and always rescale.
     auto softmax = [&](float* acc_s, int t, float* alpha) {
         const int k0 = t * BN;
         const int col = k0 + 2 * (lane % 4);
@@ -471,19 +516,30 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                     if (c < lo[e / 2] || c >= hi[e / 2]) acc_s[4 * j + e] = -INFINITY;
                 }
         }
+        bool moved = false;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            float mx = row_m[hf];
+            // The tile's row max as a tree (short dependency chains).
+            float mt[NT];
 #pragma unroll
             for (int j = 0; j < NT; ++j)
-                mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * hf], acc_s[4 * j + 2 * hf + 1]));
+                mt[j] = fmaxf(acc_s[4 * j + 2 * hf], acc_s[4 * j + 2 * hf + 1]);
+#pragma unroll
+            for (int w = 1; w < NT; w *= 2)
+#pragma unroll
+                for (int j = 0; j + w < NT; j += 2 * w) mt[j] = fmaxf(mt[j], mt[j + w]);
+            float mx = mt[0];
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps
+            // The first finite max sets m (from -inf); later ones move it only past the margin.
+            const bool move = mx * unit > fmaf(row_m[hf], unit, LAZY ? RESCALE_LOG2 : 0.f);
+            const float m_old = row_m[hf];
+            if (move) row_m[hf] = mx;
+            alpha[hf] = move ? fast_exp2(fmaf(m_old, unit, -mx * unit)) : 1.f;
+            moved |= move;
+            // A row that has seen only masked keys keeps m = -inf; subtracting 0 instead keeps
             // exp2 at 0 rather than NaN (-inf - -inf).
-            const float m_scaled = mx == -INFINITY ? 0.f : mx * unit;
-            alpha[hf] = fast_exp2(fmaf(row_m[hf], unit, -m_scaled));
-            row_m[hf] = mx;
+            const float m_scaled = row_m[hf] == -INFINITY ? 0.f : row_m[hf] * unit;
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < NT; ++j)
@@ -495,6 +551,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                 }
             row_l[hf] = row_l[hf] * alpha[hf] + sum;
         }
+        if constexpr (LAZY) return __any_sync(0xffffffff, moved) != 0;
+        return true;
     };
     auto pack_p = [&](const float* acc_s, uint32_t (*pa)[4]) {
 #pragma unroll
@@ -552,16 +610,19 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             wg_wait<1>();
             reg_fence(acc_s);
             if (lane == 0) mbar_arrive(bar_ek(s));
-            softmax(acc_s, t, alpha);
+            const bool moved = softmax(acc_s, t, alpha);
+            if constexpr (LAZY) pin_regs(pa, g.sk < 0, saddr(sO), row_l[0]);
             wg_wait<0>();
             reg_fence(acc_o);
             if (lane == 0) mbar_arrive(bar_ev(sp));
+            if (moved) {
 #pragma unroll
-            for (int j = 0; j < DT; ++j) {
-                acc_o[4 * j + 0] *= alpha[0];
-                acc_o[4 * j + 1] *= alpha[0];
-                acc_o[4 * j + 2] *= alpha[1];
-                acc_o[4 * j + 3] *= alpha[1];
+                for (int j = 0; j < DT; ++j) {
+                    acc_o[4 * j + 0] *= alpha[0];
+                    acc_o[4 * j + 1] *= alpha[0];
+                    acc_o[4 * j + 2] *= alpha[1];
+                    acc_o[4 * j + 3] *= alpha[1];
+                }
             }
             pack_p(acc_s, pa);
         }
@@ -575,7 +636,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             mbar_wait(bar_fv(sp), (uint32_t)((it / STAGES) & 1));
             turn_begin();
             wg_fence();
-            issue_pv(pa, sp, nk);
+            // Whole tiles (every dense call) take the unguarded issue.
+            if (nk == BN / 16) issue_pv(pa, sp, BN / 16);
+            else issue_pv(pa, sp, nk);
             wg_commit();
             turn_end();
             wg_wait<0>();
