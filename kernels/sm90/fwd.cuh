@@ -224,8 +224,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     using Tr = Traits<T, D, NWG, BN, STAGES>;
     // Lazy rescaling (see the softmax) and P kept in its registers until its P V GEMM has been
     // waited for (pin_regs), so that the softmax overlaps that GEMM. Measured on an H100
-    // (BENCHMARKS.md, 2026-11-22): +3-7% at d 256, +0-3% at d 128 from seq 2048, and 3-5%
-    // slower at d 64, whose instances keep the eager form.
+    // (BENCHMARKS.md, 2026-11-22, ~17:00): +2-10% at d 256, 1.00-1.04x at d 128 seq 8192 and
+    // within the noise at 2048, and 0-6% slower at d 64, whose instances keep the eager form.
     constexpr bool LAZY = D >= 128;
     constexpr int BM = Tr::BM, CH = Tr::CH;
     constexpr int NT = BN / 8, DT = D / 8;
