@@ -191,23 +191,22 @@ __device__ __forceinline__ void step_loop(int wg, int n, Wait wait_full, First f
                                           Second second, FenceSecond fence_second,
                                           Release release) {
     if (!OVERLAP) {
+        // One product group in this warpgroup's turn, waited for.
+        auto in_turn = [&](auto issue, auto fence, int s) {
+            turn_begin<PINGPONG>(wg);
+            wg_fence();
+            issue(s);
+            turn_end<PINGPONG>(wg);
+            wg_wait<0>();
+            fence();
+        };
         if (PINGPONG) pingpong_start(wg);
         for (int s = 0; s < n; ++s) {
             wait_full(s);
-            turn_begin<PINGPONG>(wg);
-            wg_fence();
-            first(s);
-            turn_end<PINGPONG>(wg);
-            wg_wait<0>();
-            fence_first();
+            in_turn(first, fence_first, s);
             scores(s);
             pack();
-            turn_begin<PINGPONG>(wg);
-            wg_fence();
-            second(s);
-            turn_end<PINGPONG>(wg);
-            wg_wait<0>();
-            fence_second();
+            in_turn(second, fence_second, s);
             release(s);
         }
         if (PINGPONG) pingpong_end(wg);
