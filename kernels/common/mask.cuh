@@ -106,17 +106,18 @@ __device__ __forceinline__ bool visible(const FlashParams& p, int diag, int j, i
 }
 
 // `visible` as an interval: key j >= 0 is visible from the row with diagonal `diag` iff
-// lo <= j < hi. Per-element masks then compare against two per-row bounds instead of
-// evaluating the window rules for every key.
+// lo <= j < hi, returned relative to `base` (a thread's first column), so the key at column
+// base + c is visible iff lo <= c < hi. Per-element masks then compare their column offset, a
+// constant, against two per-row bounds instead of evaluating the window rules for every key.
 struct KeySpan {
     int lo, hi;
 };
-__device__ __forceinline__ KeySpan key_span(const FlashParams& p, int diag, int sk) {
+__device__ __forceinline__ KeySpan key_span(const FlashParams& p, int diag, int sk, int base) {
     int64_t lo = 0, hi = sk;
     if (p.win_left >= 0) lo = max(lo, (int64_t)diag - p.win_left);
     if (p.win_right >= 0) hi = min(hi, (int64_t)diag + p.win_right + 1);
-    // lo <= sk < 2^31; hi may fall below lo or 0 (nothing visible).
-    return {(int)lo, (int)max(hi, lo)};
+    // lo <= sk < 2^31; hi may fall below lo or 0 (nothing visible). 0 <= base < 2^30.
+    return {(int)lo - base, (int)max(hi, lo) - base};
 }
 // The transpose of key_span, for masks along a row of queries (the backward's S^T tiles): the
 // diagonals that see key `key` are [lo, hi); returned relative to `base`, lo clamped below at 0

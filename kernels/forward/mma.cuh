@@ -275,8 +275,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 for (int hf = 0; hf < 2; ++hf) {
                     // The row's visible keys relative to col: each element compares its column
                     // offset (a constant) against two bounds.
-                    const KeySpan ks = key_span(p, diag_t + mt * 16 + hf * 8, g.sk);
-                    const int lo = ks.lo - col, hi = ks.hi - col;
+                    const KeySpan ks = key_span(p, diag_t + mt * 16 + hf * 8, g.sk, col);
+                    const int lo = ks.lo, hi = ks.hi;
 #pragma unroll
                     for (int j = 0; j < NT; ++j)
 #pragma unroll

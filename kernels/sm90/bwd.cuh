@@ -594,9 +594,9 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
                 if constexpr (decltype(masked)::value) {
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
-                        const KeySpan ks = key_span(p, diag_t + 8 * hf, g.sk);
-                        lo[hf] = ks.lo - (k0 + 2 * (lane % 4));
-                        hi[hf] = ks.hi - (k0 + 2 * (lane % 4));
+                        const KeySpan ks = key_span(p, diag_t + 8 * hf, g.sk, k0 + 2 * (lane % 4));
+                        lo[hf] = ks.lo;
+                        hi[hf] = ks.hi;
                     }
                 }
 #pragma unroll

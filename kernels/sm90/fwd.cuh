@@ -499,14 +499,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                                                     diag_t + (e / 2) * 8, col + j * 8 + e % 2);
         }
         if (!tile_is_full(p, g, k0, BN)) {
-            // Bounds relative to this thread's first column, so each element compares its
-            // column offset (a constant) against them.
+            // Each row's visible keys relative to this thread's first column.
             int lo[2], hi[2];
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
-                const KeySpan ks = key_span(p, diag_t + hf * 8, g.sk);
-                lo[hf] = ks.lo - col;
-                hi[hf] = ks.hi - col;
+                const KeySpan ks = key_span(p, diag_t + hf * 8, g.sk, col);
+                lo[hf] = ks.lo;
+                hi[hf] = ks.hi;
             }
 #pragma unroll
             for (int j = 0; j < NT; ++j)
