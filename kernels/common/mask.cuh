@@ -105,19 +105,23 @@ __device__ __forceinline__ bool visible(const FlashParams& p, int diag, int j, i
     return true;
 }
 
-// `visible` as an interval: key j >= 0 is visible from the row with diagonal `diag` iff
-// lo <= j < hi, returned relative to `base` (a thread's first column), so the key at column
-// base + c is visible iff lo <= c < hi. Per-element masks then compare their column offset, a
-// constant, against two per-row bounds instead of evaluating the window rules for every key.
+// `visible` as an interval: key j is visible from the row with diagonal `diag` iff
+// lo <= j < hi, within [0, sk) (lo == hi when none is). row_keys widens it by prefix ranges.
 struct KeySpan {
     int lo, hi;
 };
+__device__ __forceinline__ KeySpan window_keys(const FlashParams& p, int diag, int sk) {
+    int64_t l = 0, h = sk;
+    if (p.win_left >= 0) l = max((int64_t)0, min((int64_t)sk, (int64_t)diag - p.win_left));
+    if (p.win_right >= 0) h = max((int64_t)0, min((int64_t)sk, (int64_t)diag + p.win_right + 1));
+    return {(int)l, (int)max(h, l)};
+}
+// window_keys relative to `base` (a thread's first column, 0 <= base < 2^30): the key at column
+// base + c is visible iff lo <= c < hi. Per-element masks then compare their column offset, a
+// constant, against two per-row bounds instead of evaluating the window rules for every key.
 __device__ __forceinline__ KeySpan key_span(const FlashParams& p, int diag, int sk, int base) {
-    int64_t lo = 0, hi = sk;
-    if (p.win_left >= 0) lo = max(lo, (int64_t)diag - p.win_left);
-    if (p.win_right >= 0) hi = min(hi, (int64_t)diag + p.win_right + 1);
-    // lo <= sk < 2^31; hi may fall below lo or 0 (nothing visible). 0 <= base < 2^30.
-    return {(int)lo - base, (int)max(hi, lo) - base};
+    const KeySpan w = window_keys(p, diag, sk);
+    return {w.lo - base, w.hi - base};
 }
 // The transpose of key_span, for masks along a row of queries (the backward's S^T tiles): the
 // diagonals that see key `key` are [lo, hi); returned relative to `base`, lo clamped below at 0
@@ -132,16 +136,13 @@ __device__ __forceinline__ KeySpan diag_span(const FlashParams& p, int key, int 
     return {(int)lo, (int)hi};
 }
 
-
 // Keys [lo, hi) the row with diagonal `diag` of sequence b sees: its window, widened by every
 // multimodal prefix range that holds the diagonal (SeqMask::row_range: the union is one interval,
 // since the window and every such range contain the diagonal, clamped to [0, sk)).
 __device__ __forceinline__ void row_keys(const FlashParams& p, int b, int diag, int sk, int& lo,
                                          int& hi) {
-    int64_t l = 0, h = sk;
-    if (p.win_left >= 0) l = max((int64_t)0, min((int64_t)sk, (int64_t)diag - p.win_left));
-    if (p.win_right >= 0) h = max((int64_t)0, min((int64_t)sk, (int64_t)diag + p.win_right + 1));
-    h = max(h, l);
+    const KeySpan w = window_keys(p, diag, sk);
+    int64_t l = w.lo, h = w.hi;
     if (p.prefix) {
         for (int r = 0; r < p.max_ranges; ++r) {
             const int64_t s = p.prefix[((int64_t)b * p.max_ranges + r) * 2];
