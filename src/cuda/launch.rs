@@ -529,6 +529,30 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             map(&ko, p.kv_heads, k_rows, k_batches, i.bn)?,
             map(&vo, p.kv_heads, k_rows, k_batches, i.bn)?,
         ];
+        // Persistent instances store the output (contiguous (total_q, heads, d)) through a
+        // map of 64-row boxes: per batch where every sequence holds seq_q rows (rows past it
+        // are clipped), else as one packed run (whole boxes only; see O_STORE_* in
+        // kernels/sm90/fwd.cuh). The map's rows need 16-byte strides: other widths are stored
+        // by the threads.
+        let packed_q = p.varlen.is_some() && !q_uniform;
+        let (o_map, o_mode) = match d % 8 {
+            0 if i.persistent && p.total_q > 0 => {
+                let (rows, batches) = match packed_q {
+                    true => (p.total_q, 1),
+                    false => (p.max_seq_q, p.total_q / p.max_seq_q.max(1)),
+                };
+                let s = Strides {
+                    offset: 0,
+                    batch: rows * p.heads * d,
+                    seq: p.heads * d,
+                    head: d,
+                    dim: 1,
+                };
+                let o_map = tma_map(o_guard.0, &s, esize, bf16, [d, p.heads, rows, batches], 64)?;
+                (o_map, if packed_q { 2 } else { 1 })
+            }
+            _ => (TmaMap([0; 16]), 0),
+        };
         // The persistent scheduler's tile counter, zeroed on the stream for this call.
         let counter = match i.persistent {
             true => Some(dev.alloc_zeros::<i32>(1)?),
@@ -539,6 +563,8 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         let args = Sm90Args(
             params,
             maps,
+            o_map,
+            o_mode,
             counter_guard.as_ref().map_or(0, |g| g.0),
             group,
         );
@@ -589,9 +615,10 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
 }
 
 /// The sm_90a kernels' parameters: the parameter struct, the tensor maps of q, k and v, the
-/// persistent scheduler's zeroed tile counter (0 for the other instances) and its group of
+/// output's map and how the epilogue stores through it (`O_STORE_*` in kernels/sm90/fwd.cuh),
+/// the persistent scheduler's zeroed tile counter (0 for the other instances) and its group of
 /// (batch, head) pairs.
-struct Sm90Args(Params, [TmaMap; 3], u64, i32);
+struct Sm90Args(Params, [TmaMap; 3], TmaMap, i32, u64, i32);
 
 impl Sm90Args {
     fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
@@ -600,7 +627,9 @@ impl Sm90Args {
             .arg(&self.1[1])
             .arg(&self.1[2])
             .arg(&self.2)
-            .arg(&self.3);
+            .arg(&self.3)
+            .arg(&self.4)
+            .arg(&self.5);
     }
 }
 
