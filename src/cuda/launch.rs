@@ -176,6 +176,16 @@ fn sm90_variant_override() -> Option<&'static str> {
         .as_deref()
 }
 
+/// `CANDLE_FLASH_SM90_THREAD_STORES=1` (read once): the persistent sm_90a instances write O
+/// with their threads' stores instead of bulk tensor stores. For compute-sanitizer's initcheck,
+/// which does not count the tensor copy engine's writes as initialising memory (it reports the
+/// output as uninitialised when the next kernel reads it); unset in normal use.
+fn sm90_thread_stores() -> bool {
+    static THREADS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *THREADS
+        .get_or_init(|| std::env::var("CANDLE_FLASH_SM90_THREAD_STORES").is_ok_and(|v| v == "1"))
+}
+
 /// `CANDLE_FLASH_SM90_L2_KV_MIB=n` (read once): the persistent scheduler groups (batch, head)
 /// pairs whose K and V fill n MiB of L2 instead of [`SM90_L2_KV_BYTES`]. For benchmarks; unset
 /// in normal use.
@@ -536,7 +546,7 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         // by the threads.
         let packed_q = p.varlen.is_some() && !q_uniform;
         let (o_map, o_mode) = match d % 8 {
-            0 if i.persistent && p.total_q > 0 => {
+            0 if i.persistent && p.total_q > 0 && !sm90_thread_stores() => {
                 let (rows, batches) = match packed_q {
                     true => (p.total_q, 1),
                     false => (p.max_seq_q, p.total_q / p.max_seq_q.max(1)),
