@@ -163,9 +163,10 @@ constexpr int EPI_BAR = 1;
 // engine through the O map (column, head, row, batch) of a dense output, whose rows past seq_q
 // it clips; or through a map of packed rows (varlen, batch 1), for whole 64-row boxes only (a
 // partial box would run into the next sequence's rows), the rest by the threads. Persistent
-// instances only: a block that ends with its tile would wait for the copy to read its shared
-// memory before it can exit (measured on an H100, 2026-11-22: 2-4% slower on the one-tile d 64
-// instance at seq 512, 3.6-6.8% faster on the persistent d 128 one).
+// instances only: a block that ends with its tile gains nothing from them (it must wait for the
+// copy to read its shared memory before it exits). Measured on an H100 (BENCHMARKS.md,
+// 2026-11-22 ~19:05): persistent d 128 1.02-1.07x at seq 512, 0.99-1.03x at 2048; the one-tile
+// instances were no faster with them (d 64 at seq 512 0.96-0.98x, 176-key d 128 0.99-1.01x).
 constexpr int O_STORE_THREADS = 0;
 constexpr int O_STORE_TMA = 1;
 constexpr int O_STORE_TMA_PACKED = 2;
