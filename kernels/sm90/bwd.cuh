@@ -79,9 +79,6 @@ __device__ __forceinline__ void zero_rows(unsigned char* tile, int from, int lan
             *reinterpret_cast<uint4*>(tile + c * ROWS * 128 + from * 128 + i * 16) =
                 make_uint4(0, 0, 0, 0);
 }
-__device__ __forceinline__ void proxy_fence() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 
 // The producer warp's load of one ring stage: two [D/64][ROWS][64] tiles, A at `dst` and B right
 // after it, from maps `ma` and `mb` at (column chunk, head, row ra / rb, batch). Lane 0 issues the
@@ -281,7 +278,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
             mbar_init(bar_empty(s), 128 * Tr::NWG);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        proxy_fence();
     }
     __syncthreads();
 
@@ -508,7 +505,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
             mbar_init(bar_empty(s), 4 * Tr::NWG);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        proxy_fence();
     }
     __syncthreads();
 

@@ -100,8 +100,9 @@ __device__ __forceinline__ void bulk_commit() {
 __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
-// This thread's shared-memory writes become visible to the tensor copy engine.
-__device__ __forceinline__ void fence_async_smem() {
+// This thread's shared-memory writes (and barrier inits) become visible to the tensor copy
+// engine.
+__device__ __forceinline__ void proxy_fence() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 __device__ __forceinline__ void prefetch_map(const TmaMap* map) {
@@ -262,6 +263,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     // (BENCHMARKS.md, 2026-11-22, ~17:00): +2-10% at d 256, 1.00-1.04x at d 128 seq 8192 and
     // within the noise at 2048, and 0-6% slower at d 64, whose instances keep the eager form.
     constexpr bool LAZY = D >= 128;
+    // How this instance writes O (O_STORE_*): the launch's o_mode on persistent instances only.
+    const int o_store = PERSIST ? o_mode : O_STORE_THREADS;
     constexpr int BM = Tr::BM, CH = Tr::CH;
     constexpr int NT = BN / 8, DT = D / 8;
     // Whole swizzle atoms: 64-column chunks, and 8-row groups so every K/V chunk (BN rows of
@@ -330,7 +333,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             mbar_init(bar_ev(s), 4 * NWG);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        proxy_fence();
     }
     __syncthreads();
 
@@ -344,7 +347,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                 prefetch_map(tq);
                 prefetch_map(tk);
                 prefetch_map(tv);
-                if (PERSIST && o_mode != O_STORE_THREADS) prefetch_map(to);
+                if (o_store != O_STORE_THREADS) prefetch_map(to);
             }
             // The next tile of the scheduler: the first of block c is tile c, the counter (zero
             // at launch) hands out the rest from gridDim.x on. Warp-uniform.
@@ -431,7 +434,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                                         *reinterpret_cast<uint4*>(sV + s * BN * D + c * BN * 64 +
                                                                   r * 64 + u * 8) =
                                             make_uint4(0, 0, 0, 0);
-                            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                            proxy_fence();
                             mbar_arrive(bar_fv(s));
                         }
                     };
@@ -696,7 +699,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     };
     // Element (r, 8 u) of the staged rows.
     auto o_at = [&](int r, int u) { return o_chunk(u / 8) + r * 64 + ((u % 8) ^ (r % 8)) * 8; };
-    const int o_store = PERSIST ? o_mode : O_STORE_THREADS;
     // This warpgroup's stores of the previous tile have read its staged rows.
     if (o_store != O_STORE_THREADS && wt == 0) bulk_wait_read();
     named_sync(EPI_BAR + wg, 128);
@@ -719,7 +721,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                 flash::Mma<T>::pack(acc_o[4 * j + 2 * hf] * inv, acc_o[4 * j + 2 * hf + 1] * inv);
         }
     }
-    if (o_store != O_STORE_THREADS) fence_async_smem();
+    if (o_store != O_STORE_THREADS) proxy_fence();
     named_sync(EPI_BAR + wg, 128);
     const int rows = g.rows - 64 * wg;
     if (o_store == O_STORE_TMA || (o_store == O_STORE_TMA_PACKED && rows >= 64)) {
@@ -758,7 +760,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     ++n_tile;
     }
     // The shared memory of the last bulk stores stays allocated until they have read it.
-    if (PERSIST && o_mode != O_STORE_THREADS && wt == 0) bulk_wait_read();
+    if (o_store != O_STORE_THREADS && wt == 0) bulk_wait_read();
     if constexpr (PINGPONG) {
         if (wg == 0) named_sync(PP_BAR, 256);
     }

@@ -549,7 +549,7 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             0 if i.persistent && p.total_q > 0 && !sm90_thread_stores() => {
                 let (rows, batches) = match packed_q {
                     true => (p.total_q, 1),
-                    false => (p.max_seq_q, p.total_q / p.max_seq_q.max(1)),
+                    false => (p.max_seq_q, p.batch),
                 };
                 let s = Strides {
                     offset: 0,
