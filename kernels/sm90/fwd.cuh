@@ -168,6 +168,7 @@ constexpr int EPI_BAR = 1;
 // copy to read its shared memory before it exits). Measured on an H100 (BENCHMARKS.md,
 // 2026-11-22 ~19:05): persistent d 128 1.02-1.07x at seq 512, 0.99-1.03x at 2048; the one-tile
 // instances were no faster with them (d 64 at seq 512 0.96-0.98x, 176-key d 128 0.99-1.01x).
+// The launch (src/cuda/launch.rs) names the same three values.
 constexpr int O_STORE_THREADS = 0;
 constexpr int O_STORE_TMA = 1;
 constexpr int O_STORE_TMA_PACKED = 2;

@@ -545,23 +545,27 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         // kernels/sm90/fwd.cuh). The map's rows need 16-byte strides: other widths are stored
         // by the threads.
         let packed_q = p.varlen.is_some() && !q_uniform;
-        let (o_map, o_mode) = match d % 8 {
-            0 if i.persistent && p.total_q > 0 && !sm90_thread_stores() => {
-                let (rows, batches) = match packed_q {
-                    true => (p.total_q, 1),
-                    false => (p.max_seq_q, p.batch),
-                };
-                let s = Strides {
-                    offset: 0,
-                    batch: rows * p.heads * d,
-                    seq: p.heads * d,
-                    head: d,
-                    dim: 1,
-                };
-                let o_map = tma_map(o_guard.0, &s, esize, bf16, [d, p.heads, rows, batches], 64)?;
-                (o_map, if packed_q { 2 } else { 1 })
-            }
-            _ => (TmaMap([0; 16]), 0),
+        let bulk = i.persistent && d.is_multiple_of(8) && p.total_q > 0 && !sm90_thread_stores();
+        let (o_map, o_mode) = if bulk {
+            let (rows, batches) = match packed_q {
+                true => (p.total_q, 1),
+                false => (p.max_seq_q, p.batch),
+            };
+            let s = Strides {
+                offset: 0,
+                batch: rows * p.heads * d,
+                seq: p.heads * d,
+                head: d,
+                dim: 1,
+            };
+            let o_map = tma_map(o_guard.0, &s, esize, bf16, [d, p.heads, rows, batches], 64)?;
+            let mode = match packed_q {
+                true => O_STORE_TMA_PACKED,
+                false => O_STORE_TMA,
+            };
+            (o_map, mode)
+        } else {
+            (TmaMap([0; 16]), O_STORE_THREADS)
         };
         // The persistent scheduler's tile counter, zeroed on the stream for this call.
         let counter = match i.persistent {
@@ -623,6 +627,13 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     let lse = CudaStorage::wrap_cuda_slice(lse, dev.clone());
     Ok((out, lse))
 }
+
+/// How the sm_90a forward's epilogue writes O (`o_mode`; `O_STORE_*` in kernels/sm90/fwd.cuh):
+/// by the threads, by bulk tensor stores through a dense (column, head, row, batch) map, or
+/// through a map of packed varlen rows.
+const O_STORE_THREADS: i32 = 0;
+const O_STORE_TMA: i32 = 1;
+const O_STORE_TMA_PACKED: i32 = 2;
 
 /// The sm_90a kernels' parameters: the parameter struct, the tensor maps of q, k and v, the
 /// output's map and how the epilogue stores through it (`O_STORE_*` in kernels/sm90/fwd.cuh),
