@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Compiles the Hopper probes (pipes.cu, wgmma.cu) to sm_90a cubins in .gpu-probe/, with run.py
+# beside them, ready to be carried to the GPU machine:
+#   scripts/sm90-probe/build.sh
+#   (on the GPU machine)  cd .gpu-probe && python3 run.py pipes.cubin && python3 run.py wgmma.cubin
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+if [ -z "${NVCC:-}" ] && ! command -v nvcc >/dev/null; then
+    eval "$(bash scripts/setup-cuda.sh)"
+fi
+nvcc=${NVCC:-nvcc}
+mkdir -p .gpu-probe
+for f in pipes wgmma; do
+    "$nvcc" --cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels \
+        -o ".gpu-probe/$f.cubin" "scripts/sm90-probe/$f.cu"
+done
+cp scripts/sm90-probe/run.py .gpu-probe/
+ls -l .gpu-probe
