@@ -832,6 +832,61 @@ fn heads_129_to_256_multi_tile() -> candle::Result<()> {
     Ok(())
 }
 
+/// Scores that grow along the keys (key j scaled by up to `top`, geometrically): later key tiles
+/// pass the rows' reference max, with `top` 60 by more than exp2's range (scores up to ~200).
+/// The sm_90a kernels that rescale lazily take a tile's exps against the current max first and
+/// must redo, exactly, the tiles where that guess fails; `top` 4 leaves tiles near the
+/// rescaling margin.
+#[test]
+fn growing_scores_move_the_max() -> candle::Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = &Device::Cpu;
+    let mut n = 0;
+    for dtype in [DType::BF16, DType::F16] {
+        for (d, sq, sk, mask, top) in [
+            (128, 300, 700, Mask::Full, 60.0f32),
+            (128, 257, 900, Mask::Causal, 60.0),
+            (128, 300, 1100, Mask::Full, 4.0),
+            (128, 200, 600, Mask::Window(300, 0), 60.0),
+            (64, 200, 700, Mask::Full, 60.0),
+            (256, 130, 500, Mask::Causal, 60.0),
+        ] {
+            let c = Case {
+                dtype,
+                b: 1,
+                sq,
+                sk,
+                h: 2,
+                hk: 2,
+                d,
+                mask,
+                softcap: 0.0,
+                alibi: false,
+            };
+            let (q, k, v) = c.inputs(1000 + n)?;
+            let growth: Vec<f32> = (0..sk)
+                .map(|j| top.powf(j as f32 / (sk - 1) as f32))
+                .collect();
+            let growth = Tensor::from_vec(growth, (1, sk, 1, 1), cpu)?;
+            let k = k
+                .to_dtype(DType::F32)?
+                .broadcast_mul(&growth)?
+                .to_dtype(dtype)?;
+            check_inputs(
+                &dev,
+                &format!("growing scores, top {top}: {c:?}"),
+                &q,
+                &k,
+                &v,
+                &c.opts(cpu)?,
+                &c.opts(&dev)?,
+            )?;
+            n += 1;
+        }
+    }
+    Ok(())
+}
+
 /// Operands with no element on the GPU (made as views, since candle cannot allocate an empty
 /// CUDA buffer): batch 0 and seq_q 0 give empty outputs and lse; seq_k 0 gives zeros and
 /// lse -inf; under autograd with seq_k 0, dq is exactly 0 and the empty k and v get no gradient

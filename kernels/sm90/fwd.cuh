@@ -15,7 +15,9 @@
 //
 // Overlap (FlashAttention-3): within a warpgroup, S of tile t and P V of tile t - 1 are issued
 // together and the softmax of t runs while P V completes (O is rescaled after it, and in the
-// d >= 128 instances only when a row's reference max moves: LAZY); between warpgroups
+// d >= 128 instances only when a row's reference max moves: LAZY; there the softmax first
+// takes the exps against the current max, and computes the row max, from S issued again, only
+// for the rare tiles where that guess fails: softmax_spec); between warpgroups
 // (PINGPONG), named barriers hand the GEMM issue slot round-robin so one warpgroup's softmax
 // runs under another's GEMMs. (The d 64 instances keep P's registers unpinned, so ptxas places
 // P V's wait before their softmax: measured faster there.) The producer issues K one tile ahead
@@ -146,6 +148,17 @@ __device__ __forceinline__ uint32_t opaque(uint32_t x) {
 }
 __device__ __forceinline__ void named_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Whether `v` holds for any of the `threads` threads meeting at named barrier `id`.
+__device__ __forceinline__ bool named_any(int id, int threads, bool v) {
+    uint32_t r;
+    asm volatile(
+        "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\n"
+        "bar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+        : "=r"(r)
+        : "r"((uint32_t)v), "r"(id), "r"(threads)
+        : "memory");
+    return r != 0;
 }
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -527,17 +540,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     // exps are taken against m, so P stays below 2^8 (f16 and bf16 hold it with the same
     // relative rounding as P <= 1), and l and O are rescaled only when m moves, which after a
     // row's first tiles is rare. The others move m to every new max and always rescale.
-    auto softmax = [&](float* acc_s, int t, float* alpha) {
-        const int k0 = t * BN;
-        const int col = k0 + 2 * (lane % 4);
-        if constexpr (MODS) {
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc_s[4 * j + e] = modded_score(p, acc_s[4 * j + e], slope_log2,
-                                                    diag_t + (e / 2) * 8, col + j * 8 + e % 2);
-        }
+    // The masks of the tile at key k0 (this thread's first column `col`): hidden scores become
+    // -inf.
+    auto apply_mask = [&](float* acc_s, int k0, int col) {
         if (!tile_is_full(p, g, k0, BN)) {
             // Each row's visible keys relative to this thread's first column.
             int lo[2], hi[2];
@@ -555,6 +560,47 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                     if (c < lo[e / 2] || c >= hi[e / 2]) acc_s[4 * j + e] = -INFINITY;
                 }
         }
+    };
+    // LAZY, no score modifiers, every row's m finite: the exps of tile t against the current m,
+    // with no max first. When each of this thread's row sums is below 2^7, no P reached 2^7, so
+    // no score passed m by the margin of 2^8 and the exact softmax below would not move m
+    // either: P and the sums (returned in `sums`) are what it computes, bit for bit (for scores
+    // whose rounding stays far inside the margin, below ~2^22 in base-2 units; past that both
+    // keep every P below 2^8 and are equally valid). Otherwise (false) acc_s holds exps that may
+    // have overflowed, and S must be computed again.
+    auto softmax_spec = [&](float* acc_s, int t, float* sums) {
+        const int k0 = t * BN;
+        apply_mask(acc_s, k0, k0 + 2 * (lane % 4));
+        bool ok = true;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const float m_scaled = row_m[hf] * unit;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float pv = fast_exp2(fmaf(acc_s[4 * j + 2 * hf + e], unit, -m_scaled));
+                    acc_s[4 * j + 2 * hf + e] = pv;
+                    sum += pv;
+                }
+            sums[hf] = sum;
+            ok = ok && sum < 128.f;  // false for NaN
+        }
+        return ok;
+    };
+    auto softmax = [&](float* acc_s, int t, float* alpha) {
+        const int k0 = t * BN;
+        const int col = k0 + 2 * (lane % 4);
+        if constexpr (MODS) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc_s[4 * j + e] = modded_score(p, acc_s[4 * j + e], slope_log2,
+                                                    diag_t + (e / 2) * 8, col + j * 8 + e % 2);
+        }
+        apply_mask(acc_s, k0, col);
         bool moved = false;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
@@ -648,8 +694,38 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             turn_end();
             wg_wait<1>();
             reg_fence(acc_s);
-            if (lane == 0) mbar_arrive(bar_ek(s));
-            const bool moved = softmax(acc_s, t, alpha);
+            bool moved;
+            if constexpr (LAZY && !MODS) {
+                // The row max is needed only when m may move (see softmax_spec): its 64 max
+                // instructions (half rate, and half again under the other warpgroup's wgmma,
+                // scripts/sm90-probe) and its shuffles stay off the common path, and the exps
+                // start as soon as S has landed. When any warp of the warpgroup finds a sum too
+                // large, the warpgroup computes S again (its K stage is released only after
+                // this) and takes the exact path.
+                float sums[2];
+                const bool spec =
+                    __all_sync(0xffffffff, row_m[0] != -INFINITY && row_m[1] != -INFINITY);
+                const bool ok = spec && softmax_spec(acc_s, t, sums);
+                const bool again = named_any(EPI_BAR + wg, 128, spec && !ok);
+                if (again) {
+                    wg_fence();
+                    issue_s(acc_s, s);
+                    wg_commit();
+                    wg_wait<0>();
+                    reg_fence(acc_s);
+                }
+                if (spec && !again) {
+                    row_l[0] += sums[0];
+                    row_l[1] += sums[1];
+                    moved = false;
+                } else {
+                    moved = softmax(acc_s, t, alpha);
+                }
+                if (lane == 0) mbar_arrive(bar_ek(s));
+            } else {
+                if (lane == 0) mbar_arrive(bar_ek(s));
+                moved = softmax(acc_s, t, alpha);
+            }
             if constexpr (LAZY) pin_regs(pa, g.sk < 0, saddr(sO), row_l[0]);
             wg_wait<0>();
             reg_fence(acc_o);
