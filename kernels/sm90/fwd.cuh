@@ -561,6 +561,20 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                 }
         }
     };
+    // P = 2^(s unit - m_scaled) in place over row half `hf` of this thread's columns; returns
+    // their sum.
+    auto exps = [&](float* acc_s, int hf, float m_scaled) {
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float pv = fast_exp2(fmaf(acc_s[4 * j + 2 * hf + e], unit, -m_scaled));
+                acc_s[4 * j + 2 * hf + e] = pv;
+                sum += pv;
+            }
+        return sum;
+    };
     // LAZY, no score modifiers, every row's m finite: the exps of tile t against the current m,
     // with no max first. When each of this thread's row sums is below 2^7, no P reached 2^7, so
     // no score passed m by the margin of 2^8 and the exact softmax below would not move m
@@ -575,15 +589,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const float m_scaled = row_m[hf] * unit;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float pv = fast_exp2(fmaf(acc_s[4 * j + 2 * hf + e], unit, -m_scaled));
-                    acc_s[4 * j + 2 * hf + e] = pv;
-                    sum += pv;
-                }
+            const float sum = exps(acc_s, hf, m_scaled);
             sums[hf] = sum;
             ok = ok && sum < 128.f;  // false for NaN
         }
@@ -625,15 +631,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             // A row that has seen only masked keys keeps m = -inf; subtracting 0 instead keeps
             // exp2 at 0 rather than NaN (-inf - -inf).
             const float m_scaled = row_m[hf] == -INFINITY ? 0.f : row_m[hf] * unit;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float pv = fast_exp2(fmaf(acc_s[4 * j + 2 * hf + e], unit, -m_scaled));
-                    acc_s[4 * j + 2 * hf + e] = pv;
-                    sum += pv;
-                }
+            const float sum = exps(acc_s, hf, m_scaled);
             row_l[hf] = row_l[hf] * alpha[hf] + sum;
         }
         if constexpr (LAZY) return __any_sync(0xffffffff, moved) != 0;
