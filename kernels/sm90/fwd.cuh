@@ -15,11 +15,11 @@
 //
 // Overlap (FlashAttention-3): within a warpgroup, S of tile t and P V of tile t - 1 are issued
 // together and the softmax of t runs while P V completes (O is rescaled after it, and in the
-// d >= 128 instances only when a row's reference max moves: LAZY; there the softmax first
-// takes the exps against the current max, and computes the row max, from S issued again, only
-// for the rare tiles where that guess fails: softmax_spec); between warpgroups
-// (PINGPONG), named barriers hand the GEMM issue slot round-robin so one warpgroup's softmax
-// runs under another's GEMMs. (The d 64 instances keep P's registers unpinned, so ptxas places
+// d >= 128 instances only when a row's reference max moves: LAZY; there, without softcap or
+// ALiBi, the softmax first takes the exps against the current max, and computes the row max,
+// from S issued again, only for the rare tiles where that guess fails: softmax_spec); between
+// warpgroups (PINGPONG), named barriers hand the GEMM issue slot round-robin so one
+// warpgroup's softmax runs under another's GEMMs. (The d 64 instances keep P's registers unpinned, so ptxas places
 // P V's wait before their softmax: measured faster there.) The producer issues K one tile ahead
 // of V. PERSIST instances run one block per SM over all tiles with
 // a dynamic scheduler: the producer warp takes the next tile from a global counter (atomicAdd;
