@@ -19,10 +19,10 @@
 // ALiBi, the softmax first takes the exps against the current max, and computes the row max,
 // from S issued again, only for the rare tiles where that guess fails: softmax_spec); between
 // warpgroups (PINGPONG), named barriers hand the GEMM issue slot round-robin so one
-// warpgroup's softmax runs under another's GEMMs. (The d 64 instances keep P's registers unpinned, so ptxas places
-// P V's wait before their softmax: measured faster there.) The producer issues K one tile ahead
-// of V. PERSIST instances run one block per SM over all tiles with
-// a dynamic scheduler: the producer warp takes the next tile from a global counter (atomicAdd;
+// warpgroup's softmax runs under another's GEMMs. (The d 64 instances keep P's registers
+// unpinned, so ptxas places P V's wait before their softmax: measured faster there.) The
+// producer issues K one tile ahead of V. PERSIST instances run one block per SM over all tiles
+// with a dynamic scheduler: the producer warp takes the next tile from a global counter (atomicAdd;
 // the launch zeroes it per call) and passes its index to the consumers through a two-slot ring
 // in shared memory guarded by named barriers, so it runs one tile ahead. The global order is
 // longest first: tiles are grouped by `group` (batch, head) pairs whose K and V fit in L2

@@ -33,7 +33,8 @@ def launch(name, threads, smem, iters):
         ck(cu.cuFuncSetAttribute(f, 8, smem), "max dynamic shared memory")
     a1, a2 = ctypes.c_uint64(buf.value), ctypes.c_int(iters)
     args = (ctypes.c_void_p * 2)(
-        ctypes.cast(ctypes.byref(a1), ctypes.c_void_p), ctypes.cast(ctypes.byref(a2), ctypes.c_void_p)
+        ctypes.cast(ctypes.byref(a1), ctypes.c_void_p),
+        ctypes.cast(ctypes.byref(a2), ctypes.c_void_p),
     )
     for _ in range(2):  # the first launch loads the module
         ck(cu.cuLaunchKernel(f, 1, 1, 1, threads, 1, 1, smem, None, args, None), name)

@@ -113,7 +113,8 @@ __device__ void role(unsigned* out, int iters, uint32_t base, unsigned char* sm)
         keep((float)acc, out);
     } else if constexpr (ROLE == 9) {
         const uint32_t bar = base + 65536 - 64;
-        if (threadIdx.x % 128 == 0) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+        if (threadIdx.x % 128 == 0)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
         asm volatile("bar.sync 1, 128;" ::: "memory");
         unsigned acc = 0;
         for (int it = 0; it < iters * 4; ++it) {
