@@ -167,7 +167,8 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 // Shared-memory matrix descriptor, 128-byte swizzle. K-major operands (Q, K): rows of 128 bytes,
 // 8-row groups 1024 bytes apart (SBO), LBO unused. MN-major V: LBO = distance between 64-column
 // chunks, SBO = 1024 (8 keys).
-// Named barriers (0 is __syncthreads): EPI_BAR + w, warpgroup w's epilogue (128 threads);
+// Named barriers (0 is __syncthreads): EPI_BAR + w, warpgroup w's epilogue and the vote of its
+// speculative softmax (named_any; 128 threads);
 // TILE_FULL_BAR + s and TILE_EMPTY_BAR + s, slot s of the persistent scheduler's tile ring (the
 // producer warp and every consumer thread); PP_BAR + w, the ping-pong turn of warpgroup w (256
 // threads). The ranges must not overlap: a barrier used with two thread counts is an illegal
