@@ -26,8 +26,10 @@ SM90_TABLE(__nv_bfloat16, bf16)
 SM90_TABLE(__half, f16)
 
 // Shared-memory bytes the Rust planner assumes (`Sm90Instance::smem` in src/cuda/plan.rs).
-static_assert(sm90::Traits<__half, 64, 3, 128, 2>::SMEM == 115808, "plan.rs: d 64 instance");
-static_assert(sm90::Traits<__half, 64, 2, 128, 2>::SMEM == 99424, "plan.rs: d 64 mods instance");
-static_assert(sm90::Traits<__half, 128, 2, 128, 2>::SMEM == 197728, "plan.rs: d 128 instance");
-static_assert(sm90::Traits<__half, 128, 2, 176, 2>::SMEM == 214112, "plan.rs: d 128 176-key instance");
-static_assert(sm90::Traits<__half, 256, 2, 80, 2>::SMEM == 230496, "plan.rs: d 256 instance");
+static_assert(sm90::Traits<__half, 64, 3, 128, 2>::SMEM == 115800, "plan.rs: d 64 instance");
+static_assert(sm90::Traits<__half, 64, 2, 128, 2>::SMEM == 99416, "plan.rs: d 64 mods instance");
+static_assert(sm90::Traits<__half, 64, 2, 128, 2, true>::SMEM == 116104, "plan.rs: d 64 persistent");
+static_assert(sm90::Traits<__half, 128, 2, 128, 2>::SMEM == 197720, "plan.rs: d 128 instance");
+static_assert(sm90::Traits<__half, 128, 2, 128, 2, true>::SMEM == 230792, "plan.rs: d 128 persistent");
+static_assert(sm90::Traits<__half, 128, 2, 176, 2>::SMEM == 214104, "plan.rs: d 128 176-key instance");
+static_assert(sm90::Traits<__half, 256, 2, 80, 2>::SMEM == 230488, "plan.rs: d 256 instance");

@@ -23,12 +23,14 @@
 // unpinned, so ptxas places P V's wait before their softmax: measured faster there.) The
 // producer issues K one tile ahead of V. PERSIST instances run one block per SM over all tiles
 // with a dynamic scheduler: the producer warp takes the next tile from a global counter (atomicAdd;
-// the launch zeroes it per call) and passes its index to the consumers through a two-slot ring
-// in shared memory guarded by named barriers, so it runs one tile ahead. The global order is
+// the launch zeroes it per call), computes its geometry and passes both to the consumers through
+// a three-slot ring in shared memory (TileSlot, mbarriers), and loads its Q into the second of
+// two Q buffers, all a whole tile ahead (right after this tile's first K): each consumer
+// warpgroup then starts a tile as soon as it is done with the last one, without waiting for the
+// other warpgroup, for Q, or for the geometry's divisions and parameter loads. The global order is
 // longest first: tiles are grouped by `group` (batch, head) pairs whose K and V fit in L2
 // together, and within a group the query tiles go from the last (most keys under a causal mask)
-// to the first, across the group's heads. The next tile's Q waits on an empty-Q barrier, so its
-// loads overlap the last GEMMs and the epilogue. The other instances are one block per tile, and
+// to the first, across the group's heads. The other instances are one block per tile, and
 // one producer thread. The output is staged per warpgroup in shared memory in the 128-byte
 // swizzle (d 256 and 176-key tiles: in the warpgroup's own rows of Q); persistent instances
 // write it with bulk tensor stores issued by one thread (O_STORE_*), the others with 16-byte
@@ -168,10 +170,8 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 // 8-row groups 1024 bytes apart (SBO), LBO unused. MN-major V: LBO = distance between 64-column
 // chunks, SBO = 1024 (8 keys).
 // Named barriers (0 is __syncthreads): EPI_BAR + w, warpgroup w's epilogue and the vote of its
-// speculative softmax (named_any; 128 threads);
-// TILE_FULL_BAR + s and TILE_EMPTY_BAR + s, slot s of the persistent scheduler's tile ring (the
-// producer warp and every consumer thread); PP_BAR + w, the ping-pong turn of warpgroup w (256
-// threads). The ranges must not overlap: a barrier used with two thread counts is an illegal
+// speculative softmax (named_any; 128 threads); PP_BAR + w, the ping-pong turn of warpgroup w
+// (256 threads). The ranges must not overlap: a barrier used with two thread counts is an illegal
 // instruction.
 constexpr int EPI_BAR = 1;
 // How the epilogue writes O (the launch's o_mode): by the warpgroup's threads; by the tensor copy
@@ -186,9 +186,35 @@ constexpr int EPI_BAR = 1;
 constexpr int O_STORE_THREADS = 0;
 constexpr int O_STORE_TMA = 1;
 constexpr int O_STORE_TMA_PACKED = 2;
-constexpr int TILE_FULL_BAR = 4;
-constexpr int TILE_EMPTY_BAR = 6;
-constexpr int PP_BAR = 8;
+constexpr int PP_BAR = 4;
+
+// A slot of the persistent scheduler's tile ring: the tile (-1: no more) and its geometry, which
+// the producer computes, so the consumers start each tile without the divisions and parameter
+// loads of tile_geom.
+struct TileSlot {
+    BlockGeom g;
+    int tile, h, b;
+};
+static_assert(sizeof(TileSlot) == 80, "plan.rs: Sm90Instance::smem counts 80 bytes a slot");
+// A slot's tile geometry, read through volatile loads: the producer reads back what it has just
+// written, so the values it computed are not kept live beside its load loop (its few registers
+// spilled otherwise).
+__device__ __forceinline__ void read_slot(const TileSlot* slot, int& h, int& b, BlockGeom& g) {
+    const volatile TileSlot* v = slot;
+    h = v->h;
+    b = v->b;
+    g.sq = v->g.sq;
+    g.sk = v->g.sk;
+    g.m0 = v->g.m0;
+    g.rows = v->g.rows;
+    g.q_row0 = v->g.q_row0;
+    g.k_row0 = v->g.k_row0;
+    g.out_row0 = v->g.out_row0;
+    g.lse0 = v->g.lse0;
+    g.n_lo = v->g.n_lo;
+    g.n_hi = v->g.n_hi;
+    g.slope_idx = v->g.slope_idx;
+}
 
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
@@ -237,12 +263,15 @@ __device__ __forceinline__ void mma_rs(float* d, const uint32_t* a, uint64_t b, 
 // more than this (base 2), so P = 2^(s - m) stays below 2^8.
 constexpr float RESCALE_LOG2 = 8.f;
 
-template <typename T, int D, int NWG, int BN, int STAGES>
+template <typename T, int D, int NWG, int BN, int STAGES, bool PERSIST = false>
 struct Traits {
     static constexpr int BM = 64 * NWG;
     static constexpr int THREADS = 128 * (NWG + 1);
     static constexpr int CH = D / 64;  // 64-column chunks
-    static constexpr int Q_BYTES = BM * D * 2;
+    static constexpr int Q_BYTES = BM * D * 2;  // one Q tile
+    // Persistent instances double-buffer Q: the producer loads the next tile's Q while the
+    // consumers still run the key loop of this one.
+    static constexpr int QB = PERSIST ? 2 : 1;
     static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
     // Output staging. d 256 has no room for a tile of its own (Q 64 KB + two stages of 80-key
     // K and V 160 KB), nor d 128 with 176-key tiles (Q 32 KB + K and V 176 KB): each warpgroup
@@ -251,20 +280,22 @@ struct Traits {
     // persistent.
     static constexpr bool O_IN_Q = D > 128 || BN > 128;
     static constexpr int O_BYTES = O_IN_Q ? 0 : BM * D * 2;
-    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q; then the two
-    // slots of the persistent scheduler's tile ring (one int each; their named barriers are
-    // TILE_FULL_BAR and TILE_EMPTY_BAR).
-    static constexpr int TILE_SLOTS = 2;
-    static_assert(TILE_FULL_BAR + TILE_SLOTS <= TILE_EMPTY_BAR, "named barrier ranges");
-    static_assert(TILE_EMPTY_BAR + TILE_SLOTS <= PP_BAR, "named barrier ranges");
-    // Barriers: full Q, full K[s], full V[s], empty K[s], empty V[s], empty Q, a varlen tail's
-    // V (see the producer), then the tile ring's slots.
-    static constexpr int BAR_BYTES = 8 * (3 + 4 * STAGES) + 4 * TILE_SLOTS;
+    // The persistent scheduler's tile ring: three slots, so that the producer can publish the
+    // next tile while the consumers still hold this one's and the previous one's (which they
+    // release after its epilogue).
+    static constexpr int TILE_SLOTS = PERSIST ? 3 : 0;
+    // Barriers: full and empty K[s] and V[s], a varlen tail's V, full and empty Q[i], full and
+    // empty tile slots; then the slots.
+    static constexpr int BAR_BYTES =
+        8 * (4 * STAGES + 1 + 2 * QB + 2 * TILE_SLOTS) + TILE_SLOTS * (int)sizeof(TileSlot);
     // 1024 of slack to align the base to a swizzle atom.
-    static constexpr int SMEM = 1024 + Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + BAR_BYTES;
+    static constexpr int SMEM =
+        1024 + QB * Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + BAR_BYTES;
     // setmaxnreg budgets (a multiple of 8; producer + NWG consumers within 512 per thread slot).
-    static constexpr int PRODUCER_REGS = NWG == 2 ? 40 : 32;
-    static constexpr int CONSUMER_REGS = NWG == 2 ? 232 : 160;
+    // The persistent producer also computes each tile's geometry for the tile ring (TileSlot),
+    // and needs more than the others' 40.
+    static constexpr int PRODUCER_REGS = NWG == 2 ? (PERSIST ? 56 : 40) : 32;
+    static constexpr int CONSUMER_REGS = NWG == 2 ? (PERSIST ? 224 : 232) : 160;
 };
 
 template <typename T, int D, int NWG, int BN, int STAGES, bool PINGPONG, bool PERSIST, bool MODS>
@@ -272,7 +303,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                                                const TmaMap* tk, const TmaMap* tv,
                                                const TmaMap* to, int o_mode,
                                                int* tile_counter, int group) {
-    using Tr = Traits<T, D, NWG, BN, STAGES>;
+    using Tr = Traits<T, D, NWG, BN, STAGES, PERSIST>;
+    constexpr int QB = Tr::QB;
     // Lazy rescaling (see the softmax) and P kept in its registers until its P V GEMM has been
     // waited for (pin_regs), so that the softmax overlaps that GEMM. Measured on an H100
     // (BENCHMARKS.md, 2026-11-22, ~17:00): +2-10% at d 256, 1.00-1.04x at d 128 seq 8192 and
@@ -291,23 +323,28 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     // Aligned by an offset from smem_raw (not integer casts), so the compiler still knows every
     // derived pointer is shared memory (32-bit addresses, STS instead of generic stores).
     unsigned char* base = smem_raw + ((1024 - (saddr(smem_raw) & 1023)) & 1023);
+    constexpr int QS = QB * Tr::Q_BYTES;
     T* sQ = reinterpret_cast<T*>(base);
-    T* sK = reinterpret_cast<T*>(base + Tr::Q_BYTES);
-    T* sV = reinterpret_cast<T*>(base + Tr::Q_BYTES + STAGES * Tr::KV_BYTES);
-    T* sO = reinterpret_cast<T*>(base + Tr::Q_BYTES + 2 * STAGES * Tr::KV_BYTES);
-    uint64_t* bars =
-        reinterpret_cast<uint64_t*>(base + Tr::Q_BYTES + 2 * STAGES * Tr::KV_BYTES + Tr::O_BYTES);
-    const uint32_t bar_q = saddr(bars);
-    auto bar_fk = [&](int s) { return saddr(bars + 1 + s); };
-    auto bar_fv = [&](int s) { return saddr(bars + 1 + STAGES + s); };
-    auto bar_ek = [&](int s) { return saddr(bars + 1 + 2 * STAGES + s); };
-    auto bar_ev = [&](int s) { return saddr(bars + 1 + 3 * STAGES + s); };
-    const uint32_t bar_qe = saddr(bars + 1 + 4 * STAGES);
-    const uint32_t bar_tail = saddr(bars + 2 + 4 * STAGES);
+    T* sK = reinterpret_cast<T*>(base + QS);
+    T* sV = reinterpret_cast<T*>(base + QS + STAGES * Tr::KV_BYTES);
+    T* sO = reinterpret_cast<T*>(base + QS + 2 * STAGES * Tr::KV_BYTES);
+    uint64_t* bars = reinterpret_cast<uint64_t*>(base + QS + 2 * STAGES * Tr::KV_BYTES + Tr::O_BYTES);
+    // The mbarriers, in Traits::BAR_BYTES: full and empty K and V stages, a varlen tail's V
+    // (see the producer), full and empty Q buffers (tile n uses buffer n % QB), then the full
+    // and empty barriers of the tile ring's slots, whose TileSlots follow. A slot is full once
+    // the producer has written it (one arrival), empty once every consumer thread has read what
+    // it needs from it (after its tile's epilogue).
     constexpr int SLOTS = Tr::TILE_SLOTS;
-    // The tile ring's named barriers count the producer warp and every consumer thread.
-    constexpr int SCHED_THREADS = 32 + 128 * NWG;
-    volatile int* tile_slot = reinterpret_cast<volatile int*>(bars + 3 + 4 * STAGES);
+    auto bar_fk = [&](int s) { return saddr(bars + s); };
+    auto bar_fv = [&](int s) { return saddr(bars + STAGES + s); };
+    auto bar_ek = [&](int s) { return saddr(bars + 2 * STAGES + s); };
+    auto bar_ev = [&](int s) { return saddr(bars + 3 * STAGES + s); };
+    const uint32_t bar_tail = saddr(bars + 4 * STAGES);
+    auto bar_q = [&](int i) { return saddr(bars + 4 * STAGES + 1 + i); };
+    auto bar_qe = [&](int i) { return saddr(bars + 4 * STAGES + 1 + QB + i); };
+    auto bar_sf = [&](int s) { return saddr(bars + 4 * STAGES + 1 + 2 * QB + s); };
+    auto bar_se = [&](int s) { return saddr(bars + 4 * STAGES + 1 + 2 * QB + SLOTS + s); };
+    TileSlot* slots = reinterpret_cast<TileSlot*>(bars + 4 * STAGES + 1 + 2 * QB + 2 * SLOTS);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     // PERSIST: tile i of q_tiles x heads x batch, in the scheduler's order: groups of `group`
@@ -338,8 +375,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     };
 
     if (tid == 0) {
-        mbar_init(bar_q, 1);
-        mbar_init(bar_qe, 4 * NWG);
+        for (int i = 0; i < QB; ++i) {
+            mbar_init(bar_q(i), 1);
+            mbar_init(bar_qe(i), 4 * NWG);
+        }
+        for (int i = 0; i < SLOTS; ++i) {
+            mbar_init(bar_sf(i), 1);
+            mbar_init(bar_se(i), 128 * NWG);
+        }
         mbar_init(bar_tail, 1);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_fk(s), 1);
@@ -374,95 +417,139 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             int kv_it = 0, n_tile = 0;
             uint32_t tail_phase = 0;
             int tile = PERSIST ? (int)blockIdx.x : 0;
-            for (;;) {
+            // Q of tile n (its geometry h, b, g) into buffer n % QB, once the consumers are done
+            // with the Q it held, that of tile n - QB.
+            auto load_q = [&](int n, int h, int b, const BlockGeom& g) {
+                const int qi = n % QB;
+                if (n >= QB) mbar_wait(bar_qe(qi), (uint32_t)((n / QB - 1) & 1));
+                mbar_expect_tx(bar_q(qi), Tr::Q_BYTES);
+                const int qb = (p.cu_q || p.q_uniform) ? 0 : b;
+                const int q_row = (int)(g.q_row0 + g.m0);
+#pragma unroll
+                for (int c = 0; c < CH; ++c)
+                    tma_load_4d(saddr(sQ + qi * BM * D + c * BM * 64), tq, bar_q(qi), c * 64, h,
+                                q_row, qb);
+            };
+            // PERSIST: the first tile from `tile` on that has query rows (or -1: none is left)
+            // and its geometry into slot n % SLOTS, once the consumers are done with the tile it
+            // held (n - SLOTS), then its Q. False when none is left.
+            auto publish = [&](int n) {
+                if constexpr (!PERSIST) {
+                    return false;
+                } else {
+                    int h, b;
+                    BlockGeom g;
+                    while (tile < total && !tile_geom(tile, h, b, g)) tile = next_tile();
+                    const int s = n % SLOTS;
+                    if (n >= SLOTS) mbar_wait(bar_se(s), (uint32_t)((n / SLOTS - 1) & 1));
+                    if (lane == 0) {
+                        slots[s].tile = tile < total ? tile : -1;
+                        if (tile < total) {
+                            slots[s].h = h;
+                            slots[s].b = b;
+                            slots[s].g = g;
+                        }
+                        mbar_arrive(bar_sf(s));  // release: the slot's writes come first
+                    }
+                    if (tile >= total) return false;
+                    __syncwarp();
+                    read_slot(slots + s, h, b, g);
+                    if (issuer) load_q(n, h, b, g);
+                    return true;
+                }
+            };
+            // The K and V loads of tile n_tile: its first K tile (part 0) or the rest (part 1).
+            // The geometry comes back from the tile's slot each time (PERSIST), so none of it
+            // stays live across the next tile's publication.
+            auto load_kv = [&](int part) {
                 int h, b;
                 BlockGeom g;
-                if constexpr (PERSIST) {
-                    while (tile < total && !tile_geom(tile, h, b, g)) tile = next_tile();
-                    // Publish the tile (or -1: no more) in slot n_tile % SLOTS once the
-                    // consumers have read what it held before.
-                    const int s = n_tile % SLOTS;
-                    if (n_tile >= SLOTS) named_sync(TILE_EMPTY_BAR + s, SCHED_THREADS);
-                    if (lane == 0) tile_slot[s] = tile < total ? tile : -1;
-                    named_arrive(TILE_FULL_BAR + s, SCHED_THREADS);
-                    if (tile >= total) {
-                        // The consumers' release of the last tile's slot (they release none
-                        // after -1), so every arrival is matched.
-                        if (n_tile >= 1) named_sync(TILE_EMPTY_BAR + (n_tile - 1) % SLOTS, SCHED_THREADS);
-                        break;
-                    }
-                } else {
-                    if (n_tile > 0 || !tile_geom(tile, h, b, g)) break;
-                }
-                if (issuer) {
-                    const int kvh = h / p.kv_group;
-                    const int t_begin = g.n_lo / BN;
-                    const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
-                    const int qb = (p.cu_q || p.q_uniform) ? 0 : b;
-                    const int kb = p.cu_k ? 0 : b;
-                    const int q_row = (int)(g.q_row0 + g.m0);
-                    // The consumers are done with the previous tile's Q.
-                    if (n_tile > 0) mbar_wait(bar_qe, (uint32_t)((n_tile - 1) & 1));
-                    mbar_expect_tx(bar_q, Tr::Q_BYTES);
+                if constexpr (PERSIST) read_slot(slots + n_tile % SLOTS, h, b, g);
+                else tile_geom(tile, h, b, g);
+                if (!issuer) return;
+                const int kvh = h / p.kv_group;
+                const int t_begin = g.n_lo / BN;
+                const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
+                const int kb = p.cu_k ? 0 : b;
+                // K runs one tile ahead of V (K(t + 1) is issued before V(t)): a K stage is
+                // released as soon as its S GEMM completes, a V stage only after its P V GEMM,
+                // so waiting for V first would hold back the next K.
+                auto load_k = [&](int t, int it) {
+                    const int s = it % STAGES;
+                    const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
+                    if (it >= STAGES) mbar_wait(bar_ek(s), ((it / STAGES) & 1) ^ 1);
+                    mbar_expect_tx(bar_fk(s), Tr::KV_BYTES);
 #pragma unroll
                     for (int c = 0; c < CH; ++c)
-                        tma_load_4d(saddr(sQ + c * BM * 64), tq, bar_q, c * 64, h, q_row, qb);
-                    // K runs one tile ahead of V (K(t + 1) is issued before V(t)): a K stage
-                    // is released as soon as its S GEMM completes, a V stage only after its
-                    // P V GEMM, so waiting for V first would hold back the next K.
-                    auto load_k = [&](int t, int it) {
-                        const int s = it % STAGES;
-                        const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
-                        if (it >= STAGES) mbar_wait(bar_ek(s), ((it / STAGES) & 1) ^ 1);
-                        mbar_expect_tx(bar_fk(s), Tr::KV_BYTES);
+                        tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s), c * 64,
+                                    kvh, k_row, kb);
+                };
+                auto load_v = [&](int t, int it) {
+                    const int s = it % STAGES;
+                    const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
+                    if (it >= STAGES) mbar_wait(bar_ev(s), ((it / STAGES) & 1) ^ 1);
+                    // Varlen: a tile past the sequence's end also holds the next sequence's
+                    // first rows. P is exactly 0 there, but 0 * NaN is NaN: so such a V tile
+                    // lands on bar_tail, the rows of the last 16-row step the P V product reads
+                    // (it stops there, see the consumers) are zeroed, and only then is the stage
+                    // full. K needs nothing: its scores are masked by a select.
+                    const int valid = g.sk - t * BN;
+                    const bool tail = p.cu_k && valid < BN;
+                    const uint32_t vbar = tail ? bar_tail : bar_fv(s);
+                    mbar_expect_tx(vbar, Tr::KV_BYTES);
 #pragma unroll
+                    for (int c = 0; c < CH; ++c)
+                        tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, vbar, c * 64, kvh,
+                                    k_row, kb);
+                    if (tail) {
+                        mbar_wait(bar_tail, tail_phase);
+                        tail_phase ^= 1;
+                        const int end = min(BN, (valid + 15) / 16 * 16);
                         for (int c = 0; c < CH; ++c)
-                            tma_load_4d(saddr(sK + s * BN * D + c * BN * 64), tk, bar_fk(s),
-                                        c * 64, kvh, k_row, kb);
-                    };
-                    auto load_v = [&](int t, int it) {
-                        const int s = it % STAGES;
-                        const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
-                        if (it >= STAGES) mbar_wait(bar_ev(s), ((it / STAGES) & 1) ^ 1);
-                        // Varlen: a tile past the sequence's end also holds the next sequence's
-                        // first rows. P is exactly 0 there, but 0 * NaN is NaN: so such a V
-                        // tile lands on bar_tail, the rows of the last 16-row step the P V
-                        // product reads (it stops there, see the consumers) are zeroed, and only
-                        // then is the stage full. K needs nothing: its scores are masked by a
-                        // select.
-                        const int valid = g.sk - t * BN;
-                        const bool tail = p.cu_k && valid < BN;
-                        const uint32_t vbar = tail ? bar_tail : bar_fv(s);
-                        mbar_expect_tx(vbar, Tr::KV_BYTES);
+                            for (int r = valid; r < end; ++r)
 #pragma unroll
-                        for (int c = 0; c < CH; ++c)
-                            tma_load_4d(saddr(sV + s * BN * D + c * BN * 64), tv, vbar, c * 64,
-                                        kvh, k_row, kb);
-                        if (tail) {
-                            mbar_wait(bar_tail, tail_phase);
-                            tail_phase ^= 1;
-                            const int end = min(BN, (valid + 15) / 16 * 16);
-                            for (int c = 0; c < CH; ++c)
-                                for (int r = valid; r < end; ++r)
-#pragma unroll
-                                    for (int u = 0; u < 8; ++u)
-                                        *reinterpret_cast<uint4*>(sV + s * BN * D + c * BN * 64 +
-                                                                  r * 64 + u * 8) =
-                                            make_uint4(0, 0, 0, 0);
-                            proxy_fence();
-                            mbar_arrive(bar_fv(s));
-                        }
-                    };
-                    for (int t = t_begin; t < t_end; ++t) {
-                        load_k(t, kv_it + t - t_begin);
-                        if (t > t_begin) load_v(t - 1, kv_it + t - 1 - t_begin);
+                                for (int u = 0; u < 8; ++u)
+                                    *reinterpret_cast<uint4*>(sV + s * BN * D + c * BN * 64 +
+                                                              r * 64 + u * 8) =
+                                        make_uint4(0, 0, 0, 0);
+                        proxy_fence();
+                        mbar_arrive(bar_fv(s));
                     }
-                    if (t_end > t_begin) load_v(t_end - 1, kv_it + t_end - 1 - t_begin);
-                    kv_it += t_end - t_begin;
+                };
+                if (part == 0) {
+                    if (t_end > t_begin) load_k(t_begin, kv_it);
+                    return;
                 }
+                for (int t = t_begin + 1; t < t_end; ++t) {
+                    load_k(t, kv_it + t - t_begin);
+                    load_v(t - 1, kv_it + t - 1 - t_begin);
+                }
+                if (t_end > t_begin) load_v(t_end - 1, kv_it + t_end - 1 - t_begin);
+                kv_it += t_end - t_begin;
+            };
+            [[maybe_unused]] bool have = true;
+            if constexpr (PERSIST) have = publish(0);
+            for (;;) {
+                if constexpr (PERSIST) {
+                    if (!have) break;
+                } else {
+                    int h, b;
+                    BlockGeom g;
+                    if (n_tile > 0 || !tile_geom(tile, h, b, g)) break;
+                    load_q(0, h, b, g);
+                }
+                load_kv(0);
+                if constexpr (PERSIST) {
+                    // The next tile, its slot and its Q go out now, a whole tile ahead: the
+                    // consumers find that Q in place when they start the tile, and the
+                    // scheduler's atomic is off the path from one tile to the next.
+                    __syncwarp();
+                    tile = next_tile();
+                    have = publish(n_tile + 1);
+                }
+                load_kv(1);
                 if constexpr (PERSIST) __syncwarp();
                 ++n_tile;
-                if constexpr (PERSIST) tile = next_tile();
             }
         }
         return;
@@ -475,7 +562,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     const int ww = wt / 32;        // warp in the warpgroup
     const int row_base = 64 * wg + 16 * ww + lane / 4;  // this thread's rows: +0 and +8
     const float unit = MODS ? 1.f : p.scale_log2;
-    const uint32_t q_base = saddr(sQ) + wg * 64 * 128;
     int kv_it = 0, n_tile = 0;
     // Ping-pong turns alternate strictly across all tiles of the block: warpgroup 0 goes first,
     // and takes the last warpgroup's final arrival after the last tile.
@@ -486,14 +572,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     int tile = 0, h, b;
     BlockGeom g;
     if constexpr (PERSIST) {
-        // The producer's next tile (-1: none left); the slot is released for the tile after
-        // next once read.
+        // The producer's next tile (-1: none left) and its geometry. Each warpgroup goes on as
+        // soon as it is there, without waiting for the other one.
         const int s = n_tile % SLOTS;
-        named_sync(TILE_FULL_BAR + s, SCHED_THREADS);
-        tile = tile_slot[s];
+        mbar_wait(bar_sf(s), (uint32_t)((n_tile / SLOTS) & 1));
+        tile = slots[s].tile;
         if (tile < 0) break;
-        named_arrive(TILE_EMPTY_BAR + s, SCHED_THREADS);
-        tile_geom(tile, h, b, g);
+        read_slot(slots + s, h, b, g);
     } else {
         if (n_tile > 0 || !tile_geom(tile, h, b, g)) break;
     }
@@ -507,7 +592,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
 
-    mbar_wait(bar_q, (uint32_t)(n_tile & 1));
+    const int qi = n_tile % QB;
+    const uint32_t q_base = saddr(sQ + qi * BM * D) + wg * 64 * 128;
+    mbar_wait(bar_q(qi), (uint32_t)((n_tile / QB) & 1));
 
     // Issue S = Q K^T of the tile in stage s (not waited for).
     // Descriptors are built from one base each per call and offset by constants (the start
@@ -740,8 +827,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             }
             pack_p(acc_s, pa);
         }
-        // Every S of this tile is complete: the producer may load the next tile's Q.
-        if (lane == 0) mbar_arrive(bar_qe);
+        // Every S of this tile is complete: the producer may load this Q buffer again.
+        if (lane == 0) mbar_arrive(bar_qe(qi));
         // Last tile's P V.
         {
             const int it = kv_it + t_end - 1 - t_begin, sp = it % STAGES;
@@ -760,7 +847,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             if (lane == 0) mbar_arrive(bar_ev(sp));
         }
     } else if (lane == 0) {
-        mbar_arrive(bar_qe);  // no key: Q was loaded but is not read
+        mbar_arrive(bar_qe(qi));  // no key: Q was loaded but is not read
     }
     kv_it += t_end - t_begin;
 
@@ -778,8 +865,16 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     // This warpgroup's stores of the previous tile have read its staged rows.
     if (o_store != O_STORE_THREADS && wt == 0) bulk_wait_read();
     named_sync(EPI_BAR + wg, 128);
-    // The geometry again rather than carried through the key loop (registers).
-    tile_geom(tile, h, b, g);
+    // The geometry again rather than carried through the key loop (registers); a persistent
+    // instance then releases the tile's slot (the producer fills it with the tile SLOTS later).
+    if constexpr (PERSIST) {
+        const int s = n_tile % SLOTS;
+        read_slot(slots + s, h, b, g);
+        // Every thread arrives: an arrival releases only the arriving thread's own reads.
+        mbar_arrive(bar_se(s));
+    } else {
+        tile_geom(tile, h, b, g);
+    }
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float l = row_l[hf];

@@ -150,15 +150,27 @@ impl Sm90Instance {
     pub const fn o_in_q(&self) -> bool {
         self.d > 128 || self.bn > 128
     }
-    /// Dynamic shared memory: alignment slack, Q, the K and V rings, the output staging tile
-    /// (unless it is Q's), the mbarriers and the scheduler's two tile slots (`Traits::SMEM` in
-    /// kernels/sm90/fwd.cuh).
+    /// Q tiles in shared memory: persistent instances load the next tile's Q into a second
+    /// buffer while the key loop of this one runs.
+    pub const fn q_buffers(&self) -> usize {
+        if self.persistent {
+            2
+        } else {
+            1
+        }
+    }
+    /// Dynamic shared memory: alignment slack, the Q buffers, the K and V rings, the output
+    /// staging tile (unless it is Q's), the mbarriers and, persistent, the scheduler's three tile
+    /// slots of 80 bytes (`Traits::SMEM` in kernels/sm90/fwd.cuh).
     pub const fn smem(&self) -> usize {
         let tile = self.rows() * self.d * 2;
-        1024 + if self.o_in_q() { tile } else { 2 * tile }
+        let qb = self.q_buffers();
+        let slots = if self.persistent { 3 } else { 0 };
+        1024 + qb * tile
+            + if self.o_in_q() { 0 } else { tile }
             + 2 * self.stages * self.bn * self.d * 2
-            + 8 * (3 + 4 * self.stages)
-            + 8
+            + 8 * (4 * self.stages + 1 + 2 * qb + 2 * slots)
+            + 80 * slots
     }
 }
 
@@ -900,7 +912,7 @@ mod tests {
                     pl.function,
                     format!("flash_fwd_sm90_{}_d256_wg2", dname(dtype))
                 );
-                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_496));
+                assert_eq!((pl.grid, pl.smem), ((3, 4, 2), 230_488));
                 let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
                 assert!(
                     matches!(pl.kernel, Kernel::Sm90(i) if i.d == 256 && i.mods),
@@ -989,11 +1001,12 @@ mod tests {
             ] {
                 assert_eq!(f(d, s, opts), name(v), "d {d} seq {s} {opts:?}");
             }
-            // The persistent default: one block per SM; 176-key tiles: one block per tile.
+            // The persistent default: one block per SM, two Q buffers; 176-key tiles: one block
+            // per tile.
             let pl = pick(dtype, 128, 2048, &causal, &DeviceCaps::SM90);
-            assert_eq!((pl.grid, pl.smem), ((132, 1, 1), 197_728));
+            assert_eq!((pl.grid, pl.smem), ((132, 1, 1), 230_792));
             let pl = pick(dtype, 128, 8192, &plain, &DeviceCaps::SM90);
-            assert_eq!((pl.grid, pl.smem), ((64, 16, 2), 214_112));
+            assert_eq!((pl.grid, pl.smem), ((64, 16, 2), 214_104));
             // d 64 causal at seq 512 stays portable; softcap, windows keep the defaults.
             assert!(matches!(
                 pick(dtype, 64, 512, &causal, &DeviceCaps::SM90).kernel,
@@ -1044,7 +1057,7 @@ mod tests {
         assert_eq!(base.function, "flash_fwd_sm90_bf16_d128_wg2p");
         let mut o = base.clone();
         override_sm90(&mut o, &p, &caps, "wg2");
-        assert_eq!((o.grid, o.smem), ((16, 16, 8), 197_728));
+        assert_eq!((o.grid, o.smem), ((16, 16, 8), 197_720));
         let mut o = base.clone();
         override_sm90(&mut o, &p, &caps, "wg2p");
         assert_eq!(
@@ -1058,7 +1071,7 @@ mod tests {
         let mut o = base.clone();
         override_sm90(&mut o, &p, &caps, "wg2n176:3");
         assert_eq!(o.function, "flash_fwd_sm90_bf16_d128_wg2n176");
-        assert_eq!((o.grid, o.smem), ((16, 16, 8), 214_112));
+        assert_eq!((o.grid, o.smem), ((16, 16, 8), 214_104));
         assert!(matches!(o.kernel, Kernel::Sm90(i) if i.o_in_q() && i.variant() == "wg2n176"));
         // No 176-key d 64 instance: the plan stays.
         let p64 = mk(8, 2048, 32, 32, 64);
