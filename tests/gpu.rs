@@ -887,6 +887,55 @@ fn growing_scores_move_the_max() -> candle::Result<()> {
     Ok(())
 }
 
+/// Persistent Hopper blocks (d 64 and 128, causal or unmasked) run several query tiles each,
+/// with the next tile's Q loaded into a second buffer during this one. These shapes give each
+/// block about two tiles (b 4, 8 heads, 9 query tiles each) and, under a bottom-right causal
+/// mask with far fewer keys than queries, tiles without any key before tiles with keys; a window
+/// skips the first key tiles of later query tiles. scripts/gpu-run.sh also runs it with
+/// `CANDLE_FLASH_SM90_VARIANT=wg2p:3` (three blocks take every tile).
+#[test]
+fn persistent_tiles_with_and_without_keys() -> candle::Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = &Device::Cpu;
+    let mut n = 0;
+    // Under compute-sanitizer (CANDLE_FLASH_GPU_SMALL): two batches of four heads, 3 query
+    // tiles each, the first two without keys.
+    let (b, h, long) = if small() { (2, 4, 300) } else { (4, 8, 1100) };
+    for dtype in [DType::BF16, DType::F16] {
+        for (d, sq, sk, mask) in [
+            (128, long, 50, Mask::Causal),
+            (64, long, 50, Mask::Causal),
+            (128, long, 300, Mask::Full),
+            (128, long * 2 / 3, long, Mask::Window(long / 7, 0)),
+        ] {
+            let c = Case {
+                dtype,
+                b,
+                sq,
+                sk,
+                h,
+                hk: 2,
+                d,
+                mask,
+                softcap: 0.0,
+                alibi: false,
+            };
+            let (q, k, v) = c.inputs(2000 + n)?;
+            check_inputs(
+                &dev,
+                &format!("{c:?}"),
+                &q,
+                &k,
+                &v,
+                &c.opts(cpu)?,
+                &c.opts(&dev)?,
+            )?;
+            n += 1;
+        }
+    }
+    Ok(())
+}
+
 /// Operands with no element on the GPU (made as views, since candle cannot allocate an empty
 /// CUDA buffer): batch 0 and seq_q 0 give empty outputs and lse; seq_k 0 gives zeros and
 /// lse -inf; under autograd with seq_k 0, dq is exactly 0 and the empty k and v get no gradient
