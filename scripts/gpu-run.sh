@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What runs on the GPU machine (carry .gpu/, made by scripts/pack-gpu.sh):
-#   GPU tests (on a Hopper GPU twice: sm_90a default and CANDLE_FLASH_PORTABLE=1), compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on small ragged shapes, the
+#   GPU tests (on a Hopper GPU three times: sm_90a default, CANDLE_FLASH_PORTABLE=1, and the
+#   persistent kernels on three blocks), compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on small ragged shapes, the
 #   candle-flash benchmark, PyTorch SDPA (flash and cuDNN) on the same shapes (d 64 and 128, then
 #   d 256 one sequence length at a time), and a
 #   side-by-side table with ratios. Logs, and the benchmarks' CSV (prefill-candle.csv,
@@ -52,6 +53,11 @@ if [ $TESTS = 1 ]; then
         echo "== GPU tests again with CANDLE_FLASH_PORTABLE=1 (the sm_80 kernels on this Hopper GPU)"
         CANDLE_FLASH_PORTABLE=1 ./.gpu/gpu_tests --test-threads=1 2>&1 | tee "$LOG/tests-portable.log" | grep -E "^test |test result|passed|panicked|error" || true
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        # Three persistent blocks take every tile of the d 64 / d 128 calls: each block runs many
+        # tiles, with and without keys, through its tile ring and double-buffered Q.
+        echo "== GPU tests again with CANDLE_FLASH_SM90_VARIANT=wg2p:3 (persistent, three blocks)"
+        CANDLE_FLASH_SM90_VARIANT=wg2p:3 ./.gpu/gpu_tests --test-threads=1 2>&1 | tee "$LOG/tests-wg2p3.log" | grep -E "^test |test result|passed|panicked|error" || true
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
     fi
     echo "== paged KV cache, prefix ranges and KV-cache append tests (tests/paged.rs on the GPU)"
     CANDLE_FLASH_TEST_DEVICE=cuda ./.gpu/paged_tests --test-threads=1 2>&1 | tee "$LOG/paged.log" | grep -E "^test |test result|panicked" || true
@@ -73,6 +79,13 @@ if [ $SAN = 1 ]; then
             ./.gpu/gpu_tests --test-threads=1 sanitizer_ 2>&1 \
             | tee "$LOG/sanitizer-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Error|error" | head -20
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        if [ "$HOPPER" = 1 ] && [ $tool != initcheck ]; then
+            echo "== compute-sanitizer --tool $tool (small ragged shapes, CANDLE_FLASH_SM90_VARIANT=wg2p:3)"
+            CANDLE_FLASH_SM90_VARIANT=wg2p:3 CANDLE_FLASH_GPU_SMALL=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 \
+                ./.gpu/gpu_tests --test-threads=1 sanitizer_ persistent_tiles 2>&1 \
+                | tee "$LOG/sanitizer-$tool-wg2p3.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result|Error|error" | head -20
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        fi
     done
 fi
 if [ $BENCH = 1 ] && [ $FORWARD = 1 ]; then

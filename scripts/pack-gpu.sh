@@ -32,6 +32,8 @@ bins=".gpu/gpu_tests .gpu/paged_tests .gpu/gpu_backward_tests .gpu/gpu_bench .gp
 # A stale build script output once left a binary without the backward kernels: refuse to ship it.
 for b in $bins; do
     grep -q flash_bwd "$b" || { echo "$b lacks the backward kernels (stale PTX?)" >&2; exit 1; }
+    # A build of scripts/sm90-probe/trace.sh in the same target dir must not be shipped.
+    if grep -q flash_sm90_trace_dump "$b"; then echo "$b is a probe build (trace.sh)" >&2; exit 1; fi
 done
 strip $bins
 xz -6 -T2 $bins
