@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What runs on the GPU machine (carry .gpu/, made by scripts/pack-gpu.sh):
 #   GPU tests (on a Hopper GPU three times: sm_90a default, CANDLE_FLASH_PORTABLE=1, and the
-#   persistent kernels on three blocks), compute-sanitizer (memcheck, racecheck, synccheck, initcheck) on small ragged shapes, the
-#   candle-flash benchmark, PyTorch SDPA (flash and cuDNN) on the same shapes (d 64 and 128, then
-#   d 256 one sequence length at a time), and a
+#   persistent kernels on three blocks), compute-sanitizer (memcheck, racecheck, synccheck,
+#   initcheck) on small ragged shapes, the candle-flash benchmark, PyTorch SDPA (flash and
+#   cuDNN) on the same shapes (d 64 and 128, then d 256 one sequence length at a time), and a
 #   side-by-side table with ratios. Logs, and the benchmarks' CSV (prefill-candle.csv,
 #   prefill-torch.csv: plot them with scripts/plot.py), go to $OUT when it is set.
 #   The decode benchmark (decode_bench and scripts/sdpa_decode.py, bf16, 32/8 heads, d 128) writes

@@ -328,7 +328,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     T* sK = reinterpret_cast<T*>(base + QS);
     T* sV = reinterpret_cast<T*>(base + QS + STAGES * Tr::KV_BYTES);
     T* sO = reinterpret_cast<T*>(base + QS + 2 * STAGES * Tr::KV_BYTES);
-    uint64_t* bars = reinterpret_cast<uint64_t*>(base + QS + 2 * STAGES * Tr::KV_BYTES + Tr::O_BYTES);
+    uint64_t* bars =
+        reinterpret_cast<uint64_t*>(base + QS + 2 * STAGES * Tr::KV_BYTES + Tr::O_BYTES);
     // The mbarriers, in Traits::BAR_BYTES: full and empty K and V stages, a varlen tail's V
     // (see the producer), full and empty Q buffers (tile n uses buffer n % QB), then the full
     // and empty barriers of the tile ring's slots, whose TileSlots follow. A slot is full once
