@@ -374,6 +374,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             return block_geom(p, q_tiles - 1 - (int)blockIdx.x, BM, h, b, g);
         }
     };
+    // The geometry of the block's n-th tile (index t): from its slot of the tile ring
+    // (PERSIST), else from the grid.
+    auto geom_of = [&](int n, int t, int& h, int& b, BlockGeom& g) {
+        if constexpr (PERSIST) read_slot(slots + n % SLOTS, h, b, g);
+        else tile_geom(t, h, b, g);
+    };
 
     if (tid == 0) {
         for (int i = 0; i < QB; ++i) {
@@ -453,9 +459,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
                         mbar_arrive(bar_sf(s));  // release: the slot's writes come first
                     }
                     if (tile >= total) return false;
-                    __syncwarp();
-                    read_slot(slots + s, h, b, g);
-                    if (issuer) load_q(n, h, b, g);
+                    if (issuer) {
+                        read_slot(slots + s, h, b, g);
+                        load_q(n, h, b, g);
+                    }
                     return true;
                 }
             };
@@ -463,11 +470,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             // The geometry comes back from the tile's slot each time (PERSIST), so none of it
             // stays live across the next tile's publication.
             auto load_kv = [&](int part) {
+                if (!issuer) return;
                 int h, b;
                 BlockGeom g;
-                if constexpr (PERSIST) read_slot(slots + n_tile % SLOTS, h, b, g);
-                else tile_geom(tile, h, b, g);
-                if (!issuer) return;
+                geom_of(n_tile, tile, h, b, g);
                 const int kvh = h / p.kv_group;
                 const int t_begin = g.n_lo / BN;
                 const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
@@ -868,14 +874,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     named_sync(EPI_BAR + wg, 128);
     // The geometry again rather than carried through the key loop (registers); a persistent
     // instance then releases the tile's slot (the producer fills it with the tile SLOTS later).
-    if constexpr (PERSIST) {
-        const int s = n_tile % SLOTS;
-        read_slot(slots + s, h, b, g);
-        // Every thread arrives: an arrival releases only the arriving thread's own reads.
-        mbar_arrive(bar_se(s));
-    } else {
-        tile_geom(tile, h, b, g);
-    }
+    geom_of(n_tile, tile, h, b, g);
+    // Every thread arrives: an arrival releases only the arriving thread's own reads.
+    if constexpr (PERSIST) mbar_arrive(bar_se(n_tile % SLOTS));
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float l = row_l[hf];
