@@ -4,10 +4,12 @@
 bf16 and f16, head dims 64 and 128, seq 512/2048/8192/16384, causal and not, hidden 2048
 (heads = 2048 / d), 16k tokens per batch (batch = 16384 / seq), with the flash (FA2) and cuDNN
 backends. TFLOP/s counts 4*b*h*s^2*d, halved when causal; each time is the median over batches
-of back-to-back calls timed with CUDA events, after warm-up. Lines starting with RESULT are parsed by scripts/gpu-run.sh.
+of back-to-back calls timed with CUDA events, after warm-up, for as long as gpu_bench times each
+shape (--budget, default 0.4 s as there). Lines starting with RESULT are parsed by
+scripts/gpu-run.sh.
 
-    python3 scripts/sdpa_bench.py [--quick] [--csv PATH] [--shape D:SEQ]
-    python3 scripts/sdpa_bench.py --backward [--quick]
+    python3 scripts/sdpa_bench.py [--quick] [--budget S] [--csv PATH] [--shape D:SEQ]
+    python3 scripts/sdpa_bench.py --backward [--quick] [--budget S]
 
 --backward times the backward pass only (--quick: bf16 only) (torch.autograd.grad of one forward graph, kept with
 retain_graph, with a random dO) on the same shapes, flash and cuDNN backends, TFLOP/s counting
@@ -22,6 +24,7 @@ import argparse
 import csv
 import math
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +33,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 HIDDEN, TOKENS = 2048, 16384
 
 
-def bench(fn, reps):
-    """Seconds per call: batches of back-to-back calls (~20 ms each) between CUDA events, median
-    batch; the same method as examples/gpu_bench.rs."""
-    for _ in range(3):
+def bench(fn, budget):
+    """Seconds per call, by examples/gpu_bench.rs's method and time budget: two warm-up calls,
+    then batches of back-to-back calls (~20 ms each) between CUDA events, the median batch (at
+    least 5, until `budget` seconds or 30). The same budget as gpu_bench matters: under the
+    board's power cap, the clock a kernel runs at depends on how long it has been running."""
+    for _ in range(2):
         fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -43,7 +48,8 @@ def bench(fn, reps):
     end.synchronize()
     per_batch = max(1, min(200, math.ceil(20.0 / start.elapsed_time(end))))
     times = []
-    for _ in range(reps):
+    t0 = time.perf_counter()
+    while len(times) < 5 or (time.perf_counter() - t0 < budget and len(times) < 30):
         start.record()
         for _ in range(per_batch):
             fn()
@@ -59,6 +65,8 @@ def main():
     ap.add_argument("--csv", metavar="PATH", help="also write the timings as CSV (scripts/plot.py)")
     ap.add_argument("--backward", action="store_true", help="time the backward pass instead")
     ap.add_argument("--shape", metavar="D:SEQ", help="forward: only this head dim and sequence length")
+    ap.add_argument("--budget", type=float, default=0.4,
+                    help="seconds of timed batches per shape (gpu_bench's --budget; --quick: 0.15)")
     args = ap.parse_args()
     if args.backward:
         return backward(args)
@@ -68,7 +76,7 @@ def main():
     if args.shape:
         d, s = (int(x) for x in args.shape.split(":"))
         dims, seqs = (d,), [s]
-    reps = 3 if args.quick else 7
+    budget = 0.15 if args.quick else args.budget
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(f"{'backend':<8} {'dtype':<6} {'d':>4} {'seq':>6} {'causal':>7} {'ms':>9} {'TFLOP/s':>9}")
     backends = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]
@@ -84,7 +92,7 @@ def main():
                         flops = 4 * b * h * s * s * d / (2 if causal else 1)
                         try:
                             with sdpa_kernel([backend]):
-                                t = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
+                                t = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), budget)
                             tf = flops / t / 1e12
                             print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} {t * 1e3:>9.3f} {tf:>9.1f}")
                             print(f"RESULT torch_{name} {dname} {d} {s} {str(causal).lower()} {tf:.2f}")
@@ -106,7 +114,7 @@ def main():
 def backward(args):
     """Backward-only TFLOP/s (2.5x the forward's flops) of SDPA flash and cuDNN."""
     seqs = [2048, 8192] if args.quick else [512, 2048, 8192, 16384]
-    reps = 3 if args.quick else 7
+    budget = 0.15 if args.quick else args.budget
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float16)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, backward")
     print(f"{'backend':<8} {'dtype':<6} {'d':>4} {'seq':>6} {'causal':>7} {'ms':>9} {'TFLOP/s':>9}")
@@ -125,7 +133,7 @@ def backward(args):
                         try:
                             with sdpa_kernel([backend]):
                                 out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                                t = bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), reps)
+                                t = bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), budget)
                             tf = flops / t / 1e12
                             print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} {t * 1e3:>9.3f} {tf:>9.1f}")
                             print(f"RESULT_BWD torch_{name} {dname} {d} {s} {str(causal).lower()} {tf:.2f}")
