@@ -581,7 +581,7 @@ fn sm90_persistent_grid(
 ///   192-row default wins; at 512, 1.30x the portable kernel, which ran these calls before:
 ///   2026-11-23 ~03:20);
 /// - d 64, no mask, seq_q <= 512: `wg2p` (1.10x to 1.15x the 192-row default at 512, even at
-///   1024, 0.87x to 0.90x from 2048 on: 2026-11-23 ~03:20 and ~03:24).
+///   1024, 0.82x to 0.91x from 2048 on: 2026-11-23 ~03:20 and ~03:24).
 ///
 /// Everything else (ALiBi / softcap, windows, longer d 64 calls without a mask) keeps the
 /// default. Shorter calls than 512 were not timed; they follow the rules of 512.
