@@ -10,10 +10,12 @@
 // (persistent, their registers spilled), nor is d 256 (its output is staged in Q's buffer,
 // Traits::O_IN_Q), whose 80-key tiles in two stages follow FlashAttention-3's d 256 shape.
 // `wg2n176`: FlashAttention-3's unmasked d 128 tile, 128 x 176 keys (O staged in Q's buffer
-// too, so one block per tile).
+// too, so one block per tile). The persistent d 64 instance runs without ping-pong: its two
+// warpgroups issue their GEMMs as they are ready (measured 0.99x to 1.05x the ping-pong version
+// on an H100, within the noise: BENCHMARKS.md, 2026-11-23 ~04:04).
 #define SM90_TABLE(T, TN)                                                                      \
     FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg3, T, 64, 3, 128, 2, true, false, false)   \
-    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg2p, T, 64, 2, 128, 2, true, true, false)   \
+    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg2p, T, 64, 2, 128, 2, false, true, false)  \
     FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d64_wg2_mods, T, 64, 2, 128, 2, true, false, true) \
     FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128_wg2, T, 128, 2, 128, 2, true, false, false) \
     FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_d128_wg2p, T, 128, 2, 128, 2, true, true, false) \
