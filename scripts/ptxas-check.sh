@@ -4,7 +4,8 @@
 # (flash_fwd_{bf16,f16}_d*, not the *_mods variants for softcap/ALiBi) and the f32 kernels, and
 # every backward kernel (flash_bwd_*, all variants, the Hopper ones included), and every sm_90a
 # kernel (flash_fwd_sm90_*, `_mods` included; flash_sm90.ptx and flash_bwd_sm90.ptx are
-# assembled for sm_90a, which their wgmma and setmaxnreg need).
+# assembled for sm_90a, which their wgmma and setmaxnreg need), and when ptxas reports that it
+# serialised a kernel's wgmma instructions.
 #   scripts/ptxas-check.sh [ptx dir]   (default: the newest cuda build under target*/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,12 @@ for ptx in "$dir"/*.ptx; do
     arch=sm_90
     case "$(basename "$ptx")" in flash_sm90.ptx|flash_bwd_sm90.ptx) arch=sm_90a ;; esac
     report=$(ptxas -arch=$arch -v "$ptx" -o /dev/null 2>&1) || { echo "$report"; exit 1; }
+    # ptxas serialises every wgmma of a kernel (each waits for the one before) when it cannot
+    # prove the warpgroup converged where it must insert a register handoff: no spill is
+    # reported, but such a kernel ran 20-30% slower on an H100 (BENCHMARKS.md, 2026-11-23).
+    if serial=$(grep "wgmma.mma_async instructions are serialized" <<<"$report"); then
+        echo "$serial"; echo "  ^ SERIALISED wgmma in $(basename "$ptx")"; fail=1
+    fi
     while IFS=$'\t' read -r name regs spill; do
         printf '%-32s %s %s\n' "$name" "$regs" "$spill"
         case "$name" in
