@@ -5,6 +5,7 @@
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --quick
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --csv bench/gpu.csv
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --shape 256:8192 --no-f32
+//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --layout bhsd --no-f32
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --backward [--quick] [--shape 128:8192]
 //! ```
 //!
@@ -14,7 +15,10 @@
 //! matmul; the mask is built outside the clock) from seq 2048 up, with their ratio and where
 //! the naive one runs out of memory.
 //! `--shape D:SEQ` restricts part 1 to that head dim and sequence length (any head dim dividing
-//! the hidden size, e.g. 256).
+//! the hidden size, e.g. 256). Part 1's q, k and v lie in `(batch, seq, heads, d)` memory;
+//! `--layout bhsd` passes `transpose(1, 2)` views of `(batch, heads, seq, d)` tensors instead,
+//! PyTorch SDPA's layout (which the kernels read in place); its CSV rows name the impl
+//! `candle-flash-bhsd`.
 //!
 //! TFLOP/s counts `4·b·h·s²·d`, halved under the causal mask. Each time is the median over
 //! batches of back-to-back calls (synchronised before and after each batch) after two warm-up
@@ -63,6 +67,18 @@ struct Args {
     /// With --backward: skip the timing through `out.backward()`.
     #[arg(long)]
     no_autograd: bool,
+    /// Forward, part 1: where q, k and v lie in memory. `bshd`: (batch, seq, heads, d), the
+    /// layout candle-transformers' models pass; `bhsd`: (batch, heads, seq, d), PyTorch SDPA's,
+    /// passed as `transpose(1, 2)` views, which the kernels read in place
+    /// (scripts/sdpa_bench.py --layout times PyTorch on either).
+    #[arg(long, value_enum, default_value_t = Layout::Bshd)]
+    layout: Layout,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Layout {
+    Bshd,
+    Bhsd,
 }
 
 /// Columns of `--csv` (one row per implementation and shape), as scripts/plot.py reads them.
@@ -169,7 +185,13 @@ fn main() -> Result<()> {
     };
 
     let mut csv = String::from(CSV_HEADER);
-    println!("candle-flash CUDA forward, hidden {HIDDEN}, {TOKENS} tokens per batch");
+    println!(
+        "candle-flash CUDA forward, hidden {HIDDEN}, {TOKENS} tokens per batch, q/k/v in {} memory",
+        match args.layout {
+            Layout::Bshd => "(batch, seq, heads, d)",
+            Layout::Bhsd => "(batch, heads, seq, d)",
+        }
+    );
     println!(
         "{:<6} {:>4} {:>6} {:>6} {:>4} {:>7} {:>10} {:>9}",
         "dtype", "d", "seq", "batch", "h", "causal", "ms", "TFLOP/s"
@@ -179,9 +201,17 @@ fn main() -> Result<()> {
             for &s in &seqs {
                 for causal in [false, true] {
                     let (b, h) = ((TOKENS / s).max(1), HIDDEN / d);
-                    let q = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)?;
-                    let k = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)?;
-                    let v = Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)?;
+                    let operand = || -> candle::Result<Tensor> {
+                        match args.layout {
+                            Layout::Bshd => {
+                                Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)
+                            }
+                            Layout::Bhsd => Tensor::randn(0f32, 1.0, (b, h, s, d), &dev)?
+                                .to_dtype(dtype)?
+                                .transpose(1, 2),
+                        }
+                    };
+                    let (q, k, v) = (operand()?, operand()?, operand()?);
                     let mut op = FlashAttn::new(1.0 / (d as f32).sqrt());
                     if causal {
                         op = op.causal();
@@ -196,7 +226,12 @@ fn main() -> Result<()> {
                     let dname = format!("{dtype:?}").to_lowercase();
                     println!("RESULT candle {dname} {d} {s} {causal} {tf:.2}");
                     csv.push_str(&format!(
-                        "candle-flash,{dname},{d},{s},{b},{h},{causal},{:.4},{tf:.3},\n",
+                        "candle-flash{},{dname},{d},{s},{b},{h},{causal},{:.4},{tf:.3},\n",
+                        if args.layout == Layout::Bhsd {
+                            "-bhsd"
+                        } else {
+                            ""
+                        },
                         t * 1e3
                     ));
                 }

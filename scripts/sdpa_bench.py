@@ -8,7 +8,7 @@ of back-to-back calls timed with CUDA events, after warm-up, for as long as gpu_
 shape (--budget, default 0.4 s as there). Lines starting with RESULT are parsed by
 scripts/gpu-run.sh.
 
-    python3 scripts/sdpa_bench.py [--quick] [--budget S] [--csv PATH] [--shape D:SEQ]
+    python3 scripts/sdpa_bench.py [--quick] [--budget S] [--csv PATH] [--shape D:SEQ] [--layout L]
     python3 scripts/sdpa_bench.py --backward [--quick] [--budget S]
 
 --backward times the backward pass only (--quick: bf16 only) (torch.autograd.grad of one forward graph, kept with
@@ -17,8 +17,13 @@ retain_graph, with a random dO) on the same shapes, flash and cuDNN backends, TF
 
 --shape D:SEQ restricts the forward to that head dim (dividing 2048) and sequence length.
 
+--layout bhsd (default) gives the forward q, k and v in (b, h, s, d) memory, SDPA's own layout;
+--layout bshd gives them in (b, s, h, d) memory, examples/gpu_bench.rs's default, as
+transpose(1, 2) views; their CSV rows name the impl torch-flash-bshd or torch-cudnn-bshd.
+
 --csv PATH also writes every timing as CSV, in the prefill schema of scripts/plot.py
-(impl,dtype,d,seq,batch,heads,causal,ms,tflops,note; impl torch-flash or torch-cudnn).
+(impl,dtype,d,seq,batch,heads,causal,ms,tflops,note; impl torch-flash or torch-cudnn, -bshd
+appended under --layout bshd).
 """
 import argparse
 import csv
@@ -65,6 +70,9 @@ def main():
     ap.add_argument("--csv", metavar="PATH", help="also write the timings as CSV (scripts/plot.py)")
     ap.add_argument("--backward", action="store_true", help="time the backward pass instead")
     ap.add_argument("--shape", metavar="D:SEQ", help="forward: only this head dim and sequence length")
+    ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                    help="forward: q, k, v in (b, h, s, d) memory (SDPA's, default) or in (b, s, h, d) "
+                    "memory (gpu_bench's default) passed as transpose(1, 2) views")
     ap.add_argument("--budget", type=float, default=0.4,
                     help="seconds of timed batches per shape (gpu_bench's --budget; --quick: 0.15)")
     args = ap.parse_args()
@@ -77,9 +85,10 @@ def main():
         d, s = (int(x) for x in args.shape.split(":"))
         dims, seqs = (d,), [s]
     budget = 0.15 if args.quick else args.budget
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, q/k/v in {args.layout} memory")
     print(f"{'backend':<8} {'dtype':<6} {'d':>4} {'seq':>6} {'causal':>7} {'ms':>9} {'TFLOP/s':>9}")
     backends = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]
+    suffix = "-bshd" if args.layout == "bshd" else ""
     for name, backend in backends:
         for dtype in (torch.bfloat16, torch.float16):
             dname = "bf16" if dtype == torch.bfloat16 else "f16"
@@ -88,7 +97,11 @@ def main():
                     for causal in (False, True):
                         b, h = max(1, TOKENS // s), HIDDEN // d
                         # (b, h, s, d) is SDPA's layout; same element count as ours.
-                        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
+                        if args.layout == "bhsd":
+                            q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
+                        else:
+                            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2)
+                                       for _ in range(3))
                         flops = 4 * b * h * s * s * d / (2 if causal else 1)
                         try:
                             with sdpa_kernel([backend]):
@@ -96,12 +109,12 @@ def main():
                             tf = flops / t / 1e12
                             print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} {t * 1e3:>9.3f} {tf:>9.1f}")
                             print(f"RESULT torch_{name} {dname} {d} {s} {str(causal).lower()} {tf:.2f}")
-                            rows.append([f"torch-{name}", dname, d, s, b, h, str(causal).lower(),
+                            rows.append([f"torch-{name}{suffix}", dname, d, s, b, h, str(causal).lower(),
                                          f"{t * 1e3:.4f}", f"{tf:.3f}", ""])
                         except RuntimeError as e:
                             why = str(e).splitlines()[0]
                             print(f"{name:<8} {dname:<6} {d:>4} {s:>6} {str(causal):>7} unavailable: {why}")
-                            rows.append([f"torch-{name}", dname, d, s, b, h, str(causal).lower(),
+                            rows.append([f"torch-{name}{suffix}", dname, d, s, b, h, str(causal).lower(),
                                          "", "", f"unavailable: {why}"])
     if args.csv:
         with open(args.csv, "w", newline="") as f:
