@@ -68,6 +68,11 @@ fn main() {
     write(&out_dir.join("params_layout.cuh"), &params_header());
     write(&out_dir.join("bwd_instances.cuh"), &bwd_instances_header());
     write(&out_dir.join("bwd_params_layout.cuh"), &bwd_params_header());
+    // Which source tree this PTX comes from: worktrees sharing a target dir share this out dir,
+    // and cargo reruns this script for a tree only when its kernels are newer than the last run
+    // (of any tree). scripts/test-bin.sh reads it to force a rerun before packing binaries.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR is set by cargo");
+    write(&out_dir.join("source_dir.txt"), &manifest);
     let nvcc = find_nvcc();
     let mut sources: Vec<PathBuf> = std::fs::read_dir("kernels")
         .expect("kernels/ must exist")

@@ -10,6 +10,7 @@ DEST=${1:-.gpu-bwd}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
 features=cuda,candle-nn/cuda
 . scripts/test-bin.sh
+fresh_kernels
 bwd_bin=$(test_bin "--test gpu_backward" gpu_backward)
 lib_bin=$(test_bin "--lib" candle_flash)
 cargo build --release --features "$features" --example gpu_bench

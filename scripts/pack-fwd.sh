@@ -9,6 +9,7 @@ DEST=${1:-.gpu-fwd}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target-cuda}"
 features=cuda,candle-nn/cuda
 . scripts/test-bin.sh
+fresh_kernels
 gpu_bin=$(test_bin "--test gpu" gpu)
 cargo build --release --features "$features" --example gpu_bench
 mkdir -p "$DEST"

@@ -17,6 +17,7 @@ features=cuda,candle-nn/cuda
 mkdir -p .gpu
 rm -rf .gpu/*
 . scripts/test-bin.sh
+fresh_kernels
 gpu_bin=$(test_bin "--test gpu" gpu)
 paged_bin=$(test_bin "--test paged" paged)
 bwd_bin=$(test_bin "--test gpu_backward" gpu_backward)
