@@ -14,6 +14,7 @@ device_setup "$(dirname "$BIN")"
 O=${OUT:-/tmp}
 SHAPES=${SHAPES:-"128:2048 64:2048 128:8192"}
 ROUNDS=${ROUNDS:-2}
+: > "$O/lay.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 t0=$(date +%s)
 for r in $(seq "$ROUNDS"); do
