@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Compiles the Hopper probes (pipes.cu, wgmma.cu) to sm_90a cubins in .gpu-probe/, with run.py
-# beside them, ready to be carried to the GPU machine:
+# Compiles the Hopper probes (pipes.cu, wgmma.cu, depth.cu) to sm_90a cubins in .gpu-probe/,
+# with run.py beside them, ready to be carried to the GPU machine:
 #   scripts/sm90-probe/build.sh
 #   (on the GPU machine)  cd .gpu-probe && python3 run.py pipes.cubin && python3 run.py wgmma.cubin
+#                         && python3 run.py depth.cubin
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ -z "${NVCC:-}" ] && ! command -v nvcc >/dev/null; then
@@ -10,7 +11,7 @@ if [ -z "${NVCC:-}" ] && ! command -v nvcc >/dev/null; then
 fi
 nvcc=${NVCC:-nvcc}
 mkdir -p .gpu-probe
-for f in pipes wgmma; do
+for f in pipes wgmma depth; do
     "$nvcc" --cubin -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels \
         -o ".gpu-probe/$f.cubin" "scripts/sm90-probe/$f.cu"
 done

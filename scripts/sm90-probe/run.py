@@ -2,6 +2,7 @@
 needed on the GPU machine), and prints cycles per iteration.
     python3 run.py pipes.cubin    # issue rate of single instructions per SM sub-partition
     python3 run.py wgmma.cubin    # one warpgroup's wgmma stream against another's loop
+    python3 run.py depth.cubin    # when a warpgroup's wgmma issue starts to wait for the pipe
 """
 import ctypes
 import sys
@@ -39,8 +40,8 @@ def launch(name, threads, smem, iters):
     for _ in range(2):  # the first launch loads the module
         ck(cu.cuLaunchKernel(f, 1, 1, 1, threads, 1, 1, smem, None, args, None), name)
     ck(cu.cuCtxSynchronize(), name)
-    out = (ctypes.c_uint32 * 16)()
-    ck(cu.cuMemcpyDtoH_v2(out, buf, 64), "copy")
+    out = (ctypes.c_uint32 * 24)()
+    ck(cu.cuMemcpyDtoH_v2(out, buf, 96), "copy")
     return list(out)
 
 
@@ -56,6 +57,14 @@ if "pipes" in sys.argv[1]:
             per_smsp = threads // 128
             cyc = max(out[: threads // 32])
             print(f"| {op} | {per_smsp} | {cyc / (iters * 8 * per_smsp):.2f} |")
+elif "depth" in sys.argv[1]:
+    print("| probe | issue k returned at (cycles after the first issue began), k = 1.. | gaps |")
+    print("|---|---|---|")
+    for name in ("depth_ss", "depth_ss_busy"):
+        for _ in range(3):
+            t = launch(f"probe_{name}", 384, 65536 + 1024, 0)
+            gaps = [b - a for a, b in zip([0] + t, t)]
+            print(f"| {name} | {' '.join(map(str, t))} | {' '.join(map(str, gaps))} |")
 else:
     iters = 2000
     names = ["ss", "rs", "ss_ss", "rs_rs", "ss_rs", "mix", "ss_mix", "rs_mix", "shfl", "ss_shfl",
