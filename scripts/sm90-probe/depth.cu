@@ -11,21 +11,9 @@
 //     step), then signals warpgroup 0 through shared memory, which issues its N at once.
 // run.py prints the times and the gaps between consecutive issues.
 #include "sm90/wgmma.cuh"
+#include "probe.cuh"
 
 constexpr int N = 24;
-
-__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
-           ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ unsigned clk() {
-    unsigned c;
-    asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
-    return c;
-}
-__device__ __forceinline__ void keep(float x, unsigned* out) {
-    if (x == 1234.5f) out[1 << 16] = 1;
-}
 
 // N wgmma into `acc`, the clock after each issue into t; then waits for them.
 __device__ __forceinline__ void issue(float (&acc)[64], unsigned (&t)[N + 1], uint32_t base) {

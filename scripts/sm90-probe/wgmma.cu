@@ -11,24 +11,13 @@
 //   7 lds: 32 x ld.shared.  8 vote: 32 x vote.any.  9 mbarrier: 4 x try_wait on a completed
 //     phase.  10 ldc: 32 x a uniform constant-bank load and an fma.
 #include "sm90/wgmma.cuh"
+#include "probe.cuh"
 
-__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
-           ((uint64_t)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
 __constant__ float cbuf[64];
-__device__ __forceinline__ unsigned clk() {
-    unsigned c;
-    asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
-    return c;
-}
 __device__ __forceinline__ float ex2(float x) {
     float y;
     asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
-}
-__device__ __forceinline__ void keep(float x, unsigned* out) {
-    if (x == 1234.5f) out[1 << 16] = 1;
 }
 
 template <int ROLE>
