@@ -43,7 +43,7 @@
 //! accumulated in f32; any strides. [`semantics`] defines masking, ALiBi, softcap and GQA once
 //! for every backend.
 //!
-//! Supported head dims: 1 to [`MAX_HEAD_DIM`] (256) on every backend.
+//! Supported head dims: 1 to [`MAX_HEAD_DIM`] (512) on every backend.
 //! <!-- head_dim: update this sentence when MAX_HEAD_DIM changes. -->
 //!
 //! # Errors

@@ -622,6 +622,23 @@ fn bad_inputs_name_the_argument() {
         kv(&lens, &kn.to_dtype(DType::F16).unwrap()),
         "k_new",
     );
+    // Caches that cannot take the append in place, and new keys aliasing a cache; each is
+    // refused before the keys are written (candle's in-place op would only refuse the second).
+    let broadcast = Tensor::zeros((1, 8, 2, 8), DType::F32, &dev)
+        .unwrap()
+        .broadcast_as((2, 8, 2, 8))
+        .unwrap();
+    let with = |vc: &Tensor, kn: &Tensor, vn: &Tensor| {
+        op.forward_kvcache(&q4, &kc, vc, &lens, Some((kn, vn)))
+    };
+    expect("broadcast v_cache", with(&broadcast, &kn, &kn), "v_cache");
+    expect(
+        "v_cache = k_cache",
+        with(&kc, &kn, &kn),
+        "k_cache and v_cache",
+    );
+    let alias = vc.narrow(1, 0, 1).unwrap();
+    expect("v_new inside v_cache", with(&vc, &kn, &alias), "v_new");
     // None of the refused calls wrote to the caches.
     assert!(values(&kc).unwrap().iter().all(|&x| x == 0.0));
     assert!(kv(&lens, &kn).is_ok());

@@ -31,7 +31,8 @@ impl FlashAttn {
     ///
     /// Every input is checked before the caches are written, and an error names the argument:
     /// `cache_seqlens` not an integer `(batch,)` tensor or negative; `k_new`/`v_new` of another
-    /// shape, dtype or device than the cache rows; a sequence whose new length exceeds the
+    /// shape, dtype or device than the cache rows, or sharing storage with a cache; a cache that
+    /// cannot be written in place (a broadcast view), or the same tensor as both caches; a sequence whose new length exceeds the
     /// cache (`max_len`, or `max_blocks · page_block_size` paged); a bad block table (as
     /// [`paged`](Self::paged)); and everything [`forward`](Self::forward) refuses.
     ///
@@ -180,6 +181,7 @@ impl FlashAttn {
             problem.seqused_k = Some((lens_dev.clone(), seq_new));
         }
         if let Some((k_new, v_new)) = new_kv {
+            check_append_targets(k_cache, v_cache, k_new, v_new)?;
             let paged = problem.paged.as_ref().expect("paged problem");
             let append = AppendKv {
                 paged,
@@ -213,6 +215,43 @@ fn check_cache_seqlens(t: &Tensor, q: &Tensor, batch: usize) -> Result<()> {
         bail!("flash-attn: cache_seqlens is on another device than q")
     }
     Ok(())
+}
+
+/// Refuses, before either cache is written, what candle's in-place op would only refuse on the
+/// second append (after the keys were written): a cache with repeated elements (a zero stride,
+/// e.g. a broadcast view), the same tensor as both caches (the values would overwrite the
+/// keys), and new keys or values that share storage with a cache (they could be overwritten
+/// before they are read).
+fn check_append_targets(
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    k_new: &Tensor,
+    v_new: &Tensor,
+) -> Result<()> {
+    for (name, cache) in [("k_cache", k_cache), ("v_cache", v_cache)] {
+        if cache.layout().has_internal_overlap() {
+            bail!(
+                "flash-attn: {name} has repeated elements (a zero stride, e.g. a broadcast view) \
+                 and cannot be appended to in place"
+            )
+        }
+    }
+    let (kc, vc) = (storage_addr(k_cache), storage_addr(v_cache));
+    if kc == vc && k_cache.layout() == v_cache.layout() {
+        bail!("flash-attn: k_cache and v_cache are the same tensor: the values would overwrite the keys")
+    }
+    for (name, new) in [("k_new", k_new), ("v_new", v_new)] {
+        if [kc, vc].contains(&storage_addr(new)) {
+            bail!("flash-attn: {name} shares storage with k_cache or v_cache, which it is appended to")
+        }
+    }
+    Ok(())
+}
+
+/// The address of a tensor's storage: equal for tensors that share one allocation.
+fn storage_addr(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    std::ptr::from_ref(&*storage).addr()
 }
 
 /// Reads the (checked) cache lengths to the host, none negative.
