@@ -604,6 +604,48 @@ fn repeated_runs_are_bitwise_identical() {
     }
 }
 
+/// The output bits do not depend on the thread count, which sets how many query tiles share a
+/// work item, also under windows (the first key a work item sees moves with its size) and with
+/// varlen sequences of every length class.
+#[test]
+fn same_bits_on_any_thread_count() {
+    let dev = Device::Cpu;
+    let (lens_q, lens_k) = ([3u32, 130, 0, 64, 300], [200u32, 129, 7, 65, 310]);
+    let cum = |l: &[u32]| -> Vec<u32> {
+        std::iter::once(0)
+            .chain(l.iter().scan(0, |a, &x| {
+                *a += x;
+                Some(*a)
+            }))
+            .collect()
+    };
+    let (cq, ck) = (cum(&lens_q), cum(&lens_k));
+    let q = randn(&[cq[5] as usize, 6, 24], DType::F32, 1, &dev).unwrap();
+    let k = randn(&[ck[5] as usize, 2, 24], DType::F32, 2, &dev).unwrap();
+    let v = randn(&[ck[5] as usize, 2, 24], DType::F32, 3, &dev).unwrap();
+    let (cq, ck) = (
+        Tensor::new(cq.as_slice(), &dev).unwrap(),
+        Tensor::new(ck.as_slice(), &dev).unwrap(),
+    );
+    for opts in [
+        FlashAttn::new(0.2).window(Some(40), Some(3)),
+        FlashAttn::new(0.2).window(Some(100), None),
+        FlashAttn::new(0.2).causal(),
+    ] {
+        let run = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| opts.forward_varlen(&q, &k, &v, &cq, &ck, 300, 310).unwrap())
+        };
+        let one = run(1);
+        for threads in [2, 3, 8] {
+            assert_bitwise_eq(&format!("{opts:?}, {threads} threads"), &one, &run(threads));
+        }
+    }
+}
+
 /// Every (row, key) visibility for many windows against `semantics::Window::key_range`, through the
 /// mask probe of tests/common (q = 0, one-hot V: output = 1/count on visible keys, exactly 0
 /// elsewhere).

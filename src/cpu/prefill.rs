@@ -167,9 +167,12 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
         st.l = Lanes::splat(0.0);
     }
 
-    // Key tiles outside the union of the rows' ranges are skipped by these bounds.
+    // Key tiles outside the union of the rows' ranges are skipped by these bounds. The tiles
+    // start on the BC grid, not at `lo`: a sub-tile's keys then split into the same tiles
+    // whichever item holds it (the item size follows the thread count), so the online softmax
+    // rounds the same way and the output bits do not depend on the thread count.
     let (lo, hi) = mask.key_range_rows(i0..i0 + rows);
-    let mut j0 = lo;
+    let mut j0 = lo - lo % BC;
     while j0 < hi {
         let cols = BC.min(hi - j0);
         load_keys(&mut sc.k, ctx.k, &p.k, &keys, j0, cols, kvh, d);
