@@ -14,7 +14,7 @@ use candle_flash::{naive_attention, FlashAttn};
 use common::grad::{
     autograd, check_grads, finite_where, reference_grads, reference_grads_varlen, Grads, RefGrads,
 };
-use common::{assert_bitwise_eq, randn, reference, transposed_view, values};
+use common::{assert_bitwise_eq, max_abs_err_slice, randn, reference, transposed_view, values};
 
 /// `Σ reference(q, k, v) ∘ g` in f64.
 fn ref_loss(q: &Tensor, k: &Tensor, v: &Tensor, g: &[f64], opts: &FlashAttn) -> Result<f64> {
@@ -450,6 +450,50 @@ fn non_contiguous_inputs_are_bitwise_equal() {
         let total: f64 = values(dkbuf).unwrap().iter().map(|x| x.abs()).sum();
         let inner: f64 = values(&dk).unwrap().iter().map(|x| x.abs()).sum();
         assert_eq!(total, inner, "{dtype:?}: gradient leaked into the padding");
+    }
+}
+
+/// NaN and infinity in the K and V of keys that some rows do not see reach only the gradients
+/// the reference gives them: a masked key has dS = 0, and `dS · K` must not turn that into
+/// 0 · NaN = NaN in the dq of rows that do not see it.
+#[test]
+fn non_finite_keys_reach_only_the_gradients_that_see_them() {
+    let dev = Device::Cpu;
+    let (sq, sk, h, d) = (150, 150, 2, 40);
+    let q = randn(&[1, sq, h, d], DType::F32, 61, &dev).unwrap();
+    let g = randn(&[1, sq, h, d], DType::F32, 62, &dev).unwrap();
+    let plant = |t: Tensor, at: &[(usize, f32)]| {
+        let mut x = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for &(key, val) in at {
+            x[key * d..(key + 1) * d].fill(val);
+        }
+        Tensor::from_vec(x, t.dims(), &dev).unwrap()
+    };
+    let k = plant(
+        randn(&[1, sk, 1, d], DType::F32, 63, &dev).unwrap(),
+        &[(100, f32::NAN), (37, f32::INFINITY)],
+    );
+    let v = plant(
+        randn(&[1, sk, 1, d], DType::F32, 64, &dev).unwrap(),
+        &[(64, f32::NAN)],
+    );
+    for opts in [
+        FlashAttn::new(0.2).causal(),
+        FlashAttn::new(0.2).window(Some(20), Some(5)),
+    ] {
+        let (out, lse) = opts.forward_with_lse(&q, &k, &v).unwrap();
+        let (dq, dk, dv) = opts.backward(&q, &k, &v, &out, &g, &lse).unwrap();
+        let r = reference_grads(&q, &k, &v, &g, &opts).unwrap();
+        assert!(
+            r.dq.iter().any(|x| x.is_finite()) && r.dq.iter().any(|x| !x.is_finite()),
+            "{opts:?}: the planted keys should poison some dq rows and spare others"
+        );
+        for (name, fast, want) in [("dq", &dq, &r.dq), ("dk", &dk, &r.dk), ("dv", &dv, &r.dv)] {
+            let err = max_abs_err_slice(&values(fast).unwrap(), want).unwrap_or_else(|| {
+                panic!("{opts:?} {name}: non-finite where the reference is not, or back")
+            });
+            assert!(err <= 1e-4, "{opts:?} {name}: max abs err {err:.3e}");
+        }
     }
 }
 

@@ -523,6 +523,51 @@ fn nan_in_one_query_row_poisons_only_that_row() {
     }
 }
 
+/// NaN and infinity in the K and V of keys that some rows do not see (in tiles the mask cuts
+/// through, where those keys' probabilities are 0 and 0 · NaN = NaN) reach exactly the rows that
+/// see them, as in the reference, which leaves unseen keys out.
+#[test]
+fn non_finite_keys_reach_only_the_rows_that_see_them() {
+    let dev = Device::Cpu;
+    for (dtype, opts) in [
+        (DType::F32, FlashAttn::new(0.2).causal()),
+        (DType::BF16, FlashAttn::new(0.2).causal()),
+        (DType::F32, FlashAttn::new(0.2).window(Some(20), Some(5))),
+    ] {
+        let c = case(1, 150, 150, 2, 1, 40, dtype);
+        let (q, k, v) = inputs(c, 81);
+        // (key, tensor, value): keys in the middle of tiles and at a tile's first key.
+        let plant = |t: &Tensor, at: &[(usize, f32)]| {
+            let mut x = values(t).unwrap();
+            for &(key, val) in at {
+                x[key * 40..(key + 1) * 40].fill(val as f64);
+            }
+            Tensor::from_vec(x, t.dims(), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let k = plant(&k, &[(64, f32::NAN), (90, f32::INFINITY)]);
+        let v = plant(
+            &v,
+            &[(100, f32::NAN), (37, f32::NEG_INFINITY), (128, f32::NAN)],
+        );
+        let what = format!("{dtype:?} {opts:?}");
+        let out = opts.forward(&q, &k, &v).unwrap();
+        let (want, _) = reference(&q, &k, &v, &opts).unwrap();
+        let finite_rows = want.chunks(40).filter(|r| r[0].is_finite()).count();
+        assert!(
+            finite_rows > 20 && finite_rows < 300,
+            "{what}: the planted keys should poison some rows and spare others ({finite_rows})"
+        );
+        let err = max_abs_err(&out, &want)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{what}: non-finite where the reference is not, or back"));
+        let cap = tolerances(dtype).2;
+        assert!(err <= cap, "{what}: max abs err {err:.3e} > {cap:.1e}");
+    }
+}
+
 #[test]
 fn empty_inputs() {
     let dev = Device::Cpu;

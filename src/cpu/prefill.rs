@@ -262,7 +262,7 @@ fn update<K: Kernel>(
         }
     }
     // Only tiles the band cuts through need a per-element mask.
-    if !it.mask.covers(r0..r0 + rows, j0..j0 + cols) {
+    let bounds = (!it.mask.covers(r0..r0 + rows, j0..j0 + cols)).then(|| {
         // Per-lane bounds (each row sees one interval, prefix ranges or not), then one
         // lane-wise compare per key: the loop over lanes vectorises, where a loop over keys per
         // row was a scalar store per score.
@@ -279,7 +279,8 @@ fn update<K: Kernel>(
                 }
             }
         }
-    }
+        (lo, hi)
+    });
 
     // Online softmax, per lane: m_new = max(m, rowmax(S)), P = 2^(S - m_new),
     // l = l · 2^(m - m_new) + rowsum(P); O gets the same correction inside the P·V kernel.
@@ -318,12 +319,49 @@ fn update<K: Kernel>(
         *l = K::fma(*l, c, s);
     }
 
-    // Oᵀ = Oᵀ · corr + Vᵀ Pᵀ, ROWS head dims per micro-kernel call.
-    let mut x = 0;
-    while x < d {
-        let n = K::ROWS.min(d - x);
-        K::block(&mut st.ot[x..x + n], Some(&corr), &vt[x..], 1, d, s, cols);
-        x += n;
+    // Oᵀ = Oᵀ · corr + Vᵀ Pᵀ, ROWS head dims per micro-kernel call. A masked key has P = 0,
+    // but 0 · NaN = NaN: a NaN or infinity in the V of a key that some rows do not see would
+    // reach those rows, so such tiles take the per-row loop.
+    match bounds {
+        Some((lo, hi)) if !vt[..cols * d].iter().all(|x| x.is_finite()) => {
+            masked_pv::<K>(&mut st.ot, &corr, vt, s, d, rows, j0, (&lo, &hi));
+        }
+        _ => {
+            let mut x = 0;
+            while x < d {
+                let n = K::ROWS.min(d - x);
+                K::block(&mut st.ot[x..x + n], Some(&corr), &vt[x..], 1, d, s, cols);
+                x += n;
+            }
+        }
+    }
+}
+
+/// `Oᵀ = Oᵀ · corr + Vᵀ Pᵀ` over the keys `j0 ..` that each of the first `rows` lanes sees
+/// (`lo[r] <= j < hi[r]`), one lane at a time: a tile's V rows are `d` apart in `vt`, its
+/// probabilities one `Lanes` per key in `p`. Slow, and only for cut tiles whose V holds a
+/// non-finite value.
+#[allow(clippy::too_many_arguments)]
+fn masked_pv<K: Kernel>(
+    ot: &mut [Lanes],
+    corr: &Lanes,
+    vt: &[f32],
+    p: &[Lanes],
+    d: usize,
+    rows: usize,
+    j0: usize,
+    (lo, hi): (&[usize; BR], &[usize; BR]),
+) {
+    for (x, o) in ot[..d].iter_mut().enumerate() {
+        for r in 0..rows {
+            let mut acc = o.0[r] * corr.0[r];
+            for (c, pc) in p.iter().enumerate() {
+                if (lo[r]..hi[r]).contains(&(j0 + c)) {
+                    acc = K::fma(pc.0[r], vt[c * d + x], acc);
+                }
+            }
+            o.0[r] = acc;
+        }
     }
 }
 

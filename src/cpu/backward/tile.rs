@@ -83,6 +83,8 @@ pub(super) struct Scratch {
     dp: Vec<Lanes>,
     /// `dS K` of the step (unscaled): `dqt[ch * QT + r]` holds dims `64 ch ..` of row `r`.
     pub dqt: Vec<Lanes>,
+    /// Per slot: every element of the key tile is finite.
+    k_finite: [bool; KSUB],
 }
 
 impl Scratch {
@@ -105,6 +107,7 @@ impl Scratch {
             s: vec![z; QT],
             dp: vec![z; QT],
             dqt: vec![z; nch * QT],
+            k_finite: [true; KSUB],
         }
     }
 
@@ -149,6 +152,7 @@ pub(super) fn load_keys_tile<T: Elem>(
 ) {
     let d = sc.d;
     load_keys(&mut sc.tile, k, &p.k, keys, j0, cols, kvh, d);
+    sc.k_finite[u] = sc.tile[..cols * d].iter().all(|x| x.is_finite());
     transpose(&sc.tile, &mut sc.kt[u * d..(u + 1) * d], cols, d);
     if chunks {
         let kc = &mut sc.kc[u * sc.nch * BC..(u + 1) * sc.nch * BC];
@@ -269,7 +273,23 @@ pub(super) fn step<K: Kernel>(st: &Step, sc: &mut Scratch, dkdv: bool, dq: bool)
             while r < rows {
                 let n = K::ROWS.min(rows - r);
                 let out = &mut sc.dqt[ch * QT + r..ch * QT + r + n];
-                K::block(out, None, &ds[r * BC..], BC, 1, kc, cols);
+                if sc.k_finite[u] {
+                    K::block(out, None, &ds[r * BC..], BC, 1, kc, cols);
+                } else {
+                    // A masked key has dS = 0, but 0 · NaN = NaN: with a NaN or infinity in
+                    // the tile, the terms of zero dS are left out, so it reaches only the
+                    // rows that see its key (whose dS is then NaN already).
+                    for (o, ds) in out.iter_mut().zip(ds[r * BC..].chunks(BC)) {
+                        *o = Lanes::splat(0.0);
+                        for (&g, kc) in ds[..cols].iter().zip(kc) {
+                            if g != 0.0 {
+                                for (o, &k) in o.0.iter_mut().zip(&kc.0) {
+                                    *o = K::fma(g, k, *o);
+                                }
+                            }
+                        }
+                    }
+                }
                 r += n;
             }
         }
