@@ -159,7 +159,7 @@ struct Args {
     /// Key/value heads (grouped-query attention); must divide --heads.
     #[arg(long, default_value_t = 2)]
     kv_heads: usize,
-    /// Per-head dimension (even, at most 256).
+    /// Per-head dimension (even, at most 512).
     #[arg(long, default_value_t = 64)]
     head_dim: usize,
     /// Pre-norm flavour: RMSNorm or LayerNorm.

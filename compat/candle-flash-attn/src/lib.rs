@@ -9,10 +9,19 @@
 //! candle-flash-attn = { path = "path/to/candle-flash/compat/candle-flash-attn" }
 //! ```
 //!
-//! Differences from upstream, all in the direction of accepting more:
+//! Differences from upstream. Accepted here and refused there:
 //! - any head dim from 1 to 512 (upstream: multiples of 8), and CPU tensors as well as CUDA ones;
 //! - `flash_attn_varlen_paged_windowed` accepts any `page_block_size` (upstream: multiples of
 //!   32) and reads the pages inside the kernel on both backends, `mm_prefix_ranges` included.
+//!
+//! Refused here (an error naming the argument) and passed through there: a negative, NaN or
+//! infinite softcap (upstream: a softcap that is not positive is off), and a softmax scale that
+//! is not finite.
+//!
+//! Windows differ only for the first `seq_q - seq_k - 1` query rows of a call with more
+//! queries than keys (`diag(i) < -1`): upstream treats a right window of at least `seq_k` as
+//! unbounded, and bounds the right side at `seq_k` when only the left one is given; here
+//! `Some(w)` is always `w` and `None` always unbounded, as candle-flash's README defines.
 //!
 //! Not provided: the `FlashAttn` struct that upstream exposes as a `CustomOp3` (models call the
 //! functions, not the struct; candle-flash's own `FlashAttn` builder has the same fields and a
