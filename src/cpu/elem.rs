@@ -52,7 +52,36 @@ impl Elem for f16 {
     }
     #[inline(always)]
     fn load_f32(dst: &mut [f32], src: &[Self]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("f16c") {
+            // SAFETY: f16c (and with it avx) is available on this CPU.
+            return unsafe { f16c_load(dst, src) };
+        }
         src.convert_to_f32_slice(dst);
+    }
+}
+
+/// [`Elem::load_f32`] for f16 with the F16C conversion, 8 elements per instruction in one call
+/// (`half`'s slice conversion makes a call per 8 elements).
+///
+/// # Safety
+/// avx and f16c must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn f16c_load(dst: &mut [f32], src: &[f16]) {
+    use std::arch::x86_64::{_mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+    let n = dst.len().min(src.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: elements `i .. i + 8` lie inside both slices.
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    for (o, x) in dst[i..n].iter_mut().zip(&src[i..n]) {
+        *o = x.to_f32();
     }
 }
 
