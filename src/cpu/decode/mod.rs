@@ -490,12 +490,23 @@ fn softmax<K: Kernel>(
             s[c] = raw - bias;
         }
     }
-    // m_new = max(m, max_c s), p = 2^(s - m_new), l = l · 2^(m - m_new) + Σ p.
-    // The max skips NaN, yet a NaN score still turns p, l and this row of O into NaN.
-    let mut m_new = *m;
-    for &x in &s[cols.clone()] {
-        m_new = if x > m_new { x } else { m_new };
+    // From here on whole rows of BK, so that every loop has a fixed length and vectorises (a
+    // scalar exp2 per score cost as much as either product): the columns outside `cols` get
+    // -inf, whose p is exactly 0.
+    s[..cols.start].fill(f32::NEG_INFINITY);
+    s[cols.end..].fill(f32::NEG_INFINITY);
+    // m_new = max(m, max_c s), p = 2^(s - m_new), l = l · 2^(m - m_new) + Σ p, the max and
+    // the sum in W lanes. The max skips NaN, yet a NaN score still turns p, l and this row of O
+    // into NaN.
+    const W: usize = 8;
+    const _: () = assert!(BK.is_multiple_of(W), "the lane loops below cover whole rows");
+    let mut lanes = [*m; W];
+    for chunk in s.chunks_exact(W) {
+        for (a, &x) in lanes.iter_mut().zip(chunk) {
+            *a = if x > *a { x } else { *a };
+        }
     }
+    let m_new = lanes.iter().fold(*m, |a, &x| if x > a { x } else { a });
     // A row that has only seen masked keys subtracts 0, so its p and correction are 0, not NaN.
     let m_sub = if m_new == f32::NEG_INFINITY {
         0.0
@@ -504,11 +515,14 @@ fn softmax<K: Kernel>(
     };
     let corr = exp2::<K>(*m - m_sub);
     *m = m_new;
-    let mut sum = 0f32;
-    for x in &mut s[cols] {
-        *x = exp2::<K>(*x - m_sub);
-        sum += *x;
+    s.iter_mut().for_each(|x| *x = exp2::<K>(*x - m_sub));
+    let mut lanes = [0f32; W];
+    for chunk in s.chunks_exact(W) {
+        for (a, &x) in lanes.iter_mut().zip(chunk) {
+            *a += x;
+        }
     }
+    let sum = lanes.iter().sum::<f32>();
     *l = K::fma(*l, corr, sum);
     corr
 }
