@@ -1,8 +1,8 @@
 //! The micro-kernels behind both products of a tile, chosen at run time by instruction set.
 
-#[cfg(target_arch = "x86_64")]
-use super::avx512;
 use super::Lanes;
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, avx512};
 
 /// The instruction set the micro-kernels run with, detected once per call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,16 +107,38 @@ impl Kernel for Portable {
     }
 }
 
-/// The portable loops compiled with FMA available (AVX2 machines).
+/// AVX2 + FMA: `ROWS` rows × 4 vectors of 8 lanes = 8 accumulators in ymm registers, a tile's
+/// lanes in two halves; the other loops are the portable ones compiled with FMA.
 #[cfg(target_arch = "x86_64")]
 pub(super) struct Fused;
 
 #[cfg(target_arch = "x86_64")]
 impl Kernel for Fused {
-    const ROWS: usize = 1;
+    const ROWS: usize = 2;
     #[inline(always)]
     fn fma(a: f32, b: f32, c: f32) -> f32 {
         a.mul_add(b, c)
+    }
+    #[inline(always)]
+    fn block(
+        out: &mut [Lanes],
+        init: Option<&Lanes>,
+        a: &[f32],
+        a_is: usize,
+        a_ts: usize,
+        b: &[Lanes],
+        n: usize,
+    ) {
+        block_in_bounds(out.len(), a.len(), a_is, a_ts, b.len(), n);
+        // SAFETY: only reached through the `item_avx2` functions, i.e. with avx2 and fma
+        // detected; indices were checked just above.
+        unsafe {
+            match out.len() {
+                1 => avx2::block::<1>(out, init, a, a_is, a_ts, b, n),
+                2 => avx2::block::<2>(out, init, a, a_is, a_ts, b, n),
+                _ => unreachable!("callers pass at most ROWS rows"),
+            }
+        }
     }
 }
 

@@ -21,6 +21,8 @@
 //! key tile is what a dK/dV work item keeps); see its module docs.
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 mod backward;
 mod decode;
