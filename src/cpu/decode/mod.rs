@@ -499,7 +499,10 @@ fn softmax<K: Kernel>(
     // the sum in W lanes. The max skips NaN, yet a NaN score still turns p, l and this row of O
     // into NaN.
     const W: usize = 8;
-    const _: () = assert!(BK.is_multiple_of(W), "the lane loops below cover whole rows");
+    const _: () = assert!(
+        BK.is_multiple_of(W),
+        "the lane loops below cover whole rows"
+    );
     let mut lanes = [*m; W];
     for chunk in s.chunks_exact(W) {
         for (a, &x) in lanes.iter_mut().zip(chunk) {
