@@ -32,9 +32,10 @@ impl FlashAttn {
     /// Every input is checked before the caches are written, and an error names the argument:
     /// `cache_seqlens` not an integer `(batch,)` tensor or negative; `k_new`/`v_new` of another
     /// shape, dtype or device than the cache rows, or sharing storage with a cache; a cache that
-    /// cannot be written in place (a broadcast view), or the same tensor as both caches; a sequence whose new length exceeds the
-    /// cache (`max_len`, or `max_blocks · page_block_size` paged); a bad block table (as
-    /// [`paged`](Self::paged)); and everything [`forward`](Self::forward) refuses.
+    /// cannot be written in place (a broadcast view), or the same tensor as both caches; a
+    /// sequence whose new length exceeds the cache (`max_len`, or `max_blocks ·
+    /// page_block_size` paged); a bad block table (as [`paged`](Self::paged)); and everything
+    /// [`forward`](Self::forward) refuses.
     ///
     /// On CUDA nothing is read back to the host: the kernels take the key counts from
     /// `cache_seqlens` on the device, find each sequence's queries from its index (every
