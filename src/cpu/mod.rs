@@ -14,8 +14,9 @@
 //! f16/bf16) into dense f32 scratch, and `Oᵀ` is normalised once and transposed on the way out.
 //! Extra memory is a few tiles per thread, independent of the sequence lengths.
 //!
-//! The micro-kernel is dispatched at run time: AVX-512 intrinsics, else the portable loops
-//! compiled with AVX2+FMA enabled, else plain portable loops (any architecture).
+//! The micro-kernel is dispatched at run time: AVX-512 intrinsics, else AVX2+FMA intrinsics
+//! (the rest of the tile code compiled with AVX2+FMA enabled), else plain portable loops (any
+//! architecture).
 //!
 //! The backward pass (`backward/`) reuses the same micro-kernels with the *keys* in lanes (the
 //! key tile is what a dK/dV work item keeps); see its module docs.
