@@ -76,7 +76,7 @@ mod problem;
 pub mod semantics;
 
 pub use naive::naive_attention;
-pub use op::{FlashAttn, MAX_HEAD_DIM};
+pub use op::{FlashAttn, PlanOverride, MAX_HEAD_DIM};
 
 use candle::{Result, Tensor};
 

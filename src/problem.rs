@@ -7,6 +7,7 @@
 use candle::{bail, Layout, Result};
 
 use crate::semantics::{ScoreMod, SeqMask, Window};
+use crate::PlanOverride;
 
 /// Element strides of a rank-4 `(batch, seq, head, dim)` view plus its start offset.
 /// For varlen inputs `batch` is 0 and sequences start at their cumulative row.
@@ -189,6 +190,19 @@ pub(crate) struct Problem {
     /// ALiBi slopes, `batch * heads` of them with batch stride `alibi_batch_stride` (0 when the
     /// slopes are per head only, or without ALiBi).
     pub alibi_batch_stride: usize,
+    /// How the call may run: choices of speed, never of result.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub kernels: Kernels,
+}
+
+/// The caller's choices among kernels that compute the same result.
+#[derive(Clone, Debug, Default)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct Kernels {
+    /// The portable CUDA kernels even where the Hopper ones apply.
+    pub portable: bool,
+    /// Planner choices forced by a benchmark or test.
+    pub overrides: PlanOverride,
 }
 
 impl Problem {

@@ -60,8 +60,8 @@ pub(super) const PACK_PTX: (&str, &str) = (
 // `FlashParams` is checked field by field at build time (see params.rs).
 unsafe impl DeviceRepr for Params {}
 
-/// What the planner needs, read from the device.
-pub(crate) fn caps(stream: &CudaStream) -> Result<DeviceCaps> {
+/// What the planner needs, read from the device; `portable` turns the sm_90a kernels off.
+pub(crate) fn caps(stream: &CudaStream, portable: bool) -> Result<DeviceCaps> {
     let ctx = stream.context();
     let attr = |a| -> Result<usize> { Ok(ctx.attribute(a).w()? as usize) };
     let caps = DeviceCaps::new(
@@ -70,7 +70,7 @@ pub(crate) fn caps(stream: &CudaStream) -> Result<DeviceCaps> {
         attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
         attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
     );
-    Ok(if force_portable() {
+    Ok(if portable || force_portable() {
         caps.portable()
     } else {
         caps
@@ -149,54 +149,6 @@ pub(crate) fn tma_map(
         bail!("flash-attn: cuTensorMapEncodeTiled failed ({r:?}) for dims {dims:?}, strides {strides:?}")
     }
     Ok(map)
-}
-
-/// `CANDLE_FLASH_DECODE_WAVES=n` and `CANDLE_FLASH_DECODE_STAGES=s`, read once: decode calls are
-/// split for n blocks per SM, and run the instance with an s-deep ring, instead of the planner's
-/// choices. For benchmarks comparing variants in one run; unset in normal use.
-fn decode_overrides() -> (Option<usize>, Option<usize>) {
-    static KNOBS: std::sync::OnceLock<(Option<usize>, Option<usize>)> = std::sync::OnceLock::new();
-    *KNOBS.get_or_init(|| {
-        let var = |name| std::env::var(name).ok()?.parse().ok();
-        (
-            var("CANDLE_FLASH_DECODE_WAVES"),
-            var("CANDLE_FLASH_DECODE_STAGES"),
-        )
-    })
-}
-
-/// `CANDLE_FLASH_SM90_VARIANT=v` (read once): sm_90a calls run the instance of variant v (`wg3`,
-/// `wg2`, `wg2p`, `wg2n176`: consumer warpgroups, `p` persistent, `n` a key tile) where one
-/// exists for their width and kind; `v:n` caps a persistent grid at n blocks (tests).
-/// For benchmarks comparing instances in one run; unset in normal use.
-fn sm90_variant_override() -> Option<&'static str> {
-    static VARIANT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    VARIANT
-        .get_or_init(|| std::env::var("CANDLE_FLASH_SM90_VARIANT").ok())
-        .as_deref()
-}
-
-/// `CANDLE_FLASH_SM90_THREAD_STORES=1` (read once): the persistent sm_90a instances write O
-/// with their threads' stores instead of bulk tensor stores. For compute-sanitizer's initcheck,
-/// which does not count the tensor copy engine's writes as initialising memory (it reports the
-/// output as uninitialised when the next kernel reads it); unset in normal use.
-fn sm90_thread_stores() -> bool {
-    static THREADS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *THREADS
-        .get_or_init(|| std::env::var("CANDLE_FLASH_SM90_THREAD_STORES").is_ok_and(|v| v == "1"))
-}
-
-/// `CANDLE_FLASH_SM90_L2_KV_MIB=n` (read once): the persistent scheduler groups (batch, head)
-/// pairs whose K and V fill n MiB of L2 instead of [`SM90_L2_KV_BYTES`]. For benchmarks; unset
-/// in normal use.
-fn sm90_l2_kv_bytes() -> usize {
-    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| {
-        std::env::var("CANDLE_FLASH_SM90_L2_KV_MIB")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .map_or(SM90_L2_KV_BYTES, |mib| mib << 20)
-    })
 }
 
 /// Window sides for the kernels: -1 unbounded, otherwise clamped so `int` arithmetic on
@@ -313,14 +265,20 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     if p.has_alibi != alibi.is_some() {
         bail!("flash-attn: ALiBi slopes do not match the validated problem")
     }
-    let caps = caps(&stream)?;
+    let caps = caps(&stream, p.kernels.portable)?;
     let mut plan = plan(p, T::DTYPE, &caps)?;
-    let (waves, stages) = decode_overrides();
-    if waves.is_some() || stages.is_some() {
-        override_decode(&mut plan, p, &caps, waves, stages);
+    let o = &p.kernels.overrides;
+    if let Some(n) = o.decode_splits {
+        override_decode(&mut plan, p, &caps, n);
     }
-    if let Some(v) = sm90_variant_override() {
-        override_sm90(&mut plan, p, &caps, v);
+    if o.sm90_variant.is_some() || o.persistent_blocks.is_some() {
+        override_sm90(
+            &mut plan,
+            p,
+            &caps,
+            o.sm90_variant.as_deref(),
+            o.persistent_blocks,
+        )?;
     }
     let esize = std::mem::size_of::<T>();
     let d = p.head_dim;
@@ -545,7 +503,7 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
         // kernels/sm90/fwd.cuh). The map's rows need 16-byte strides: other widths are stored
         // by the threads.
         let packed_q = p.varlen.is_some() && !q_uniform;
-        let bulk = i.persistent && d.is_multiple_of(8) && p.total_q > 0 && !sm90_thread_stores();
+        let bulk = i.persistent && d.is_multiple_of(8) && p.total_q > 0 && !o.thread_stores;
         let (o_map, o_mode) = if bulk {
             let (rows, batches) = match packed_q {
                 true => (p.total_q, 1),
@@ -573,7 +531,7 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
             false => None,
         };
         let counter_guard = counter.as_ref().map(|c| c.device_ptr(&stream));
-        let group = sm90_tile_group(p, plan.d_load, sm90_l2_kv_bytes()) as i32;
+        let group = sm90_tile_group(p, plan.d_load, SM90_L2_KV_BYTES) as i32;
         let args = Sm90Args(
             params,
             maps,

@@ -621,35 +621,40 @@ pub(crate) fn sm90_tile_group(p: &Problem, d_load: usize, l2_bytes: usize) -> us
     group.clamp(1, (p.heads * p.batch).max(1))
 }
 
-/// Overrides an sm_90a plan's instance for benchmarks that compare variants in one run: the
-/// instance of the same width and kind whose [`Sm90Instance::variant`] is `variant`, if there is
-/// one. `variant:n` (a persistent one) also caps its grid at n blocks, so that tests and
-/// compute-sanitizer see each block take many tiles from the scheduler. Other plans are left as
-/// they are.
-pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, caps: &DeviceCaps, variant: &str) {
+/// Applies [`PlanOverride::sm90_variant`](crate::PlanOverride) and `persistent_blocks` to an
+/// sm_90a plan: the instance of the same width and kind whose [`Sm90Instance::variant`] is
+/// `variant` (if there is one), and a persistent grid capped at `blocks`. Other plans are left
+/// as they are; a variant no instance has is an error.
+pub(crate) fn override_sm90(
+    plan: &mut LaunchPlan,
+    p: &Problem,
+    caps: &DeviceCaps,
+    variant: Option<&str>,
+    blocks: Option<u32>,
+) -> Result<()> {
+    if let Some(v) = variant {
+        if !SM90_INSTANCES.iter().any(|j| j.variant() == v) {
+            bail!("flash-attn: plan_override names no sm_90a forward variant {v:?}")
+        }
+    }
     let Kernel::Sm90(i) = plan.kernel else {
-        return;
+        return Ok(());
     };
-    let (variant, cap) = match variant.split_once(':') {
-        Some((v, n)) => (v, n.parse::<u32>().ok().filter(|&n| n > 0)),
-        None => (variant, None),
-    };
+    let want = variant.unwrap_or(&i.variant()).to_string();
     let Some(&j) = SM90_INSTANCES
         .iter()
-        .find(|j| (j.d, j.mods) == (i.d, i.mods) && j.variant() == variant)
+        .find(|j| (j.d, j.mods) == (i.d, i.mods) && j.variant() == want)
     else {
-        return;
+        return Ok(());
     };
-    let Ok(grid) = (if j.persistent {
-        sm90_persistent_grid(p, caps, j)
+    let grid = if j.persistent {
+        sm90_persistent_grid(p, caps, j)?
     } else {
-        Ok((
+        (
             p.max_seq_q.div_ceil(j.rows()) as u32,
             p.heads as u32,
             p.batch as u32,
-        ))
-    }) else {
-        return;
+        )
     };
     let dname = plan
         .function
@@ -661,23 +666,17 @@ pub(crate) fn override_sm90(plan: &mut LaunchPlan, p: &Problem, caps: &DeviceCap
     plan.threads = j.threads() as u32;
     plan.smem = j.smem();
     plan.function = format!("flash_fwd_sm90_{dname}_{}", j.suffix());
-    plan.grid = match (j.persistent, cap) {
-        (true, Some(n)) => (grid.0.min(n), 1, 1),
+    plan.grid = match (j.persistent, blocks) {
+        (true, Some(n)) => (grid.0.min(n.max(1)), 1, 1),
         _ => grid,
     };
+    Ok(())
 }
 
-/// Overrides a decode plan's choices for benchmarks that compare variants in one run: `waves`
-/// blocks per SM instead of [`DECODE_WAVES`], and the instance of the same width and warps
-/// with `stages` ring stages (if there is one that fits). Other plans are left as they are.
-pub(crate) fn override_decode(
-    plan: &mut LaunchPlan,
-    p: &Problem,
-    caps: &DeviceCaps,
-    waves: Option<usize>,
-    stages: Option<usize>,
-) {
-    let Kernel::Decode(mut i) = plan.kernel else {
+/// Applies [`PlanOverride::decode_splits`](crate::PlanOverride) to a decode plan: `splits`
+/// slices of the key range (at least one key tile each). Other plans are left as they are.
+pub(crate) fn override_decode(plan: &mut LaunchPlan, p: &Problem, splits: usize) {
+    let Kernel::Decode(i) = plan.kernel else {
         return;
     };
     let dname = match plan.module {
@@ -685,29 +684,19 @@ pub(crate) fn override_decode(
         Module::F16 => "f16",
         Module::F32 | Module::Sm90 | Module::Sm90Bwd => "f32",
     };
-    if let Some(&j) = DECODE_INSTANCES.iter().find(|j| {
-        Some(j.stages) == stages
-            && (j.d, j.warps) == (i.d, i.warps)
-            && j.smem() + STATIC_SMEM_RESERVE <= caps.smem_optin
-    }) {
-        let mods = if plan.function.ends_with("_mods") {
-            "_mods"
-        } else {
-            ""
-        };
-        i = j;
-        plan.kernel = Kernel::Decode(j);
-        plan.smem = j.smem();
-        plan.function = format!("flash_decode_{dname}_{}{mods}", j.suffix());
-    }
     let Some(d) = plan.decode.as_mut() else {
         return;
     };
-    let (splits, split_keys) = decode_splits(p, caps, i, d.m_tiles, waves.unwrap_or(DECODE_WAVES));
-    d.splits = splits;
+    let bc = i.bc();
+    let split_keys = p
+        .max_seq_k
+        .div_ceil(splits.max(1))
+        .next_multiple_of(bc)
+        .max(bc);
+    d.splits = p.max_seq_k.div_ceil(split_keys).max(1);
     d.split_keys = split_keys;
-    d.combine = (splits > 1).then(|| format!("flash_decode_combine_{dname}"));
-    plan.grid.0 = splits as u32;
+    d.combine = (d.splits > 1).then(|| format!("flash_decode_combine_{dname}"));
+    plan.grid.0 = d.splits as u32;
 }
 
 /// Blocks of `smem` bytes of dynamic shared memory one SM holds at once. An SM's shared memory is
@@ -896,7 +885,14 @@ mod tests {
                 assert!(pl.function.ends_with("_mods"), "{pl:?}");
                 let mut o = pick(d, dtype, &plain, &DeviceCaps::SM90);
                 let caps = DeviceCaps::SM90;
-                override_sm90(&mut o, &problem(d, dtype, &plain, 300, 300), &caps, "wg2p");
+                override_sm90(
+                    &mut o,
+                    &problem(d, dtype, &plain, 300, 300),
+                    &caps,
+                    Some("wg2p"),
+                    None,
+                )
+                .unwrap();
                 assert!(matches!(o.kernel, Kernel::Sm90(i) if i.persistent), "{o:?}");
                 // 3 tiles of 128 rows x 4 heads x 2 batches, fewer than the SMs.
                 assert_eq!(o.grid, (24, 1, 1));
@@ -928,7 +924,14 @@ mod tests {
                 let mut o = pick(d, dtype, &plain, &DeviceCaps::SM90);
                 let before = o.clone();
                 let caps = DeviceCaps::SM90;
-                override_sm90(&mut o, &problem(d, dtype, &plain, 300, 300), &caps, "wg2p");
+                override_sm90(
+                    &mut o,
+                    &problem(d, dtype, &plain, 300, 300),
+                    &caps,
+                    Some("wg2p"),
+                    None,
+                )
+                .unwrap();
                 assert_eq!(o, before);
                 let pl = pick(d, dtype, &plain, &DeviceCaps::SM90.portable());
                 assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
@@ -1073,20 +1076,20 @@ mod tests {
         let base = plan(&p, DType::BF16, &caps).unwrap();
         assert_eq!(base.function, "flash_fwd_sm90_bf16_d128_wg2p");
         let mut o = base.clone();
-        override_sm90(&mut o, &p, &caps, "wg2");
+        override_sm90(&mut o, &p, &caps, Some("wg2"), None).unwrap();
         assert_eq!((o.grid, o.smem), ((16, 16, 8), 197_720));
         let mut o = base.clone();
-        override_sm90(&mut o, &p, &caps, "wg2p");
+        override_sm90(&mut o, &p, &caps, Some("wg2p"), None).unwrap();
         assert_eq!(
             (o.grid, o.function.as_str()),
             ((132, 1, 1), "flash_fwd_sm90_bf16_d128_wg2p")
         );
         let mut o = base.clone();
-        override_sm90(&mut o, &p, &caps, "wg2p:3");
+        override_sm90(&mut o, &p, &caps, Some("wg2p"), Some(3)).unwrap();
         assert_eq!(o.grid, (3, 1, 1));
         // A cap on a non-persistent variant leaves its grid alone.
         let mut o = base.clone();
-        override_sm90(&mut o, &p, &caps, "wg2n176:3");
+        override_sm90(&mut o, &p, &caps, Some("wg2n176"), Some(3)).unwrap();
         assert_eq!(o.function, "flash_fwd_sm90_bf16_d128_wg2n176");
         assert_eq!((o.grid, o.smem), ((16, 16, 8), 214_104));
         assert!(matches!(o.kernel, Kernel::Sm90(i) if i.o_in_q() && i.variant() == "wg2n176"));
@@ -1094,7 +1097,8 @@ mod tests {
         let p64 = mk(8, 2048, 32, 32, 64);
         let base = plan(&p64, DType::BF16, &caps).unwrap();
         let mut o = base.clone();
-        override_sm90(&mut o, &p64, &caps, "wg2n176");
+        override_sm90(&mut o, &p64, &caps, Some("wg2n176"), None).unwrap();
+        assert!(override_sm90(&mut o, &p64, &caps, Some("wg9"), None).is_err());
         assert_eq!(o, base);
         // Persistent instances never stage O in Q (the next tile's Q would overwrite it).
         for i in SM90_INSTANCES {
@@ -1155,9 +1159,9 @@ mod tests {
         assert_eq!(blocks_per_sm(&caps, DECODE_INSTANCES[1].smem()), 3);
     }
 
-    /// The benchmark overrides change only the split count and the ring depth of a decode plan.
+    /// The split override changes only the split count of a decode plan.
     #[test]
-    fn decode_overrides_resplit_and_swap_the_ring() {
+    fn decode_override_resplits() {
         let dev = Device::Cpu;
         let q = Tensor::zeros((1, 1, 32, 128), DType::BF16, &dev).unwrap();
         let k = Tensor::zeros((1, 32768, 8, 128), DType::BF16, &dev).unwrap();
@@ -1165,18 +1169,15 @@ mod tests {
         let caps = DeviceCaps::SM90;
         let base = plan(&p, DType::BF16, &caps).unwrap();
         let mut pl = base.clone();
-        override_decode(&mut pl, &p, &caps, Some(4), Some(3));
-        let (s0, s1) = (base.decode.clone().unwrap(), pl.decode.clone().unwrap());
-        assert!(s1.splits > s0.splits, "{s0:?} {s1:?}");
+        override_decode(&mut pl, &p, 100);
+        let s1 = pl.decode.clone().unwrap();
+        assert_eq!(s1.splits, 100);
         assert!(s1.splits * s1.split_keys >= 32768);
-        assert_eq!(pl.grid, (s1.splits as u32, base.grid.1, base.grid.2));
-        assert!(matches!(pl.kernel, Kernel::Decode(i) if i.d == 128 && i.stages == 3));
-        assert_eq!(pl.function, "flash_decode_bf16_d128_w4_s3");
-        assert_eq!(pl.smem, (16 * 128 + 3 * 2 * 64 * 128) * 2);
-        // No such instance: the ring stays; the default waves give the planner's own plan.
-        let mut same = base.clone();
-        override_decode(&mut same, &p, &caps, None, Some(7));
-        assert_eq!(same, base);
+        assert_eq!(pl.grid, (100, base.grid.1, base.grid.2));
+        assert_eq!((pl.function, pl.kernel), (base.function, base.kernel));
+        let mut one = plan(&p, DType::BF16, &caps).unwrap();
+        override_decode(&mut one, &p, 1);
+        assert_eq!((one.grid.0, one.decode.unwrap().combine), (1, None));
     }
 
     /// The big tiles where they fit, smaller ones (not the row-wise fallback) where they do not.

@@ -5,6 +5,7 @@ mod append;
 mod backward;
 mod custom;
 mod kvcache;
+mod overrides;
 mod validate;
 
 use candle::op::BackpropOp;
@@ -13,6 +14,7 @@ use candle::{bail, DType, Result, Tensor};
 use crate::problem::Problem;
 use crate::semantics::Window;
 use custom::{EmptyAttnOp, FlashAttnOp};
+pub use overrides::PlanOverride;
 use validate::{read_paged, read_seqlens};
 
 /// Largest supported head dimension (every size from 1 up to it works on every backend).
@@ -52,6 +54,11 @@ pub struct FlashAttn {
     /// Multimodal prefix ranges, integer `(batch, max_ranges, 2)` (see
     /// [`mm_prefix_ranges`](Self::mm_prefix_ranges)).
     pub mm_prefix_ranges: Option<Tensor>,
+    /// Run the portable CUDA kernels (compute capability 8.0 code) even where the Hopper
+    /// (sm_90a) kernels apply; see [`portable`](Self::portable).
+    pub portable: bool,
+    /// Choices forced on the planners (benchmarks, tests); `None` in normal use.
+    pub plan_override: Option<PlanOverride>,
 }
 
 impl FlashAttn {
@@ -66,6 +73,8 @@ impl FlashAttn {
             block_table: None,
             page_block_size: 0,
             mm_prefix_ranges: None,
+            portable: false,
+            plan_override: None,
         }
     }
 
@@ -90,6 +99,22 @@ impl FlashAttn {
     /// ALiBi with the given f32 slopes, `(heads,)` or `(batch, heads)`.
     pub fn alibi(mut self, slopes: &Tensor) -> Self {
         self.alibi_slopes = Some(slopes.clone());
+        self
+    }
+
+    /// With `true`, CUDA calls run the portable kernels (compute-capability 8.0 code, as on an
+    /// A100) even on a Hopper GPU, where the sm_90a (wgmma + TMA) kernels would run: for
+    /// comparing the two, or as an escape hatch. `CANDLE_FLASH_PORTABLE=1` in the environment,
+    /// read once at the first CUDA call, does the same for every call of the process. No effect
+    /// on the CPU.
+    pub fn portable(mut self, on: bool) -> Self {
+        self.portable = on;
+        self
+    }
+
+    /// Forces choices the planners would make on their own (see [`PlanOverride`]).
+    pub fn plan_override(mut self, o: PlanOverride) -> Self {
+        self.plan_override = Some(o);
         self
     }
 

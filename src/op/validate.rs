@@ -4,7 +4,7 @@
 use candle::{bail, DType, Result, Tensor};
 
 use super::{FlashAttn, MAX_HEAD_DIM};
-use crate::problem::{OnDevice, Paged, Prefix, Problem, Strides, VarLen};
+use crate::problem::{Kernels, OnDevice, Paged, Prefix, Problem, Strides, VarLen};
 use crate::semantics::ScoreMod;
 
 impl FlashAttn {
@@ -177,6 +177,10 @@ impl FlashAttn {
             seqused_k: None,
             has_alibi: self.alibi_slopes.is_some(),
             alibi_batch_stride,
+            kernels: Kernels {
+                portable: self.portable,
+                overrides: self.plan_override.clone().unwrap_or_default(),
+            },
         })
     }
 }

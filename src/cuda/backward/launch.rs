@@ -108,7 +108,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     if p.has_alibi != alibi.is_some() {
         bail!("flash-attn backward: ALiBi slopes do not match the validated problem")
     }
-    let caps = caps(&stream)?;
+    let caps = caps(&stream, p.kernels.portable)?;
     let device = BwdDevice {
         max_smem: caps.smem_optin,
         hopper: caps.hopper,
@@ -119,7 +119,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         [offsets[0], offsets[1]],
         &device,
         deterministic(),
-        &sm90_variants(),
+        &p.kernels.overrides.bwd_sm90_variants,
     )?;
 
     // SAFETY (all three): zero-initialised; the kernels overwrite the rows that belong to a
@@ -309,22 +309,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
 /// deterministic pair.
 fn deterministic() -> bool {
     std::env::var("CANDLE_FLASH_BWD_DETERMINISTIC").map_or(true, |v| v != "0")
-}
-
-/// `CANDLE_FLASH_BWD_SM90_VARIANT=a,b` (read once): the Hopper backward runs the instances named
-/// a, b (`BWD_SM90` in instances.rs) instead of the defaults where they apply. For benchmarks
-/// comparing instances in one run; unset in normal use.
-fn sm90_variants() -> Vec<&'static str> {
-    static VARIANTS: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
-    VARIANTS
-        .get_or_init(|| {
-            let v = std::env::var("CANDLE_FLASH_BWD_SM90_VARIANT").unwrap_or_default();
-            v.split(',')
-                .map(|x| &*Box::leak(x.trim().to_string().into_boxed_str()))
-                .filter(|x| !x.is_empty())
-                .collect()
-        })
-        .clone()
 }
 
 fn wrap<T: CudaDType>(

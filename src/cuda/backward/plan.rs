@@ -59,7 +59,7 @@ fn sm90_pair(
     dtype: DType,
     offsets: [usize; 2],
     dev: &BwdDevice,
-    variants: &[&str],
+    variants: &[String],
 ) -> Option<[Sm90Bwd; 2]> {
     if !dev.hopper || dtype == DType::F32 || !aligned(p, offsets) {
         return None;
@@ -83,7 +83,7 @@ fn sm90_pair(
         BWD_SM90
             .iter()
             .filter(fits)
-            .find(|i| variants.contains(&i.variant))
+            .find(|i| variants.iter().any(|v| v == i.variant))
             .or_else(|| BWD_SM90.iter().filter(fits).find(|i| i.variant.is_empty()))
             .or_else(|| BWD_SM90.iter().find(fits))
             .copied()
@@ -123,7 +123,7 @@ pub(crate) fn plan(
     offsets: [usize; 2],
     dev: &BwdDevice,
     deterministic: bool,
-    variants: &[&str],
+    variants: &[String],
 ) -> Result<BwdPlan> {
     let max_smem = dev.max_smem;
     let d = p.head_dim;
