@@ -1,8 +1,8 @@
 // FlashAttention-2 backward for f16/bf16 on tensor cores (mma.sync m16n8k16, f32 accumulation),
 // head dims 64 and 128, operands with unit column stride and 16-byte aligned rows. After the D
-// pass (generic.cuh's bwd_dsum), one of two designs:
-//
-// Deterministic (the default): dkdv, then dq, no atomics, every run bitwise identical.
+// pass (generic.cuh's bwd_dsum): dkdv, then dq, no atomics, every run bitwise identical.
+// (FlashAttention-2's fused kernel, which adds dQ = dS K into f32 sums with atomics, ran no
+// faster than this pair on an H100's compute_80 path, and was removed.)
 // dkdv: one block per (key tile of BN = 16 * WARPS keys, K/V head, batch). Warp w owns keys
 //   16 w .. 16 w + 15 of the tile, so its dK and dV rows stay in its registers for the whole
 //   block and need no inter-warp reduction. The block walks every query head of the K/V group
@@ -20,21 +20,6 @@
 //     S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K (B = K .trans); dQ scaled and
 //   written once in T. Seven products per pair of tiles instead of five.
 //
-// Atomic (CANDLE_FLASH_BWD_DETERMINISTIC=0): dkdvq, then dq_convert.
-// dkdvq: one block of 8 warps per (key tile of BN keys, K/V head, batch). K and V of the tile
-//   stay in shared memory; dK and dV stay in registers. The block walks the same steps as dkdv,
-//   last query tile first. Per step, five products:
-//     A  S^T = K Q^T and dP^T = V dO^T, warps 4 (keys) x 2 (queries), 32 x BM/2 warp tiles;
-//        P^T and dS^T as above, rounded to T and stored to shared memory (sPt, sdSt: BN x BM).
-//     B  dV += P^T dO and dK += dS^T Q, warps 4 (keys) x 2 (head dim), 32 x D/2 warp tiles.
-//     C  dQ_tile = dS K (A = dS^T read transposed, B = K), warps BM/32 (rows) x 8/(BM/32) (dims),
-//        32 x 32 warp tiles, staged in shared memory and added to the f32 sums (dq_accum) with
-//        atomics, a row of 32 consecutive floats per warp instruction.
-//   dq_convert scales and rounds the sums. FlashAttention-2's structure, but on an H100 it runs
-//   at the speed of the deterministic pair (0.97-1.10x its time, BENCHMARKS.md 2026-11-22), far
-//   from FlashAttention-2's: with the P^T / dS^T round trip through shared memory, three
-//   barriers a step and one 8-warp block per SM (255 registers), the tensor pipe stays ~25%
-//   busy; in an earlier build, leaving the atomics out saved ~22% of the kernel's time.
 #pragma once
 #include "backward/generic.cuh"
 #include "forward/mma.cuh"
@@ -357,298 +342,6 @@ __device__ __forceinline__ void warp_gemm_abt(float (&acc)[A_MI][A_NJ][4], const
     }
 }
 
-template <typename T, int D, int BM, int BN>
-struct DkdvqTraits {
-    static constexpr int WARPS = 8, THREADS = 32 * WARPS;
-    static constexpr int STEP = 2 * BM * D;  // elements of one Q + dO stage
-    static constexpr int SMEM =
-        (2 * BN * D + 2 * STEP + 2 * BN * BM) * (int)sizeof(T) + 2 * 2 * BM * 4;
-};
-
-template <typename T, int D, int BM, int BN, bool MODS>
-__device__ __forceinline__ void dkdvq_mma(const BwdParams& bp) {
-    using Tr = DkdvqTraits<T, D, BM, BN>;
-    constexpr int THREADS = Tr::THREADS, STEP = Tr::STEP;
-    static_assert(BN == 128, "phase A and B tile the keys with 4 warps of 32");
-    static_assert(BM % 32 == 0 && 8 % (BM / 32) == 0, "phase C: 32-row warp tiles");
-    static_assert(D % 64 == 0, "swizzled rows of whole 8-chunk groups");
-    // Phase A: warp (wa_n = warp % 4, wa_m = warp / 4): keys 32 wa_n.., queries (BM/2) wa_m..
-    // Two passes over the warp's queries: with both in one, S^T and dP^T of 32 x 32 next to
-    // dK and dV (128 registers at d 128) spill on sm_90.
-    constexpr int A_MI = 2, A_PASSES = 2, A_NJ = BM / 2 / 8 / A_PASSES;
-    // Phase B: warp (warp % 4, warp / 4): keys 32 (warp % 4).., dims (D/2) (warp / 4)..
-    constexpr int B_DJ = D / 2 / 8;
-    // Phase C: warp (warp % CM, warp / CM): rows 32 (warp % CM).., dims (D / CD) (warp / CM)..
-    constexpr int CM = BM / 32, CD = 8 / CM, C_DJ = D / CD / 8;
-    static_assert(A_NJ % 2 == 0 && B_DJ % 2 == 0 && C_DJ % 2 == 0, "ldmatrix x4 pairs");
-    // Partial unrolling of the phase B / C / atomic loops: fully unrolled, the compiler hoists
-    // their operand loads and addresses and spills (ptxas, sm_90).
-    constexpr int kBUnroll = 2, kCUnroll = 2, kRedUnroll = 2;
-    const FlashParams& p = bp.f;
-
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* sK = reinterpret_cast<T*>(smem_raw);
-    T* sV = sK + BN * D;
-    T* sQ0 = sV + BN * D;           // stage s: Q (BM x D) at sQ0 + s STEP, dO right after
-    T* sPt = sQ0 + 2 * STEP;        // P^T, BN x BM, swizzled
-    T* sdSt = sPt + BN * BM;        // dS^T, BN x BM, swizzled
-    float* sL0 = reinterpret_cast<float*>(sdSt + BN * BM);  // stage s: lse at sL0 + 2 s BM, D after
-
-    const int tid = threadIdx.x;
-    const int kvh = blockIdx.y, b = blockIdx.z;
-    BlockGeom g;
-    KeyTile kt;
-    if (!key_tile<BN, BM>(p, b, (int)blockIdx.x, g, kt)) return;
-    const int n0 = kt.n0, rows_k = kt.rows_k, m_begin = kt.m_begin, m_count = kt.m_count;
-    const int64_t off = kt.off;
-    const int steps = m_count * p.kv_group;
-    load_kv_tile<T, D, BN, THREADS>(p, b, kvh, g, kt, sK, sV);
-
-    // Step s: query head kvh * group + s / m_count, query tile (last first) m_tile(s).
-    auto m_tile = [&](int s) { return m_begin + m_count - 1 - s % m_count; };
-    auto issue = [&](int s) {
-        load_q_step<T, D, BM, THREADS>(bp, b, kvh * p.kv_group + s / m_count, m_tile(s) * BM, g,
-                                       sQ0 + (s % 2) * STEP, sL0 + (s % 2) * 2 * BM, tid);
-    };
-    if (steps > 0) issue(0);
-    cp_async_commit();
-
-    // dK / dV of this warp (phase B tiling): keys 32 (warp % 4) + 16 mi + .., dims (D/2)(warp/4)..
-    float acc_dk[2][B_DJ][4], acc_dv[2][B_DJ][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int j = 0; j < B_DJ; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dk[mi][j][e] = acc_dv[mi][j][e] = 0.f;
-
-    for (int s = 0; s < steps; ++s) {
-        cp_async_wait<0>();
-        __syncthreads();  // step s landed everywhere; everyone is done with step s - 1
-        if (s + 1 < steps) issue(s + 1);
-        cp_async_commit();
-        const T* sQ = sQ0 + (s % 2) * STEP;
-        const T* sdO = sQ + BM * D;
-        const float* sL = sL0 + (s % 2) * 2 * BM;
-        const int h = kvh * p.kv_group + s / m_count;
-        const int m_t = m_tile(s);
-        const int m0 = m_t * BM;
-        // Per-thread tile addresses are rebuilt in every phase from a volatile read of the
-        // thread index: left loop-invariant, the compiler hoists one offset per (operand,
-        // k step) out of the loop and runs out of registers next to dK and dV.
-        int warp = flash::tid_volatile() / 32, lane = flash::tid_volatile() % 32;
-        int wk = warp % 4;  // key slice (phases A and B)
-        int wq = warp / 4;  // query slice (phase A) / dim slice (phase B)
-        // Phase A operands: K / V rows of the warp as A; Q / dO rows of the warp as B.
-        const SwzRow<D> a_off(32 * wk + lane % 16, lane / 16);
-        const SwzRow<D> b_off((BM / 2) * wq + (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
-        const int key_a = n0 + 32 * wk + lane / 4;  // phase A: key of element (mi, e < 2)
-
-        // ---- A: S^T = K Q^T, dP^T = V dO^T (32 keys x BM/2 queries per warp), in A_PASSES
-        // slices of 8 A_NJ queries (fewer accumulators live next to dK and dV).
-        const float slope_log2 = p.alibi ? p.alibi[b * p.alibi_batch + h] * LOG2E_F : 0.f;
-        bool full = n0 + BN <= g.sk && m0 + BM <= g.sq;
-        if (p.win_left >= 0 && (int64_t)m0 + BM - 1 + off - p.win_left > n0) full = false;
-        if (p.win_right >= 0 && (int64_t)n0 + BN - 1 > m0 + off + p.win_right) full = false;
-#pragma unroll 1
-        for (int ps = 0; ps < A_PASSES; ++ps) {
-            const int qc0 = (BM / 2) * wq + 8 * A_NJ * ps;  // first query column of the slice
-            const T* sQp = sQ + 8 * A_NJ * ps * D;
-            const T* sdOp = sdO + 8 * A_NJ * ps * D;
-            const Swz<BM> st_off(32 * wk + lane / 4, qc0 / 8);  // P^T / dS^T stores
-            float acc[A_MI][A_NJ][4];
-            // S^T first; P^T goes to shared memory and, times the softcap's chain factor,
-            // stays in registers as packed T pairs (half the registers of f32) while the same
-            // accumulators then compute dP^T.
-            warp_gemm_abt<T, D, A_MI, A_NJ>(acc, sK, sQp, a_off, b_off);
-
-            // Element (mi, j, e): key key_a + 16 mi + 8 (e / 2), query column
-            // cq = qc0 + 8 j + 2 (lane % 4) + e % 2 of the tile.
-            uint32_t pc[A_MI][A_NJ][2];  // P^T * chain, packed pairs (e = 2 hf, 2 hf + 1)
-#pragma unroll
-            for (int mi = 0; mi < A_MI; ++mi)
-#pragma unroll
-                for (int j = 0; j < A_NJ; ++j)
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        float pv[2], pcv[2];
-#pragma unroll
-                        for (int c = 0; c < 2; ++c) {
-                            const int key = key_a + 16 * mi + 8 * hf;
-                            const int cq = qc0 + 8 * j + 2 * (lane % 4) + c;
-                            const int qi = m0 + cq;
-                            const int diag = (int)(qi + off);
-                            float chain;
-                            float x = logit2<MODS>(p, acc[mi][j][2 * hf + c], slope_log2, diag,
-                                                   key, chain);
-                            if (!full && (qi >= g.sq || !visible(p, diag, key, g.sk)))
-                                x = -INFINITY;
-                            pv[c] = fast_exp2(x - lse_log2(sL[cq]));
-                            pcv[c] = pv[c] * chain;
-                        }
-                        const int o = st_off.at(16 * mi + 8 * hf, j) + 2 * (lane % 4);
-                        *reinterpret_cast<uint32_t*>(sPt + o) = Mma<T>::pack(pv[0], pv[1]);
-                        pc[mi][j][hf] = Mma<T>::pack(pcv[0], pcv[1]);
-                    }
-
-            warp_gemm_abt<T, D, A_MI, A_NJ>(acc, sV, sdOp, a_off, b_off);
-            // dS^T = P^T chain (dP^T - D).
-#pragma unroll
-            for (int mi = 0; mi < A_MI; ++mi)
-#pragma unroll
-                for (int j = 0; j < A_NJ; ++j)
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int cq = qc0 + 8 * j + 2 * (lane % 4);
-                        const float2 pcf = unpack2<T>(pc[mi][j][hf]);
-                        const float d0 = pcf.x * (acc[mi][j][2 * hf] - sL[BM + cq]);
-                        const float d1 = pcf.y * (acc[mi][j][2 * hf + 1] - sL[BM + cq + 1]);
-                        const int o = st_off.at(16 * mi + 8 * hf, j) + 2 * (lane % 4);
-                        *reinterpret_cast<uint32_t*>(sdSt + o) = Mma<T>::pack(d0, d1);
-                    }
-        }
-        __syncthreads();  // P^T and dS^T of the whole tile are in shared memory
-
-        // ---- B: dV += P^T dO, dK += dS^T Q (32 keys x D/2 dims per warp; k = BM queries).
-        // P^T / dS^T rows as A; dO / Q (k = queries) as B, transposed.
-        warp = flash::tid_volatile() / 32, lane = flash::tid_volatile() % 32;
-        wk = warp % 4, wq = warp / 4;
-        const Swz<BM> pa_off(32 * wk + lane % 16, lane / 16);
-        const Swz<D> t_off(lane % 16, (D / 2) * wq / 8 + lane / 16);
-#pragma unroll kBUnroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
-            uint32_t pa[2][4], da[2][4];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                ldsm_x4(pa[mi], sPt + pa_off.at(16 * mi, 2 * kk));
-                ldsm_x4(da[mi], sdSt + pa_off.at(16 * mi, 2 * kk));
-            }
-#pragma unroll
-            for (int dp = 0; dp < B_DJ / 2; ++dp) {
-                uint32_t ob[4], qb[4];
-                ldsm_x4_t(ob, sdO + t_off.at(16 * kk, 2 * dp));
-                ldsm_x4_t(qb, sQ + t_off.at(16 * kk, 2 * dp));
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    Mma<T>::run(acc_dv[mi][2 * dp], pa[mi], ob[0], ob[1]);
-                    Mma<T>::run(acc_dv[mi][2 * dp + 1], pa[mi], ob[2], ob[3]);
-                    Mma<T>::run(acc_dk[mi][2 * dp], da[mi], qb[0], qb[1]);
-                    Mma<T>::run(acc_dk[mi][2 * dp + 1], da[mi], qb[2], qb[3]);
-                }
-            }
-        }
-
-        // ---- C: dQ tile += dS K (32 rows x D/CD dims per warp; k = BN keys).
-        // dS read transposed as A (rows = keys of the stored dS^T); K as B, transposed.
-        warp = flash::tid_volatile() / 32, lane = flash::tid_volatile() % 32;
-        const int cm = warp % CM, cd = warp / CM;
-        const Swz<BM> ca_off((lane / 16) * 8 + lane % 8, 4 * cm + (lane / 8) % 2);
-        const Swz<D> kc_off(lane % 16, (D / CD) * cd / 8 + lane / 16);
-        float acc_dq[2][C_DJ][4];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int j = 0; j < C_DJ; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dq[mi][j][e] = 0.f;
-#pragma unroll kCUnroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            uint32_t sa[2][4];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-                ldsm_x4_t(sa[mi], sdSt + ca_off.at(16 * kk, 2 * mi));
-#pragma unroll
-            for (int dp = 0; dp < C_DJ / 2; ++dp) {
-                uint32_t kb[4];
-                ldsm_x4_t(kb, sK + kc_off.at(16 * kk, 2 * dp));
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    Mma<T>::run(acc_dq[mi][2 * dp], sa[mi], kb[0], kb[1]);
-                    Mma<T>::run(acc_dq[mi][2 * dp + 1], sa[mi], kb[2], kb[3]);
-                }
-            }
-        }
-        // The tile goes through shared memory (this stage's Q and dO, free once every warp is
-        // past phase B) so that each warp's atomics cover whole 128-byte rows: an add per lane
-        // at consecutive addresses instead of 8 rows x 4 scattered pairs per instruction.
-        // Rows are XOR-swizzled by 8 (r & 3) columns: conflict-free float2 stores and reads.
-        __syncthreads();  // every warp is done with this stage's Q and dO
-        float* sdQ = reinterpret_cast<float*>(const_cast<T*>(sQ));
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int r = 32 * cm + 16 * mi + 8 * hf + lane / 4;
-#pragma unroll
-                for (int j = 0; j < C_DJ; ++j) {
-                    const int c = (D / CD) * cd + 8 * j + 2 * (lane % 4);
-                    *reinterpret_cast<float2*>(sdQ + r * D + (c ^ ((r & 3) << 3))) =
-                        make_float2(acc_dq[mi][j][2 * hf], acc_dq[mi][j][2 * hf + 1]);
-                }
-            }
-        __syncthreads();  // the tile is staged
-        {
-            // Warp w adds rows w, w + 8, ..; lane l columns l, l + 32, .. (row r & 3 = w & 3).
-            const int rows_q = g.sq - m0;
-            float* dst = bp.dq_accum + (g.out_row0 + m0 + warp) * p.o_seq +
-                         (int64_t)h * p.o_head + lane;
-            const float* src = sdQ + warp * D + (lane ^ ((warp & 3) << 3));
-            const int64_t step = 8 * p.o_seq;
-#pragma unroll kRedUnroll
-            for (int i = 0; i < BM / 8; ++i) {
-                if (warp + 8 * i < rows_q) {
-#pragma unroll
-                    for (int q = 0; q < D / 32; ++q) atomicAdd(dst + 32 * q, src[32 * q]);
-                }
-                dst += step;
-                src += 8 * D;
-            }
-        }
-    }
-    cp_async_wait<0>();
-
-    // Epilogue: rows key_b + 16 mi (+8), columns (D/2) wq + 8 j + 2 (lane % 4) (+1), pairs.
-    const int vt = flash::tid_volatile();
-    const int warp_e = vt / 32, lane_e = vt % 32;
-    const int wk = warp_e % 4, wq = warp_e / 4;
-    const int key_b = 32 * wk + lane_e / 4;
-    T* dkg = static_cast<T*>(bp.dk) + (int64_t)b * bp.dkv_batch +
-             (g.k_row0 + n0 + key_b) * bp.dkv_seq + (int64_t)kvh * p.d_out + (D / 2) * wq +
-             2 * (lane_e % 4);
-    T* dvg = static_cast<T*>(bp.dv) + (dkg - static_cast<T*>(bp.dk));
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int kr = key_b + 16 * mi + 8 * hf;
-            if (kr >= rows_k) continue;
-            const int64_t ro = (16 * mi + 8 * hf) * bp.dkv_seq;
-#pragma unroll
-            for (int j = 0; j < B_DJ; ++j) {
-                *reinterpret_cast<uint32_t*>(dkg + ro + 8 * j) = Mma<T>::pack(
-                    acc_dk[mi][j][2 * hf] * bp.scale, acc_dk[mi][j][2 * hf + 1] * bp.scale);
-                *reinterpret_cast<uint32_t*>(dvg + ro + 8 * j) =
-                    Mma<T>::pack(acc_dv[mi][j][2 * hf], acc_dv[mi][j][2 * hf + 1]);
-            }
-        }
-}
-
-// dQ = T(scale * f32 sums), elementwise over the contiguous output, 4 at a time (rows of
-// heads * d, d a multiple of 64, so the total is a multiple of 4).
-template <typename T>
-__device__ __forceinline__ void dq_convert(const BwdParams& bp) {
-    const int64_t n4 = (int64_t)bp.f.total_q * bp.f.o_seq / 4;
-    const float4* src = reinterpret_cast<const float4*>(bp.dq_accum);
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
-         i += (int64_t)gridDim.x * blockDim.x) {
-        const float4 v = src[i];
-        uint2 o;
-        o.x = Mma<T>::pack(v.x * bp.scale, v.y * bp.scale);
-        o.y = Mma<T>::pack(v.z * bp.scale, v.w * bp.scale);
-        reinterpret_cast<uint2*>(bp.dq)[i] = o;
-    }
-}
-
 template <typename T, int D, int BN, int WARPS>
 struct DqTraits {
     static constexpr int BM = 16 * WARPS;  // query rows per block
@@ -805,17 +498,15 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
 
 }  // namespace bwd
 
-// Entry points of one (dtype, head dim): dK/dV, dQ and the fused atomic kernel, each plain and
+// Entry points of one (dtype, head dim): dK/dV and dQ, each plain and
 // `_mods` (softcap / ALiBi). Tiles come from the table in src/cuda/backward/instances.rs through
 // the generated bwd_instances.cuh, with the shared memory the planner assumes (checked here).
 #define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_WARPS, KV_MINB, KV_SMEM, Q_BN, Q_WARPS,   \
-                               Q_MINB, Q_SMEM, F_BM, F_BN, F_SMEM)                             \
+                               Q_MINB, Q_SMEM)                                                 \
     static_assert(bwd::DkdvTraits<T, D, KV_BM, KV_WARPS>::SMEM == KV_SMEM,                    \
                   "src/cuda/backward/plan.rs and the dkdv kernel disagree on shared memory"); \
     static_assert(bwd::DqTraits<T, D, Q_BN, Q_WARPS>::SMEM == Q_SMEM,                         \
                   "src/cuda/backward/plan.rs and the dq kernel disagree on shared memory");   \
-    static_assert(bwd::DkdvqTraits<T, D, F_BM, F_BN>::SMEM == F_SMEM,                         \
-                  "src/cuda/backward/plan.rs and the dkdvq kernel disagree on shared memory"); \
     extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                      \
         PREFIX##_dkdv_d##D(const BwdParams p) {                                               \
         bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, false>(p);                                       \
@@ -831,20 +522,10 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
     extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                        \
         PREFIX##_dq_d##D##_mods(const BwdParams p) {                                          \
         bwd::dq_mma<T, D, Q_BN, Q_WARPS, true>(p);                                            \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, 1) PREFIX##_dkdvq_d##D(const BwdParams p) { \
-        bwd::dkdvq_mma<T, D, F_BM, F_BN, false>(p);                                           \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                      \
-        PREFIX##_dkdvq_d##D##_mods(const BwdParams p) {                                       \
-        bwd::dkdvq_mma<T, D, F_BM, F_BN, true>(p);                                            \
     }
 
 // Every backward entry point of one 16-bit dtype: the D pass, the exact kernels (other head dims
 // and strided operands) and the tensor-core instances.
 #define FLASH_BWD_INSTANCES(PREFIX, T)                                                        \
     FLASH_BWD_GENERIC_INSTANCES(PREFIX, T)                                                    \
-    FLASH_BWD_MMA_INSTANCES(PREFIX, T)                                                        \
-    extern "C" __global__ void __launch_bounds__(256) PREFIX##_dq_convert(const BwdParams p) { \
-        bwd::dq_convert<T>(p);                                                                \
-    }
+    FLASH_BWD_MMA_INSTANCES(PREFIX, T)

@@ -13,7 +13,6 @@ struct BwdParams {
     void* dq;              // contiguous like the output
     void* dk;              // contiguous (k_rows, kv_heads, d)
     void* dv;
-    float* dq_accum;       // atomic mode: f32 dQ sums (scale not applied), contiguous like the output, zeroed
     int64_t dkv_seq;       // row stride of dk / dv: kv_heads * d
     int64_t dkv_batch;     // dense: seq_k * kv_heads * d; varlen: 0 (rows from cu_k)
     float scale;           // softmax scale (dS is scaled by it once, at the end)

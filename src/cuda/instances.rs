@@ -175,3 +175,112 @@ pub const DECODE_INSTANCES: &[DecodeInstance] = &[
         stages: 2,
     },
 ];
+
+/// One instance of the Hopper forward kernel (`kernels/sm90/fwd.cuh`, sm_90a): a producer
+/// warpgroup that streams Q, K and V through the tensor copy engine, and `nwg` consumer
+/// warpgroups of 64 query rows each running wgmma.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sm90Instance {
+    /// Head dim of the tiles (inputs up to it are zero-padded by the tensor copies).
+    pub d: usize,
+    /// Consumer warpgroups, 64 query rows each.
+    pub nwg: usize,
+    /// Keys per K/V tile.
+    pub bn: usize,
+    /// Depth of the K/V ring.
+    pub stages: usize,
+    /// Consumer warpgroups take turns issuing their GEMMs, so one's softmax runs under
+    /// another's matrix products.
+    pub pingpong: bool,
+    /// Persistent: one block per SM (at most one per tile) takes tiles from the dynamic,
+    /// longest-first scheduler (a per-call tile counter).
+    pub persistent: bool,
+    /// The `_mods` entry (softcap / ALiBi / non-positive scale).
+    pub mods: bool,
+}
+
+impl Sm90Instance {
+    /// The entry point's suffix, after `flash_fwd_sm90_{dtype}_`.
+    pub fn suffix(&self) -> String {
+        let mods = if self.mods { "_mods" } else { "" };
+        format!("d{}_{}{mods}", self.d, self.variant())
+    }
+    /// Warpgroups, persistence and (above 128) the key tile, as
+    /// [`PlanOverride::sm90_variant`](crate::PlanOverride) names them: `wg2`, `wg2p`, `wg2n176`.
+    pub fn variant(&self) -> String {
+        let p = if self.persistent { "p" } else { "" };
+        match self.bn > 128 {
+            true => format!("wg{}{p}n{}", self.nwg, self.bn),
+            false => format!("wg{}{p}", self.nwg),
+        }
+    }
+    pub const fn rows(&self) -> usize {
+        64 * self.nwg
+    }
+    /// One producer warpgroup plus the consumers.
+    pub const fn threads(&self) -> usize {
+        128 * (self.nwg + 1)
+    }
+    /// Heads wider than 128, and key tiles wider than 128, stage the output in Q's buffer
+    /// (`Traits::O_IN_Q`): a separate tile does not fit beside their K and V rings. Such
+    /// instances cannot be persistent (the next tile's Q would overwrite the output).
+    pub const fn o_in_q(&self) -> bool {
+        self.d > 128 || self.bn > 128
+    }
+    /// Q tiles in shared memory: persistent instances load the next tile's Q into a second
+    /// buffer while the key loop of this one runs.
+    pub const fn q_buffers(&self) -> usize {
+        if self.persistent {
+            2
+        } else {
+            1
+        }
+    }
+    /// Dynamic shared memory: alignment slack, the Q buffers, the K and V rings, the output
+    /// staging tile (unless it is Q's), the mbarriers and, persistent, the scheduler's three tile
+    /// slots of 80 bytes (`Traits::SMEM` in kernels/sm90/fwd.cuh, which the generated entry
+    /// points check against this).
+    pub const fn smem(&self) -> usize {
+        let tile = self.rows() * self.d * 2;
+        let qb = self.q_buffers();
+        let slots = if self.persistent { 3 } else { 0 };
+        1024 + qb * tile
+            + if self.o_in_q() { 0 } else { tile }
+            + 2 * self.stages * self.bn * self.d * 2
+            + 8 * (4 * self.stages + 1 + 2 * qb + 2 * slots)
+            + 80 * slots
+    }
+}
+
+const fn sm90(d: usize, nwg: usize, bn: usize, persistent: bool, mods: bool) -> Sm90Instance {
+    Sm90Instance {
+        d,
+        nwg,
+        bn,
+        stages: 2,
+        // The persistent d 64 instance's two warpgroups issue their GEMMs as they are ready:
+        // with its short tiles, ping-pong ran no faster.
+        pingpong: !(persistent && d == 64),
+        persistent,
+        mods,
+    }
+}
+
+/// The sm_90a instances, narrowest first; the first of a width and kind is the default, the
+/// others are variants the planner swaps in by shape (`sm90_variant_for` in the forward plan).
+/// d 64: three consumer warpgroups (192 rows), or two, persistent; d 128: two warpgroups (128
+/// rows), as FlashAttention-3 starts from, persistent, or with FlashAttention-3's 176-key tiles
+/// for long unmasked calls; d 256: 80-key tiles in two stages (FlashAttention-3's shape; O
+/// staged in Q). Softcap / ALiBi (`mods`) take two warpgroups, not persistent: more live
+/// registers, which spilled in the persistent and three-warpgroup forms.
+pub const SM90_INSTANCES: [Sm90Instance; 9] = [
+    sm90(64, 3, 128, false, false),
+    sm90(64, 2, 128, true, false),
+    sm90(64, 2, 128, false, true),
+    sm90(128, 2, 128, false, false),
+    sm90(128, 2, 128, true, false),
+    sm90(128, 2, 176, false, false),
+    sm90(128, 2, 128, false, true),
+    sm90(256, 2, 80, false, false),
+    sm90(256, 2, 80, false, true),
+];

@@ -7,8 +7,9 @@
 use candle::{bail, DType, Result};
 
 use super::instances::{
-    DecodeInstance, F32Instance, MmaInstance, DECODE_INSTANCES, DECODE_ROWS, F32_INSTANCES,
-    F32_ROWS, F32_THREADS, MMA_INSTANCES, ROWWISE_MAX_D, ROWWISE_WARPS,
+    DecodeInstance, F32Instance, MmaInstance, Sm90Instance, DECODE_INSTANCES, DECODE_ROWS,
+    F32_INSTANCES, F32_ROWS, F32_THREADS, MMA_INSTANCES, ROWWISE_MAX_D, ROWWISE_WARPS,
+    SM90_INSTANCES,
 };
 use crate::problem::{Problem, Strides};
 
@@ -102,157 +103,6 @@ pub(crate) enum Kernel {
     /// Hopper wgmma + TMA tiles (f16/bf16, compute capability 9.0).
     Sm90(Sm90Instance),
 }
-
-/// A forward instance of the sm_90a module (kernels/sm90/fwd.cuh, instantiated in
-/// kernels/sm90/flash_sm90.cu, whose static_asserts pin the shared-memory sizes below).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Sm90Instance {
-    /// Head dim of the tiles (inputs up to it are zero-padded by the tensor copies).
-    pub d: usize,
-    /// Consumer warpgroups, 64 query rows each.
-    pub nwg: usize,
-    /// Keys per K/V tile.
-    pub bn: usize,
-    /// Depth of the K/V ring.
-    pub stages: usize,
-    /// Persistent: one block per SM (at most one per tile) takes tiles from the dynamic,
-    /// longest-first scheduler (a per-call tile counter, [`sm90_tile_group`]).
-    pub persistent: bool,
-    /// The `_mods` entry (softcap / ALiBi / non-positive scale).
-    pub mods: bool,
-}
-
-impl Sm90Instance {
-    /// The entry point's suffix, after `flash_fwd_sm90_{dtype}_`.
-    pub fn suffix(&self) -> String {
-        let mods = if self.mods { "_mods" } else { "" };
-        format!("d{}_{}{mods}", self.d, self.variant())
-    }
-    /// Warpgroups, persistence and (above 128) the key tile, as `CANDLE_FLASH_SM90_VARIANT`
-    /// names them: `wg2`, `wg2p`, `wg2n176`.
-    pub fn variant(&self) -> String {
-        let p = if self.persistent { "p" } else { "" };
-        match self.bn > 128 {
-            true => format!("wg{}{p}n{}", self.nwg, self.bn),
-            false => format!("wg{}{p}", self.nwg),
-        }
-    }
-    pub const fn rows(&self) -> usize {
-        64 * self.nwg
-    }
-    /// One producer warpgroup plus the consumers.
-    pub const fn threads(&self) -> usize {
-        128 * (self.nwg + 1)
-    }
-    /// Heads wider than 128, and key tiles wider than 128, stage the output in Q's buffer
-    /// (`Traits::O_IN_Q`): a separate tile does not fit beside their K and V rings. Such
-    /// instances cannot be persistent.
-    pub const fn o_in_q(&self) -> bool {
-        self.d > 128 || self.bn > 128
-    }
-    /// Q tiles in shared memory: persistent instances load the next tile's Q into a second
-    /// buffer while the key loop of this one runs.
-    pub const fn q_buffers(&self) -> usize {
-        if self.persistent {
-            2
-        } else {
-            1
-        }
-    }
-    /// Dynamic shared memory: alignment slack, the Q buffers, the K and V rings, the output
-    /// staging tile (unless it is Q's), the mbarriers and, persistent, the scheduler's three tile
-    /// slots of 80 bytes (`Traits::SMEM` in kernels/sm90/fwd.cuh).
-    pub const fn smem(&self) -> usize {
-        let tile = self.rows() * self.d * 2;
-        let qb = self.q_buffers();
-        let slots = if self.persistent { 3 } else { 0 };
-        1024 + qb * tile
-            + if self.o_in_q() { 0 } else { tile }
-            + 2 * self.stages * self.bn * self.d * 2
-            + 8 * (4 * self.stages + 1 + 2 * qb + 2 * slots)
-            + 80 * slots
-    }
-}
-
-/// The sm_90a instances, narrowest first; the first of a width and kind is the default, the
-/// others are variants for `CANDLE_FLASH_SM90_VARIANT`. d 64: three consumer warpgroups (192 rows)
-/// or two, persistent (softcap / ALiBi: two, not persistent: their registers spilled otherwise);
-/// d 128: two warpgroups (128 rows), as FlashAttention-3 starts from; d 256: two warpgroups
-/// and 80-key tiles in two stages (FlashAttention-3's shape; 230,488 bytes, O staged in Q).
-pub(crate) const SM90_INSTANCES: [Sm90Instance; 9] = [
-    Sm90Instance {
-        d: 64,
-        nwg: 3,
-        bn: 128,
-        stages: 2,
-        persistent: false,
-        mods: false,
-    },
-    Sm90Instance {
-        d: 64,
-        nwg: 2,
-        bn: 128,
-        stages: 2,
-        persistent: true,
-        mods: false,
-    },
-    Sm90Instance {
-        d: 64,
-        nwg: 2,
-        bn: 128,
-        stages: 2,
-        persistent: false,
-        mods: true,
-    },
-    Sm90Instance {
-        d: 128,
-        nwg: 2,
-        bn: 128,
-        stages: 2,
-        persistent: false,
-        mods: false,
-    },
-    Sm90Instance {
-        d: 128,
-        nwg: 2,
-        bn: 128,
-        stages: 2,
-        persistent: true,
-        mods: false,
-    },
-    Sm90Instance {
-        d: 128,
-        nwg: 2,
-        bn: 176,
-        stages: 2,
-        persistent: false,
-        mods: false,
-    },
-    Sm90Instance {
-        d: 128,
-        nwg: 2,
-        bn: 128,
-        stages: 2,
-        persistent: false,
-        mods: true,
-    },
-    Sm90Instance {
-        d: 256,
-        nwg: 2,
-        bn: 80,
-        stages: 2,
-        persistent: false,
-        mods: false,
-    },
-    Sm90Instance {
-        d: 256,
-        nwg: 2,
-        bn: 80,
-        stages: 2,
-        persistent: false,
-        mods: true,
-    },
-];
 
 /// The split-KV geometry of a decode plan.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -673,8 +523,8 @@ pub(crate) fn override_sm90(
     Ok(())
 }
 
-/// Applies [`PlanOverride::decode_splits`](crate::PlanOverride) to a decode plan: `splits`
-/// slices of the key range (at least one key tile each). Other plans are left as they are.
+/// Applies [`PlanOverride::decode_splits`](crate::PlanOverride) to a decode plan: at most
+/// `splits` slices of the key range, each a whole number of key tiles. Other plans are left as they are.
 pub(crate) fn override_decode(plan: &mut LaunchPlan, p: &Problem, splits: usize) {
     let Kernel::Decode(i) = plan.kernel else {
         return;
@@ -1171,9 +1021,9 @@ mod tests {
         let mut pl = base.clone();
         override_decode(&mut pl, &p, 100);
         let s1 = pl.decode.clone().unwrap();
-        assert_eq!(s1.splits, 100);
-        assert!(s1.splits * s1.split_keys >= 32768);
-        assert_eq!(pl.grid, (100, base.grid.1, base.grid.2));
+        // Whole key tiles per split: 86 splits of 384 keys.
+        assert_eq!((s1.splits, s1.split_keys), (86, 384));
+        assert_eq!(pl.grid, (86, base.grid.1, base.grid.2));
         assert_eq!((pl.function, pl.kernel), (base.function, base.kernel));
         let mut one = plan(&p, DType::BF16, &caps).unwrap();
         override_decode(&mut one, &p, 1);

@@ -112,6 +112,16 @@ impl FlashAttn {
         self
     }
 
+    /// FlashAttention's `deterministic` argument, for callers that pass it. Every backward kernel
+    /// of this crate, on every backend, writes each gradient element once in a fixed order, so
+    /// the backward pass is bitwise reproducible whatever is passed here: `true` asks for that
+    /// guarantee, and `false` (allowing a faster non-deterministic kernel where one exists)
+    /// changes nothing, since none is faster (an atomic-dQ kernel measured no faster and is not
+    /// built).
+    pub fn deterministic(self, _on: bool) -> Self {
+        self
+    }
+
     /// Forces choices the planners would make on their own (see [`PlanOverride`]).
     pub fn plan_override(mut self, o: PlanOverride) -> Self {
         self.plan_override = Some(o);

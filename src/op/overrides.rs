@@ -28,6 +28,7 @@ pub struct PlanOverride {
     pub thread_stores: bool,
     /// Hopper backward: the instances of these names where they apply (dK/dV and dQ).
     pub bwd_sm90_variants: Vec<String>,
-    /// Split-KV decode: this many key splits instead of the planner's count.
+    /// Split-KV decode: at most this many key splits (whole key tiles each) instead of the
+    /// planner's count.
     pub decode_splits: Option<usize>,
 }

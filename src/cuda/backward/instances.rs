@@ -6,8 +6,7 @@
 
 /// One head dim of the f16/bf16 backward: the deterministic dK/dV kernel (a key tile of
 /// `16 * kv_warps` keys against `kv_bm`-row query tiles), the dQ kernel (a query tile of
-/// `16 * q_warps` rows against `q_bn`-key tiles) and the fused atomic-dQ kernel (8 warps, an
-/// `f_bn`-key tile against `f_bm`-row query tiles).
+/// `16 * q_warps` rows against `q_bn`-key tiles).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BwdMma {
     pub d: usize,
@@ -17,13 +16,9 @@ pub struct BwdMma {
     pub q_bn: usize,
     pub q_warps: usize,
     pub q_min_blocks: usize,
-    pub f_bm: usize,
-    pub f_bn: usize,
 }
 
 impl BwdMma {
-    /// Threads of the fused kernel (8 warps).
-    pub const F_THREADS: usize = 256;
     /// Keys per dK/dV block.
     pub const fn kv_bn(&self) -> usize {
         16 * self.kv_warps
@@ -41,23 +36,12 @@ impl BwdMma {
     pub const fn q_smem(&self) -> usize {
         (2 * self.q_bm() * self.d + 2 * 2 * self.q_bn * self.d) * 2
     }
-    /// Fused: K and V, two stages of Q + dO, P^T and dS^T (2 bytes an element), two stages of
-    /// lse and D (f32). dQ is staged in the step's Q + dO stage.
-    pub const fn f_smem(&self) -> usize {
-        (2 * self.f_bn * self.d + 2 * 2 * self.f_bm * self.d + 2 * self.f_bn * self.f_bm) * 2
-            + 2 * 2 * self.f_bm * 4
-    }
-    /// The most shared memory any of its kernels needs.
+    /// The most shared memory either of its kernels needs.
     pub const fn max_smem(&self) -> usize {
-        let a = if self.kv_smem() > self.q_smem() {
+        if self.kv_smem() > self.q_smem() {
             self.kv_smem()
         } else {
             self.q_smem()
-        };
-        if a > self.f_smem() {
-            a
-        } else {
-            self.f_smem()
         }
     }
 }
@@ -71,8 +55,6 @@ pub const BWD_MMA: &[BwdMma] = &[
         q_bn: 64,
         q_warps: 4,
         q_min_blocks: 1,
-        f_bm: 128,
-        f_bn: 128,
     },
     // d 128: 48-row query steps in the deterministic dK/dV kernel (254 registers, no spills on
     // sm_90) and 4-warp blocks, two per SM.
@@ -80,8 +62,6 @@ pub const BWD_MMA: &[BwdMma] = &[
     // 32 rows, 8 warps 151 / 115 / 171 / 158; 48 rows, 8 warps 152 / 112-116 / 185-186 /
     // 167-169; 48 rows, 4 warps 155-160 / 119-123 / 189-192 / 175-176. d 64 with 4-warp
     // blocks moved within the run's noise (-14% to +2%), so it keeps 8.
-    // The fused kernel uses FlashAttention-2's tiles (its sm80 backward traits: 128 x 128 at
-    // d 64, 64 x 128 at d 128).
     BwdMma {
         d: 128,
         kv_bm: 48,
@@ -90,8 +70,6 @@ pub const BWD_MMA: &[BwdMma] = &[
         q_bn: 64,
         q_warps: 4,
         q_min_blocks: 1,
-        f_bm: 64,
-        f_bn: 128,
     },
 ];
 

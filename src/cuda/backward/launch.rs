@@ -118,7 +118,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         T::DTYPE,
         [offsets[0], offsets[1]],
         &device,
-        deterministic(),
         &p.kernels.overrides.bwd_sm90_variants,
     )?;
 
@@ -132,13 +131,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     }
     // SAFETY: the D pass writes every (head, row) of the call before the other passes read it.
     let mut dsum = unsafe { dev.alloc::<f32>(rows)? };
-    // Atomic plans: the f32 dQ sums start at zero.
-    let mut dq_accum = if pl.atomic {
-        Some(dev.alloc_zeros::<f32>(rows * d)?)
-    } else {
-        None
-    };
-
     // Cumulative lengths: the caller's device tensors, or uploads of the host copies.
     let host_cu = match &p.varlen {
         Some(vl) if vl.device.is_none() => Some((
@@ -190,7 +182,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         dv.device_ptr_mut(&stream),
         dsum.device_ptr_mut(&stream),
     );
-    let acc_g = dq_accum.as_mut().map(|a| a.device_ptr_mut(&stream));
     let fwd = Params {
         q: q_g.0 + p.q.offset as u64 * esize,
         k: k_g.0 + p.k.offset as u64 * esize,
@@ -209,7 +200,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         dq: dq_g.0,
         dk: dk_g.0,
         dv: dv_g.0,
-        dq_accum: acc_g.as_ref().map_or(0, |g| g.0),
         dkv_seq: (p.kv_heads * d) as i64,
         dkv_batch: match p.varlen {
             None => (p.max_seq_k * p.kv_heads * d) as i64,
@@ -296,19 +286,10 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
             }
         }
     }
-    drop((
-        q_g, k_g, v_g, o_g, go_g, lse_g, dq_g, dk_g, dv_g, ds_g, acc_g,
-    ));
-    drop((dsum, dq_accum, host_cu, alibi_storage));
+    drop((q_g, k_g, v_g, o_g, go_g, lse_g, dq_g, dk_g, dv_g, ds_g));
+    drop((dsum, host_cu, alibi_storage));
     drop(alibi);
     Ok(wrap(dev, dq, dk, dv))
-}
-
-/// Whether the backward must be bitwise reproducible: `CANDLE_FLASH_BWD_DETERMINISTIC=0` allows
-/// the fused atomic-dQ kernel of the tensor-core path; anything else (or unset) keeps the
-/// deterministic pair.
-fn deterministic() -> bool {
-    std::env::var("CANDLE_FLASH_BWD_DETERMINISTIC").map_or(true, |v| v != "0")
 }
 
 fn wrap<T: CudaDType>(

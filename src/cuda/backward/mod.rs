@@ -3,8 +3,7 @@
 //! [`plan`](plan::plan) picks the kernels (on Hopper the sm_90a wgmma + TMA pair, elsewhere
 //! `mma.sync` tensor cores, for f16/bf16 at head dims 64 and 128; exact f32-arithmetic kernels for
 //! everything else) and sizes their launches; `launch` runs the D pass (rowsum(dO ∘ O)), the dK/dV
-//! pass and the dQ pass. Unless `CANDLE_FLASH_BWD_DETERMINISTIC=0` asks for the portable fused
-//! kernel's f32 atomics, every pass writes each element once in a fixed order: the backward is
+//! pass and the dQ pass. Every pass writes each element once in a fixed order: the backward is
 //! deterministic (bitwise identical runs).
 
 mod instances;

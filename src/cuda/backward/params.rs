@@ -16,7 +16,6 @@ pub struct BwdParams {
     pub dq: u64,
     pub dk: u64,
     pub dv: u64,
-    pub dq_accum: u64,
     pub dkv_seq: i64,
     pub dkv_batch: i64,
     pub scale: f32,
@@ -24,5 +23,5 @@ pub struct BwdParams {
 }
 
 /// The size both sides agree on (also asserted in C by the generated header).
-pub const BWD_PARAMS_SIZE: usize = super::super::params::PARAMS_SIZE + 8 * 8 + 4 * 2;
+pub const BWD_PARAMS_SIZE: usize = super::super::params::PARAMS_SIZE + 8 * 7 + 4 * 2;
 const _: () = assert!(std::mem::size_of::<BwdParams>() == BWD_PARAMS_SIZE);

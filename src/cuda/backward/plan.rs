@@ -4,12 +4,9 @@
 //! f16/bf16 calls with head dim 64 or 128 whose q, k, v have unit column stride and 16-byte
 //! aligned rows run the tensor-core kernels (`kernels/backward/mma.cuh`); everything else (f32,
 //! other head dims up to 512, strided columns) runs the exact f32-arithmetic kernels
-//! (`kernels/backward/generic.cuh`). Deterministic plans (the default) give dQ its own pass;
-//! otherwise one fused tensor-core kernel computes dK, dV and dQ = dS K per key tile, adds the
-//! latter into f32 sums with atomics (five matmuls per pair of tiles instead of seven,
-//! run-to-run bit differences in dq), and a last pass converts them. On compute capability 9.0
-//! such calls take the sm_90a pair instead (`kernels/sm90/bwd.cuh`, table `BWD_SM90`) in both
-//! modes, where an instance covers them.
+//! (`kernels/backward/generic.cuh`). dQ has its own pass, so every element is written once in a
+//! fixed order: the backward is deterministic. On compute capability 9.0 such calls take the
+//! sm_90a pair instead (`kernels/sm90/bwd.cuh`, table `BWD_SM90`) where an instance covers them.
 
 use candle::{bail, DType, Result};
 
@@ -34,8 +31,6 @@ pub(crate) struct BwdPlan {
     pub dq: Launch,
     /// The tensor-core instance, or `None` for the exact kernels.
     pub mma: Option<BwdMma>,
-    /// dQ is summed with atomics into an f32 buffer (`dq` is then the conversion pass).
-    pub atomic: bool,
     /// The Hopper kernels (dK/dV, dQ) of `dkdv` and `dq`: they take tensor maps of q, k, v and
     /// dO as well, and come from the sm_90a backward module.
     pub sm90: Option<[Sm90Bwd; 2]>,
@@ -91,11 +86,6 @@ fn sm90_pair(
     Some([pick(true)?, pick(false)?])
 }
 
-/// Threads and most blocks of the atomic plan's f32 -> T conversion of dq (grid-stride, four
-/// elements a thread and step).
-const CONVERT_THREADS: usize = 256;
-const CONVERT_MAX_BLOCKS: usize = 1 << 16;
-
 /// Element offsets that the tensor-core kernels need 16-byte aligned (8 elements of 2 bytes):
 /// every stride and start offset of q, k, v, plus the start offsets of the output and its
 /// gradient (contiguous rows of `heads * d`).
@@ -114,15 +104,12 @@ fn to_u32(x: usize, what: &str) -> Result<u32> {
 }
 
 /// The plan for `p` in `dtype`. `offsets` are the start offsets (elements) of the output and of
-/// its gradient; `deterministic` forbids atomics (the exact kernels never use them, and neither
-/// do the Hopper kernels, which serve both modes where they apply); `variants` picks
-/// non-default Hopper instances (benchmarks).
+/// its gradient; `variants` picks non-default Hopper instances (benchmarks).
 pub(crate) fn plan(
     p: &Problem,
     dtype: DType,
     offsets: [usize; 2],
     dev: &BwdDevice,
-    deterministic: bool,
     variants: &[String],
 ) -> Result<BwdPlan> {
     let max_smem = dev.max_smem;
@@ -187,7 +174,6 @@ pub(crate) fn plan(
             dkdv: launch(&pair[0], p.max_seq_k, kv_heads)?,
             dq: launch(&pair[1], p.max_seq_q, heads)?,
             mma: None,
-            atomic: false,
             sm90: Some(pair),
         });
     }
@@ -197,33 +183,7 @@ pub(crate) fn plan(
             i.d == d && dtype != DType::F32 && aligned(p, offsets) && i.max_smem() <= max_smem
         })
         .copied();
-    let atomic = mma.is_some() && !deterministic;
     let (dkdv, dq) = match mma {
-        Some(i) if atomic => {
-            let n = p.total_q * p.heads * d / 4;
-            (
-                Launch {
-                    function: format!("{prefix}_dkdvq_d{d}{suffix}"),
-                    grid: (
-                        to_u32(p.max_seq_k.div_ceil(i.f_bn), "key tiles")?,
-                        kv_heads,
-                        batch,
-                    ),
-                    threads: BwdMma::F_THREADS as u32,
-                    smem: i.f_smem(),
-                },
-                Launch {
-                    function: format!("{prefix}_dq_convert"),
-                    grid: (
-                        n.div_ceil(CONVERT_THREADS).min(CONVERT_MAX_BLOCKS) as u32,
-                        1,
-                        1,
-                    ),
-                    threads: CONVERT_THREADS as u32,
-                    smem: 0,
-                },
-            )
-        }
         Some(i) => (
             Launch {
                 function: format!("{prefix}_dkdv_d{d}{suffix}"),
@@ -280,7 +240,6 @@ pub(crate) fn plan(
         dkdv,
         dq,
         mma,
-        atomic,
         sm90: None,
     })
 }
@@ -331,7 +290,7 @@ mod tests {
                 for o in &opts {
                     for d in 1..=512 {
                         let p = problem(d, dtype, o, 37, 141);
-                        let pl = plan(&p, dtype, [0, 0], &portable(smem), true, &[]).unwrap();
+                        let pl = plan(&p, dtype, [0, 0], &portable(smem), &[]).unwrap();
                         let what = format!("{dtype:?} d {d} {o:?}: {pl:?}");
                         let fast = dtype != DType::F32 && (d == 64 || d == 128);
                         assert_eq!(pl.mma.is_some(), fast, "{what}");
@@ -339,26 +298,12 @@ mod tests {
                         match pl.mma {
                             Some(i) => {
                                 assert!(i.max_smem() <= smem, "{what}");
-                                assert!(!pl.atomic, "{what}");
-                                let fast =
-                                    plan(&p, dtype, [0, 0], &portable(smem), false, &[]).unwrap();
-                                assert!(fast.atomic && fast.dkdv.function.contains("_dkdvq_"));
-                                assert_eq!(fast.dkdv.function.ends_with("_mods"), mods, "{what}");
-                                assert!(fast.dkdv.grid.0 as usize * i.f_bn >= 141, "{what}");
-                                assert_eq!((fast.dkdv.grid.1, fast.dkdv.grid.2), (3, 2));
-                                assert!(fast.dq.function.ends_with("_dq_convert"), "{what}");
-                                assert!(
-                                    fast.dq.grid.0 as usize * CONVERT_THREADS * 4
-                                        >= (2 * 37 * 6 * d).min(CONVERT_MAX_BLOCKS * 1024)
-                                );
+                                assert_eq!(pl.dkdv.function.ends_with("_mods"), mods, "{what}");
                                 assert!(pl.dkdv.grid.0 as usize * i.kv_bn() >= 141, "{what}");
                                 assert!(pl.dq.grid.0 as usize * i.q_bm() >= 37, "{what}");
                                 assert_eq!(pl.dq.function.ends_with("_mods"), mods, "{what}");
                             }
                             None => {
-                                let exact =
-                                    plan(&p, dtype, [0, 0], &portable(smem), false, &[]).unwrap();
-                                assert!(!exact.atomic, "{what}: the exact kernels use no atomics");
                                 let nt: usize =
                                     pl.dq.function.rsplit('_').next().unwrap().parse().unwrap();
                                 assert!(32 * nt >= d && (nt == 2 || 16 * nt < d), "{what}");
@@ -378,7 +323,7 @@ mod tests {
         // Validation already refuses it; the planner names head_dim on its own too.
         let mut p = problem(512, DType::BF16, &opts[0], 3, 3);
         p.head_dim = 513;
-        let err = plan(&p, DType::BF16, [0, 0], &portable(H100_SMEM), true, &[]).unwrap_err();
+        let err = plan(&p, DType::BF16, [0, 0], &portable(H100_SMEM), &[]).unwrap_err();
         assert!(err.to_string().contains("head_dim 513"), "{err}");
     }
 
@@ -388,48 +333,34 @@ mod tests {
     fn unaligned_operands_take_the_exact_kernels() {
         let o = FlashAttn::new(0.1);
         let p = problem(128, DType::BF16, &o, 64, 64);
-        assert!(
-            plan(&p, DType::BF16, [0, 0], &portable(H100_SMEM), false, &[])
-                .unwrap()
-                .mma
-                .is_some()
-        );
-        assert!(
-            plan(&p, DType::BF16, [4, 0], &portable(H100_SMEM), false, &[])
-                .unwrap()
-                .mma
-                .is_none()
-        );
-        assert!(plan(&p, DType::BF16, [0, 0], &portable(49_152), true, &[])
+        assert!(plan(&p, DType::BF16, [0, 0], &portable(H100_SMEM), &[])
+            .unwrap()
+            .mma
+            .is_some());
+        assert!(plan(&p, DType::BF16, [4, 0], &portable(H100_SMEM), &[])
+            .unwrap()
+            .mma
+            .is_none());
+        assert!(plan(&p, DType::BF16, [0, 0], &portable(49_152), &[])
             .unwrap()
             .mma
             .is_none());
         let mut strided = p.clone();
         strided.k.dim = 2;
-        assert!(plan(
-            &strided,
-            DType::BF16,
-            [0, 0],
-            &portable(H100_SMEM),
-            false,
-            &[]
-        )
-        .unwrap()
-        .mma
-        .is_none());
+        assert!(
+            plan(&strided, DType::BF16, [0, 0], &portable(H100_SMEM), &[])
+                .unwrap()
+                .mma
+                .is_none()
+        );
         let mut offset = p.clone();
         offset.v.offset = 3;
-        assert!(plan(
-            &offset,
-            DType::BF16,
-            [0, 0],
-            &portable(H100_SMEM),
-            false,
-            &[]
-        )
-        .unwrap()
-        .mma
-        .is_none());
+        assert!(
+            plan(&offset, DType::BF16, [0, 0], &portable(H100_SMEM), &[])
+                .unwrap()
+                .mma
+                .is_none()
+        );
     }
 
     /// On Hopper, f16/bf16 calls at head dims 64 and 128 take the sm_90a kernels (both modes:
@@ -451,15 +382,15 @@ mod tests {
                 let mods = o.softcap.is_some() || o.alibi_slopes.is_some();
                 for d in [32, 64, 96, 128, 256] {
                     let p = problem(d, dtype, o, 300, 517);
-                    for det in [true, false] {
-                        let pl = plan(&p, dtype, [0, 0], &H100, det, &[]).unwrap();
+                    {
+                        let pl = plan(&p, dtype, [0, 0], &H100, &[]).unwrap();
                         let what = format!("{dtype:?} d {d} {o:?}: {pl:?}");
                         let hopper = dtype != DType::F32 && (d == 64 || (d == 128 && !mods));
                         assert_eq!(pl.sm90.is_some(), hopper, "{what}");
                         if !hopper {
                             assert_eq!(
                                 pl,
-                                plan(&p, dtype, [0, 0], &portable(H100_SMEM), det, &[]).unwrap()
+                                plan(&p, dtype, [0, 0], &portable(H100_SMEM), &[]).unwrap()
                             );
                             continue;
                         }
@@ -473,7 +404,7 @@ mod tests {
                             pl.dq.function,
                             format!("flash_bwd_sm90_{dn}_dq_d{d}{suffix}")
                         );
-                        assert!(!pl.atomic && pl.mma.is_none(), "{what}");
+                        assert!(pl.mma.is_none(), "{what}");
                         // Tile index first: 517 keys in 5 key tiles, 300 rows in 3 query tiles.
                         assert_eq!(pl.dkdv.grid, (5, 3, 2), "{what}");
                         assert_eq!(pl.dq.grid, (3, 6, 2), "{what}");
@@ -491,19 +422,26 @@ mod tests {
         }
         let plain = FlashAttn::new(0.1);
         let p = problem(128, DType::BF16, &plain, 300, 517);
-        let v = plan(&p, DType::BF16, [0, 0], &H100, true, &["s2", "k64"]).unwrap();
+        let v = plan(&p, DType::BF16, [0, 0], &H100, &["s2".into(), "k64".into()]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_s2");
         assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_k64");
         // A variant of one head dim leaves the other's default alone.
         let p64 = problem(64, DType::F16, &plain, 300, 517);
-        let v = plan(&p64, DType::F16, [0, 0], &H100, true, &["s2", "q64"]).unwrap();
+        let v = plan(
+            &p64,
+            DType::F16,
+            [0, 0],
+            &H100,
+            &["s2".into(), "q64".into()],
+        )
+        .unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_f16_dkdv_d64_q64");
         assert_eq!(v.dq.function, "flash_bwd_sm90_f16_dq_d64");
         // One name can swap both kernels.
-        let v = plan(&p64, DType::F16, [0, 0], &H100, true, &["nopp"]).unwrap();
+        let v = plan(&p64, DType::F16, [0, 0], &H100, &["nopp".into()]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_f16_dkdv_d64_nopp");
         assert_eq!(v.dq.function, "flash_bwd_sm90_f16_dq_d64_overlap");
-        let v = plan(&p, DType::BF16, [0, 0], &H100, true, &["pp"]).unwrap();
+        let v = plan(&p, DType::BF16, [0, 0], &H100, &["pp".into()]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_pp");
         assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_pp");
         // Packed sequences take the `_varlen` twins (they zero the next sequence's rows).
@@ -517,17 +455,17 @@ mod tests {
             total_k: 1034,
             device: None,
         });
-        let v = plan(&packed, DType::BF16, [0, 0], &H100, true, &[]).unwrap();
+        let v = plan(&packed, DType::BF16, [0, 0], &H100, &[]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_varlen");
         assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_varlen");
         // Misaligned output offsets, a broadcast K and too little shared memory: portable.
-        assert!(plan(&p, DType::BF16, [4, 0], &H100, true, &[])
+        assert!(plan(&p, DType::BF16, [4, 0], &H100, &[])
             .unwrap()
             .sm90
             .is_none());
         let mut bcast = p.clone();
         bcast.k.head = 0;
-        assert!(plan(&bcast, DType::BF16, [0, 0], &H100, true, &[])
+        assert!(plan(&bcast, DType::BF16, [0, 0], &H100, &[])
             .unwrap()
             .sm90
             .is_none());
@@ -535,7 +473,7 @@ mod tests {
             max_smem: 101_376,
             hopper: true,
         };
-        assert!(plan(&p, DType::BF16, [0, 0], &small, true, &[])
+        assert!(plan(&p, DType::BF16, [0, 0], &small, &[])
             .unwrap()
             .sm90
             .is_none());
