@@ -944,8 +944,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
 // One entry point per instance (kernels/sm90/flash_sm90.cu lists them, with the `_mods` ones for
 // softcap / ALiBi). The tensor maps are __grid_constant__ so their addresses are those of the
 // kernel parameters.
-#define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES, PP, PERSIST, MODS, SMEM)               \
-    static_assert(sm90::Traits<T, D, NWG, BN, STAGES, PERSIST>::SMEM == SMEM,                  \
+#define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES, PP, PERSIST, MODS, SMEM_BYTES)         \
+    static_assert(sm90::Traits<T, D, NWG, BN, STAGES, PERSIST>::SMEM == SMEM_BYTES,            \
                   "src/cuda/instances.rs and the sm_90a forward disagree on shared memory");    \
     extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
         NAME(const FlashParams p, const __grid_constant__ TmaMap tq,                           \

@@ -269,7 +269,7 @@ fn forward_t<T: CudaDType + DeviceRepr + candle::WithDType>(
     let mut plan = plan(p, T::DTYPE, &caps)?;
     let o = &p.kernels.overrides;
     if let Some(n) = o.decode_splits {
-        override_decode(&mut plan, p, &caps, n);
+        override_decode(&mut plan, p, n);
     }
     if o.sm90_variant.is_some() || o.persistent_blocks.is_some() {
         override_sm90(
