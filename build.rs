@@ -56,7 +56,6 @@ fn main() {
     println!("cargo:rerun-if-changed=src/cuda/instances.rs");
     println!("cargo:rerun-if-changed=src/cuda/params.rs");
     println!("cargo:rerun-if-changed=src/cuda/backward/instances.rs");
-    println!("cargo:rerun-if-changed=src/cuda/backward/params.rs");
     for var in ["NVCC", "CUDA_HOME", "CUDA_PATH", "NVCC_CCBIN"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -259,10 +258,12 @@ fn params_header() -> String {
     h
 }
 
-/// The same for `BwdParams` (src/cuda/backward/params.rs, which asserts its size on the Rust
-/// side): its first field is the whole forward struct, checked by [`params_header`].
+/// The same for `BwdParams` (in the same file, which asserts its size on the Rust side): its
+/// first field is the whole forward struct, checked by [`params_header`].
 fn bwd_params_header() -> String {
-    layout_header("src/cuda/backward/params.rs", "BwdParams", "BwdParams").0
+    let (h, size) = layout_header("src/cuda/params.rs", "BwdParams", "BwdParams");
+    assert_eq!(size, std::mem::size_of::<params::BwdParams>());
+    h
 }
 
 /// `static_assert`s on the size and every field offset of the C struct `c_struct`, computed by C

@@ -84,6 +84,19 @@ pub(crate) struct VarLen {
     pub device: Option<OnDevice>,
 }
 
+impl VarLen {
+    /// Every sequence holds `max_seqlen_q` query rows, as the host copies show (every KV-cache
+    /// call): sequence `b` is rows `b * max_seqlen_q ..` of q and of the output.
+    pub fn uniform_q(&self) -> bool {
+        self.device.is_none()
+            && self
+                .cu_q
+                .iter()
+                .enumerate()
+                .all(|(b, &c)| c as usize == b * self.max_seqlen_q)
+    }
+}
+
 /// Lengths left on the GPU: u32 cumulative `cu_q` / `cu_k` (batch + 1), read by the CUDA backend.
 #[derive(Clone, Debug)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

@@ -1,7 +1,7 @@
 // The launch parameters of the backward kernels. The forward call's geometry, strides, masks and
 // score modifiers are reused as they are (`f`, a whole FlashParams, so mask.cuh serves both
 // passes); the backward adds its own operands after it. Its Rust twin is `BwdParams` in
-// src/cuda/backward/params.rs; build.rs generates bwd_params_layout.cuh, whose static_asserts
+// src/cuda/params.rs; build.rs generates bwd_params_layout.cuh, whose static_asserts
 // fail the build if a field's offset or the size differs between the two.
 #pragma once
 #include "common/params.cuh"

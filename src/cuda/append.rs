@@ -2,12 +2,13 @@
 //! `FlashAttn::forward_kvcache`): one copy kernel from `kernels/pack.cu`.
 
 use candle::backend::BackendStorage;
-use candle::cuda_backend::cudarc::driver::CudaStream;
-use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
 use candle::cuda_backend::WrapErr;
-use candle::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
+use candle::{bail, CudaStorage, DType, Layout, Result};
 
-use super::launch::PACK_PTX;
+use super::launch::{Launch, Module};
+use super::runtime::ints::int_ptr;
+use super::runtime::{launch, Arg};
 use crate::problem::{Paged, Strides};
 
 /// Writes `new` `(batch, seq_new, kv_heads, d)` into `cache` at positions `start[b] ..` of each
@@ -64,7 +65,6 @@ pub(crate) fn append_kv(
         DType::F32 => ("append_kv_u32", 4u64),
         dt => bail!("flash-attn: no KV cache append for dtype {dt:?}"),
     };
-    let func = dev.get_or_load_custom_func(func_name, PACK_PTX.0, PACK_PTX.1)?;
     // Byte addresses of element 0 of each side; the kernel copies raw element bits.
     let (dst, dst_guard) = match cache.dtype() {
         DType::F16 => cache
@@ -99,34 +99,24 @@ pub(crate) fn append_kv(
         s.dim as i64,
     ];
     let threads = 256usize;
-    let cfg = LaunchConfig {
-        grid_dim: (total.div_ceil(threads).min(65535 * 8) as u32, 1, 1),
-        block_dim: (threads as u32, 1, 1),
-        shared_mem_bytes: 0,
+    let l = Launch {
+        module: Module::Pack,
+        function: func_name.into(),
+        grid: (total.div_ceil(threads).min(65535 * 8) as u32, 1, 1),
+        threads: threads as u32,
+        smem: 0,
     };
-    let mut b = func.builder();
-    b.arg(&dst).arg(&src).arg(&table_ptr).arg(&start_ptr);
-    for a in &args {
-        b.arg(a);
-    }
-    // SAFETY: the kernel reads the `total` elements of `new` through its layout and writes cache
-    // rows of blocks `< num_blocks` at positions `< max_blocks * page` only (the caller checked
-    // both layouts cover those); argument types match `append_kv_*` (four pointers, 15 int64).
-    unsafe { b.launch(cfg) }.w()?;
+    let mut a = vec![
+        Arg::Ptr(&dst),
+        Arg::Ptr(&src),
+        Arg::Ptr(&table_ptr),
+        Arg::Ptr(&start_ptr),
+    ];
+    a.extend(args.iter().map(Arg::I64));
+    // The kernel reads the `total` elements of `new` through its layout and writes cache rows of
+    // blocks `< num_blocks` at positions `< max_blocks * page` only (the caller checked both
+    // layouts cover those).
+    launch(&dev, &l, &a)?;
     drop((dst_guard, src_guard));
     Ok(())
-}
-
-/// The device address of element 0 of a u32 or i32 tensor on the GPU.
-pub(crate) fn int_ptr(t: &Tensor, stream: &std::sync::Arc<CudaStream>) -> Result<u64> {
-    let (st, l) = t.storage_and_layout();
-    let off = l.start_offset() as u64 * 4;
-    match &*st {
-        Storage::Cuda(c) => Ok(match c.dtype() {
-            DType::U32 => c.as_cuda_slice::<u32>()?.device_ptr(stream).0,
-            DType::I32 => c.as_cuda_slice::<i32>()?.device_ptr(stream).0,
-            dt => bail!("flash-attn: index tensor of dtype {dt:?} on the GPU"),
-        } + off),
-        _ => bail!("flash-attn: index tensor is not on the GPU"),
-    }
 }

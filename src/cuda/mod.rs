@@ -1,25 +1,78 @@
-//! The CUDA backend: [`plan`](plan::plan) picks a kernel and its launch geometry (a pure
-//! function, compiled and unit-tested without the `cuda` feature), `launch` executes the plan on
-//! candle's stream. Kernel tile shapes live in one table, `instances.rs`, which `build.rs` also
-//! reads to generate the kernels' entry points; the parameter struct is `params.rs`, whose C
-//! layout `build.rs` checks against `kernels/common/params.cuh`.
+//! The CUDA backend. Each pass has a pure planner (problem + [`DeviceCaps`](device::DeviceCaps)
+//! -> kernels, tiles, grid; compiled and unit-tested without the `cuda` feature) and a launch
+//! module that only executes the plan on candle's stream:
+//!
+//! - `forward/`: prefill kernels (Hopper wgmma + TMA, mma.sync tensor cores, exact f32, row-wise);
+//! - `decode/`: split-KV decode for few query rows per K/V head, and its combine pass;
+//! - `backward/`: the D, dK/dV and dQ passes;
+//! - `append`: writing new keys and values into a KV cache.
+//!
+//! Shared by all: `device` (what a plan knows of the GPU), `launch` (one launch description),
+//! `instances` (the kernel tables, from which `build.rs` also generates the entry points),
+//! `params` (the kernels' parameter structs, layout-checked against their C twins by
+//! `build.rs`), `operands` (which operands a kernel reads in place) and `runtime` (device
+//! capabilities, PTX modules, the launch helper, tensor maps, device-resident integers, packed
+//! operands).
 
-// Without the `cuda` feature only the planner's unit tests use these.
+// Without the `cuda` feature only the planners' unit tests use these.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 #[cfg(feature = "cuda")]
 mod append;
+mod backward;
+mod decode;
+mod device;
+mod forward;
 mod instances;
-#[cfg(feature = "cuda")]
 mod launch;
-#[cfg(feature = "cuda")]
+mod operands;
 mod params;
-pub(crate) mod plan;
+#[cfg(feature = "cuda")]
+mod runtime;
 
 #[cfg(feature = "cuda")]
 pub(crate) use append::append_kv;
 #[cfg(feature = "cuda")]
-pub(crate) use launch::forward;
-mod backward;
+pub(crate) use backward::{backward, Saved as BwdSaved};
+
+/// The forward pass of `p` on the GPU: the decode plan where the problem is decode-shaped,
+/// else the prefill plan. Returns (out, lse).
 #[cfg(feature = "cuda")]
-pub(crate) use backward::backward;
+pub(crate) fn forward(
+    p: &crate::problem::Problem,
+    alibi: Option<&candle::Tensor>,
+    q: &candle::CudaStorage,
+    k: &candle::CudaStorage,
+    v: &candle::CudaStorage,
+) -> candle::Result<(candle::CudaStorage, candle::CudaStorage)> {
+    use candle::backend::BackendStorage;
+    use candle::DType;
+    use half::{bf16, f16};
+
+    let dev = q.device().clone();
+    let dtype = q.dtype();
+    if k.dtype() != dtype || v.dtype() != dtype {
+        candle::bail!(
+            "flash-attn: q, k, v must share one of f32/f16/bf16, got {dtype:?}/{:?}/{:?}",
+            k.dtype(),
+            v.dtype()
+        )
+    }
+    let caps = runtime::caps(&dev.cuda_stream(), p.kernels.portable)?;
+    forward::plan::check_device(p, &caps)?;
+    let qkv = [q, k, v];
+    if let Some(plan) = decode::plan::plan(p, dtype, &caps)? {
+        return match dtype {
+            DType::BF16 => decode::launch::run::<bf16>(p, &plan, alibi, &dev, qkv),
+            DType::F16 => decode::launch::run::<f16>(p, &plan, alibi, &dev, qkv),
+            dt => candle::bail!("flash-attn: no CUDA decode kernel for dtype {dt:?}"),
+        };
+    }
+    let plan = forward::plan::plan(p, dtype, &caps)?;
+    match dtype {
+        DType::BF16 => forward::launch::run::<bf16>(p, &plan, alibi, &dev, qkv),
+        DType::F16 => forward::launch::run::<f16>(p, &plan, alibi, &dev, qkv),
+        DType::F32 => forward::launch::run::<f32>(p, &plan, alibi, &dev, qkv),
+        dt => candle::bail!("flash-attn: q, k, v must share one of f32/f16/bf16, got {dt:?}"),
+    }
+}

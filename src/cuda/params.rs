@@ -1,9 +1,10 @@
-// The by-value parameter struct of every forward kernel: `FlashParams` in
-// `kernels/common/params.cuh` is its C twin. `build.rs` `include!`s this file, computes the C
-// layout of the fields below from their types, checks it against this struct's `size_of`, and
-// emits a `static_assert` on the size and on every field's offset into the generated
-// `params_layout.cuh`, so a field added, moved or retyped on one side only fails the build.
-// Plain fields of 8-byte then 4-byte types, so no padding rule is involved.
+// The by-value parameter structs of the kernels: `FlashParams` in `kernels/common/params.cuh` is
+// the forward's C twin, `BwdParams` in `kernels/backward/params.cuh` the backward's. `build.rs`
+// `include!`s this file, computes the C layout of the fields below from their types, checks it
+// against each struct's `size_of`, and emits a `static_assert` on the size and on every field's
+// offset into the generated `params_layout.cuh` and `bwd_params_layout.cuh`, so a field added,
+// moved or retyped on one side only fails the build. Plain fields of 8-byte then 4-byte types,
+// so no padding rule is involved.
 
 /// Launch parameters of the forward kernels, mirrored field for field by `FlashParams`.
 #[repr(C)]
@@ -80,3 +81,25 @@ pub struct Params {
 /// The size both sides agree on (also asserted in C by the generated header).
 pub const PARAMS_SIZE: usize = 8 * 30 + 4 * 25 + 4;
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);
+
+/// Launch parameters of the backward kernels, mirrored field for field by `BwdParams` in C. The
+/// forward call's parameters come first, whole (`fwd`, the C side's `f`), then the backward's
+/// own fields.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BwdParams {
+    pub fwd: Params,
+    pub dout: u64,
+    pub dsum: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+    pub dkv_seq: i64,
+    pub dkv_batch: i64,
+    pub scale: f32,
+    pub kv_heads: i32,
+}
+
+/// The size both sides agree on (also asserted in C by the generated header).
+pub const BWD_PARAMS_SIZE: usize = PARAMS_SIZE + 8 * 7 + 4 * 2;
+const _: () = assert!(std::mem::size_of::<BwdParams>() == BWD_PARAMS_SIZE);

@@ -46,8 +46,13 @@ pub(crate) fn backward(
         #[cfg(feature = "cuda")]
         [Storage::Cuda(q), Storage::Cuda(k), Storage::Cuda(v), Storage::Cuda(o), Storage::Cuda(g), Storage::Cuda(l)] =>
         {
-            let (dq, dk, dv) =
-                crate::cuda::backward(p, alibi, q, k, v, o, g, l, offsets, k_rows(p))?;
+            let saved = crate::cuda::BwdSaved {
+                out: o,
+                grad_out: g,
+                lse: l,
+                offsets,
+            };
+            let (dq, dk, dv) = crate::cuda::backward(p, alibi, [q, k, v], saved, k_rows(p))?;
             [Storage::Cuda(dq), Storage::Cuda(dk), Storage::Cuda(dv)]
         }
         _ => bail!(

@@ -1,61 +1,54 @@
-//! Executes a [`BwdPlan`](super::plan::BwdPlan): fills one [`BwdParams`], allocates the
-//! gradients and the D scratch, and launches the D pass, the dK/dV pass and the dQ pass on
-//! candle's stream.
+//! Executes a [`BwdPlan`]: fills one [`BwdParams`], allocates the gradients and the D scratch,
+//! and launches the D pass, the dK/dV pass and the dQ pass on candle's stream.
+
+use std::sync::Arc;
 
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{
-    CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
-use candle::cuda_backend::{CudaDType, CudaDevice, WrapErr};
-use candle::{bail, CudaStorage, DType, Result, Storage, Tensor};
+use candle::cuda_backend::{CudaDType, CudaDevice};
+use candle::{bail, CudaStorage, DType, Result, Tensor};
 use half::{bf16, f16};
 
 use super::instances::Sm90Bwd;
-use super::params::BwdParams;
-use super::plan::{plan, BwdDevice, Launch};
-use crate::cuda::launch::{caps, launch_function, launch_with_maps, problem_params, tma_map};
-use crate::cuda::params::Params;
-use crate::cuda::plan::Module;
+use super::plan::{plan, BwdPlan};
+use crate::cuda::launch::to_i32;
+use crate::cuda::params::{BwdParams, Params};
+use crate::cuda::runtime::call::{problem_params, Slopes};
+use crate::cuda::runtime::ints::DevInts;
+use crate::cuda::runtime::tma::{tma_map, TmaMap};
+use crate::cuda::runtime::{caps, launch, Arg};
 use crate::problem::{Problem, Strides};
 
-// SAFETY: `BwdParams` is `#[repr(C)]`, `Copy`, made of plain integers and floats (the forward
-// `Params` included), and its C twin is checked field by field at build time (see params.rs).
-unsafe impl DeviceRepr for BwdParams {}
+/// The saved forward results and the output gradient of one backward call.
+pub(crate) struct Saved<'a> {
+    pub out: &'a CudaStorage,
+    pub grad_out: &'a CudaStorage,
+    pub lse: &'a CudaStorage,
+    /// Start offsets (elements) of `out`, `grad_out` and `lse`, contiguous from there.
+    pub offsets: [usize; 3],
+}
 
 /// dq (contiguous like the output), dk and dv (contiguous, `k_rows × kv_heads × d`).
-/// `offsets` are the start offsets (elements) of `out`, `grad_out` and `lse`, which are
-/// contiguous from there.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     p: &Problem,
     alibi: Option<&Tensor>,
-    q: &CudaStorage,
-    k: &CudaStorage,
-    v: &CudaStorage,
-    out: &CudaStorage,
-    grad_out: &CudaStorage,
-    lse: &CudaStorage,
-    offsets: [usize; 3],
+    [q, k, v]: [&CudaStorage; 3],
+    saved: Saved,
     k_rows: usize,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let dev = q.device().clone();
-    let s = Storages {
-        q,
-        k,
-        v,
-        out,
-        grad_out,
-        lse,
-    };
+    let qkv = [q, k, v];
     match (q.dtype(), k.dtype(), v.dtype()) {
         (DType::BF16, DType::BF16, DType::BF16) => {
-            backward_t::<bf16>(p, alibi, &dev, s, offsets, k_rows)
+            backward_t::<bf16>(p, alibi, &dev, qkv, saved, k_rows)
         }
         (DType::F16, DType::F16, DType::F16) => {
-            backward_t::<f16>(p, alibi, &dev, s, offsets, k_rows)
+            backward_t::<f16>(p, alibi, &dev, qkv, saved, k_rows)
         }
         (DType::F32, DType::F32, DType::F32) => {
-            backward_t::<f32>(p, alibi, &dev, s, offsets, k_rows)
+            backward_t::<f32>(p, alibi, &dev, qkv, saved, k_rows)
         }
         (a, b, c) => bail!(
             "flash-attn backward: q, k, v must share one of f32/f16/bf16, got {a:?}/{b:?}/{c:?}"
@@ -63,66 +56,45 @@ pub(crate) fn backward(
     }
 }
 
-struct Storages<'a> {
-    q: &'a CudaStorage,
-    k: &'a CudaStorage,
-    v: &'a CudaStorage,
-    out: &'a CudaStorage,
-    grad_out: &'a CudaStorage,
-    lse: &'a CudaStorage,
-}
-
-fn to_i32(x: usize, what: &str) -> Result<i32> {
-    i32::try_from(x)
-        .map_err(|_| candle::Error::Msg(format!("flash-attn backward: {what} = {x} exceeds i32")))
-}
-
 fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     p: &Problem,
     alibi: Option<&Tensor>,
     dev: &CudaDevice,
-    s: Storages,
-    offsets: [usize; 3],
+    [q, k, v]: [&CudaStorage; 3],
+    saved: Saved,
     k_rows: usize,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let stream = dev.cuda_stream();
     let (q, k, v) = (
-        s.q.as_cuda_slice::<T>()?,
-        s.k.as_cuda_slice::<T>()?,
-        s.v.as_cuda_slice::<T>()?,
+        q.as_cuda_slice::<T>()?,
+        k.as_cuda_slice::<T>()?,
+        v.as_cuda_slice::<T>()?,
     );
     let (out, grad_out) = (
-        s.out.as_cuda_slice::<T>()?,
-        s.grad_out.as_cuda_slice::<T>()?,
+        saved.out.as_cuda_slice::<T>()?,
+        saved.grad_out.as_cuda_slice::<T>()?,
     );
-    let lse = s.lse.as_cuda_slice::<f32>()?;
+    let lse = saved.lse.as_cuda_slice::<f32>()?;
     p.check_bounds(q.len(), k.len(), v.len())?;
-    let d = p.head_dim;
-    let rows = p.total_q * p.heads;
-    if out.len() < offsets[0] + rows * d
-        || grad_out.len() < offsets[1] + rows * d
-        || lse.len() < offsets[2] + rows
+    let (d, rows, off) = (p.head_dim, p.total_q * p.heads, saved.offsets);
+    if out.len() < off[0] + rows * d
+        || grad_out.len() < off[1] + rows * d
+        || lse.len() < off[2] + rows
     {
         bail!("flash-attn backward: the output, its gradient or the lse is smaller than the call")
     }
     if p.has_alibi != alibi.is_some() {
         bail!("flash-attn backward: ALiBi slopes do not match the validated problem")
     }
-    let caps = caps(&stream, p.kernels.portable)?;
-    let device = BwdDevice {
-        max_smem: caps.smem_optin,
-        hopper: caps.hopper,
-    };
     let pl = plan(
         p,
         T::DTYPE,
-        [offsets[0], offsets[1]],
-        &device,
-        &p.kernels.overrides.bwd_sm90_variants,
+        [off[0], off[1]],
+        &caps(&stream, p.kernels.portable)?,
     )?;
 
-    // SAFETY (all three): zero-initialised; the kernels overwrite the rows that belong to a
-    // sequence and leave the rest (dk/dv rows past a sequence's keys) at zero.
+    // Zero-initialised: the kernels overwrite the rows that belong to a sequence and leave the
+    // rest (dk/dv rows past a sequence's keys) at zero.
     let mut dq = dev.alloc_zeros::<T>((rows * d).max(1))?;
     let mut dk = dev.alloc_zeros::<T>((k_rows * p.kv_heads * d).max(1))?;
     let mut dv = dev.alloc_zeros::<T>((k_rows * p.kv_heads * d).max(1))?;
@@ -131,75 +103,28 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     }
     // SAFETY: the D pass writes every (head, row) of the call before the other passes read it.
     let mut dsum = unsafe { dev.alloc::<f32>(rows)? };
-    // Cumulative lengths: the caller's device tensors, or uploads of the host copies.
-    let host_cu = match &p.varlen {
-        Some(vl) if vl.device.is_none() => Some((
-            stream.clone_htod(&vl.cu_q).w()?,
-            stream.clone_htod(&vl.cu_k).w()?,
-        )),
-        _ => None,
-    };
-    let cu_ptrs = match (&p.varlen, &host_cu) {
-        (None, _) => (0, 0),
-        (Some(_), Some((a, b))) => (a.device_ptr(&stream).0, b.device_ptr(&stream).0),
-        (Some(vl), None) => {
-            let od = vl.device.as_ref().expect("device lengths");
-            (
-                crate::cuda::append::int_ptr(&od.cu_q, &stream)?,
-                crate::cuda::append::int_ptr(&od.cu_k, &stream)?,
-            )
-        }
-    };
-    let alibi = match alibi {
-        None => None,
-        Some(a) => Some(a.to_dtype(DType::F32)?.contiguous()?),
-    };
-    let alibi_storage = alibi.as_ref().map(|a| a.storage_and_layout());
-    let alibi_ptr = match &alibi_storage {
-        None => 0,
-        Some((st, l)) => match &**st {
-            Storage::Cuda(c) => {
-                c.as_cuda_slice::<f32>()?.device_ptr(&stream).0 + (l.start_offset() * 4) as u64
-            }
-            _ => bail!("flash-attn backward: alibi_slopes must be on the same CUDA device as q"),
-        },
-    };
-
+    let cu = lengths(p, &stream)?;
+    let slopes = Slopes::new(alibi)?;
     let esize = std::mem::size_of::<T>() as u64;
-    let (q_g, k_g, v_g) = (
-        q.device_ptr(&stream),
-        k.device_ptr(&stream),
-        v.device_ptr(&stream),
-    );
-    let (o_g, go_g, lse_g) = (
-        out.device_ptr(&stream),
-        grad_out.device_ptr(&stream),
-        lse.device_ptr(&stream),
-    );
-    let (dq_g, dk_g, dv_g, ds_g) = (
-        dq.device_ptr_mut(&stream),
-        dk.device_ptr_mut(&stream),
-        dv.device_ptr_mut(&stream),
-        dsum.device_ptr_mut(&stream),
-    );
+    let at = |s: &CudaSlice<T>, offset: usize| s.device_ptr(&stream).0 + offset as u64 * esize;
     let fwd = Params {
-        q: q_g.0 + p.q.offset as u64 * esize,
-        k: k_g.0 + p.k.offset as u64 * esize,
-        v: v_g.0 + p.v.offset as u64 * esize,
-        o: o_g.0 + offsets[0] as u64 * esize,
-        lse: lse_g.0 + offsets[2] as u64 * 4,
-        alibi: alibi_ptr,
-        cu_q: cu_ptrs.0,
-        cu_k: cu_ptrs.1,
+        q: at(q, p.q.offset),
+        k: at(k, p.k.offset),
+        v: at(v, p.v.offset),
+        o: at(out, off[0]),
+        lse: lse.device_ptr(&stream).0 + off[2] as u64 * 4,
+        alibi: slopes.as_ref().map_or(Ok(0), |s| s.ptr(&stream))?,
+        cu_q: cu.as_ref().map_or(Ok(0), |c| c[0].ptr(&stream))?,
+        cu_k: cu.as_ref().map_or(Ok(0), |c| c[1].ptr(&stream))?,
         ..problem_params(p, [&p.q, &p.k, &p.v], d, p.max_seq_k)?
     };
     let params = BwdParams {
         fwd,
-        dout: go_g.0 + offsets[1] as u64 * esize,
-        dsum: ds_g.0,
-        dq: dq_g.0,
-        dk: dk_g.0,
-        dv: dv_g.0,
+        dout: at(grad_out, off[1]),
+        dsum: dsum.device_ptr_mut(&stream).0,
+        dq: dq.device_ptr_mut(&stream).0,
+        dk: dk.device_ptr_mut(&stream).0,
+        dv: dv.device_ptr_mut(&stream).0,
         dkv_seq: (p.kv_heads * d) as i64,
         dkv_batch: match p.varlen {
             None => (p.max_seq_k * p.kv_heads * d) as i64,
@@ -208,88 +133,85 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         scale: p.score.scale,
         kv_heads: to_i32(p.kv_heads, "kv_heads")?,
     };
-    match pl.sm90 {
-        None => {
-            for l in [&pl.dsum, &pl.dkdv, &pl.dq] {
-                launch(dev, T::DTYPE, l, &params)?;
-            }
-        }
-        Some([kv, qi]) => {
-            // Tensor maps of q, k, v (as the forward reads them) and dO (contiguous like the
-            // output); varlen operands are one packed run of rows. Boxes: the dK/dV kernel
-            // streams `kv.rows` query rows against 128 keys, the dQ kernel `qi.rows` keys
-            // against 128 query rows.
-            let bf16 = T::DTYPE == DType::BF16;
-            let (q_rows, k_rows) = p.storage_rows();
-            let (q_batches, k_batches) = p.storage_batches();
-            let o = Strides {
-                offset: 0,
-                batch: p.max_seq_q * p.heads * d,
-                seq: p.heads * d,
-                head: d,
-                dim: 1,
-            };
-            let maps = |q_box: usize, k_box: usize| -> Result<[_; 4]> {
-                Ok([
-                    tma_map(
-                        params.fwd.q,
-                        &p.q,
-                        2,
-                        bf16,
-                        [d, p.heads, q_rows, q_batches],
-                        q_box,
-                    )?,
-                    tma_map(
-                        params.fwd.k,
-                        &p.k,
-                        2,
-                        bf16,
-                        [d, p.kv_heads, k_rows, k_batches],
-                        k_box,
-                    )?,
-                    tma_map(
-                        params.fwd.v,
-                        &p.v,
-                        2,
-                        bf16,
-                        [d, p.kv_heads, k_rows, k_batches],
-                        k_box,
-                    )?,
-                    tma_map(
-                        params.dout,
-                        &o,
-                        2,
-                        bf16,
-                        [d, p.heads, q_rows, q_batches],
-                        q_box,
-                    )?,
-                ])
-            };
-            launch(dev, T::DTYPE, &pl.dsum, &params)?;
-            let block = Sm90Bwd::BLOCK;
-            for (l, m) in [
-                (&pl.dkdv, maps(kv.rows, block)?),
-                (&pl.dq, maps(block, qi.rows)?),
-            ] {
-                if l.grid.0 > 0 {
-                    launch_with_maps(
-                        dev,
-                        Module::Sm90Bwd,
-                        &l.function,
-                        l.grid,
-                        l.threads,
-                        l.smem,
-                        &params,
-                        &m,
-                    )?;
-                }
-            }
-        }
-    }
-    drop((q_g, k_g, v_g, o_g, go_g, lse_g, dq_g, dk_g, dv_g, ds_g));
-    drop((dsum, host_cu, alibi_storage));
-    drop(alibi);
+    run(dev, p, &pl, &params, T::DTYPE == DType::BF16)?;
+    drop((dsum, cu, slopes));
     Ok(wrap(dev, dq, dk, dv))
+}
+
+/// The cumulative lengths of a varlen call: the caller's device tensors, or uploads of the host
+/// copies.
+fn lengths(p: &Problem, stream: &Arc<CudaStream>) -> Result<Option<[DevInts; 2]>> {
+    Ok(match &p.varlen {
+        None => None,
+        Some(vl) => Some(match &vl.device {
+            Some(od) => [
+                DevInts::Tensor(od.cu_q.clone()),
+                DevInts::Tensor(od.cu_k.clone()),
+            ],
+            None => [
+                DevInts::upload(stream, &vl.cu_q)?,
+                DevInts::upload(stream, &vl.cu_k)?,
+            ],
+        }),
+    })
+}
+
+/// Launches the three passes of `pl` (the Hopper ones with their tensor maps of 16-bit
+/// operands, bf16 or f16).
+fn run(dev: &CudaDevice, p: &Problem, pl: &BwdPlan, params: &BwdParams, bf16: bool) -> Result<()> {
+    launch(dev, &pl.dsum, &[Arg::Bwd(params)])?;
+    let Some([kv, qi]) = pl.sm90 else {
+        launch(dev, &pl.dkdv, &[Arg::Bwd(params)])?;
+        return launch(dev, &pl.dq, &[Arg::Bwd(params)]);
+    };
+    // The dK/dV kernel streams `kv.rows` query rows against a key block, the dQ kernel
+    // `qi.rows` keys against a query block.
+    let block = Sm90Bwd::BLOCK;
+    for (l, maps) in [
+        (&pl.dkdv, maps(p, params, bf16, kv.rows, block)?),
+        (&pl.dq, maps(p, params, bf16, block, qi.rows)?),
+    ] {
+        let args = [
+            Arg::Bwd(params),
+            Arg::Map(&maps[0]),
+            Arg::Map(&maps[1]),
+            Arg::Map(&maps[2]),
+            Arg::Map(&maps[3]),
+        ];
+        launch(dev, l, &args)?;
+    }
+    Ok(())
+}
+
+/// Tensor maps of q, k, v (as the forward reads them) and dO (contiguous like the output), with
+/// boxes of `q_box` query rows and `k_box` keys; varlen operands are one packed run of rows.
+fn maps(
+    p: &Problem,
+    params: &BwdParams,
+    bf16: bool,
+    q_box: usize,
+    k_box: usize,
+) -> Result<[TmaMap; 4]> {
+    let d = p.head_dim;
+    let (q_rows, k_rows) = p.storage_rows();
+    let (q_batches, k_batches) = p.storage_batches();
+    let o = Strides {
+        offset: 0,
+        batch: p.max_seq_q * p.heads * d,
+        seq: p.heads * d,
+        head: d,
+        dim: 1,
+    };
+    let (qe, ke) = (
+        [d, p.heads, q_rows, q_batches],
+        [d, p.kv_heads, k_rows, k_batches],
+    );
+    Ok([
+        tma_map(params.fwd.q, &p.q, bf16, qe, q_box)?,
+        tma_map(params.fwd.k, &p.k, bf16, ke, k_box)?,
+        tma_map(params.fwd.v, &p.v, bf16, ke, k_box)?,
+        tma_map(params.dout, &o, bf16, qe, q_box)?,
+    ])
 }
 
 fn wrap<T: CudaDType>(
@@ -303,13 +225,4 @@ fn wrap<T: CudaDType>(
         CudaStorage::wrap_cuda_slice(dk, dev.clone()),
         CudaStorage::wrap_cuda_slice(dv, dev.clone()),
     )
-}
-
-/// Launches one planned function (an empty grid launches nothing).
-fn launch(dev: &CudaDevice, dtype: DType, l: &Launch, params: &BwdParams) -> Result<()> {
-    if l.grid.0 == 0 {
-        return Ok(());
-    }
-    let module = Module::of(dtype)?;
-    launch_function(dev, module, &l.function, l.grid, l.threads, l.smem, params)
 }

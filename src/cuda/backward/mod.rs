@@ -6,12 +6,10 @@
 //! pass and the dQ pass. Every pass writes each element once in a fixed order: the backward is
 //! deterministic (bitwise identical runs).
 
-mod instances;
+pub(crate) mod instances;
 #[cfg(feature = "cuda")]
 mod launch;
-#[cfg(feature = "cuda")]
-mod params;
 pub(crate) mod plan;
 
 #[cfg(feature = "cuda")]
-pub(crate) use launch::backward;
+pub(crate) use launch::{backward, Saved};

@@ -11,17 +11,10 @@
 use candle::{bail, DType, Result};
 
 use super::instances::{BwdMma, Sm90Bwd, BWD_GENERIC_NT, BWD_GENERIC_WARPS, BWD_MMA, BWD_SM90};
-use crate::cuda::plan::{has_zero_stride, MAX_SEQ};
+use crate::cuda::device::DeviceCaps;
+use crate::cuda::launch::{dtype_name, to_u32, Launch, Module, MAX_SEQ};
+use crate::cuda::operands::has_zero_stride;
 use crate::problem::{Problem, Strides};
-
-/// One kernel launch.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Launch {
-    pub function: String,
-    pub grid: (u32, u32, u32),
-    pub threads: u32,
-    pub smem: usize,
-}
 
 /// The three passes of one backward call: D = rowsum(dO ∘ O), then dK/dV, then dQ.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,24 +29,15 @@ pub(crate) struct BwdPlan {
     pub sm90: Option<[Sm90Bwd; 2]>,
 }
 
-/// What the planner needs to know about the device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct BwdDevice {
-    /// Largest dynamic shared memory a block may opt into.
-    pub max_smem: usize,
-    /// Compute capability 9.0 with the sm_90a kernels allowed (not `CANDLE_FLASH_PORTABLE=1`).
-    pub hopper: bool,
-}
-
 /// The Hopper dK/dV and dQ instances for `p`, if it qualifies: f16/bf16 at a head dim of the
 /// table, operands the tensor copies can read (16-byte aligned rows, no broadcast strides), no
 /// KV-cache features, and a `_mods` twin where softcap or ALiBi asks for one. `variants` names
-/// non-default instances (`CANDLE_FLASH_BWD_SM90_VARIANT`, comma-separated).
+/// non-default instances ([`PlanOverride::bwd_sm90_variants`](crate::PlanOverride)).
 fn sm90_pair(
     p: &Problem,
     dtype: DType,
     offsets: [usize; 2],
-    dev: &BwdDevice,
+    dev: &DeviceCaps,
     variants: &[String],
 ) -> Option<[Sm90Bwd; 2]> {
     if !dev.hopper || dtype == DType::F32 || !aligned(p, offsets) {
@@ -73,7 +57,7 @@ fn sm90_pair(
     let mods = p.has_alibi || p.score.softcap > 0.0;
     let pick = |dkdv: bool| {
         let fits = |i: &&Sm90Bwd| {
-            i.d == p.head_dim && i.dkdv() == dkdv && (i.mods || !mods) && i.smem() <= dev.max_smem
+            i.d == p.head_dim && i.dkdv() == dkdv && (i.mods || !mods) && i.smem() <= dev.smem_optin
         };
         BWD_SM90
             .iter()
@@ -99,20 +83,31 @@ fn aligned(p: &Problem, extra_offsets: [usize; 2]) -> bool {
     ok(&p.q) && ok(&p.k) && ok(&p.v) && extra_offsets.iter().all(|x| x % 8 == 0)
 }
 
-fn to_u32(x: usize, what: &str) -> Result<u32> {
-    u32::try_from(x).map_err(|_| candle::Error::Msg(format!("flash-attn backward: {what} = {x}")))
-}
-
-/// The plan for `p` in `dtype`. `offsets` are the start offsets (elements) of the output and of
-/// its gradient; `variants` picks non-default Hopper instances (benchmarks).
+/// The plan for `p` in `dtype` on `dev`. `offsets` are the start offsets (elements) of the
+/// output and of its gradient.
 pub(crate) fn plan(
     p: &Problem,
     dtype: DType,
     offsets: [usize; 2],
-    dev: &BwdDevice,
+    dev: &DeviceCaps,
+) -> Result<BwdPlan> {
+    plan_with(
+        p,
+        dtype,
+        offsets,
+        dev,
+        &p.kernels.overrides.bwd_sm90_variants,
+    )
+}
+
+/// [`plan`] with the Hopper instances named in `variants` where they apply.
+fn plan_with(
+    p: &Problem,
+    dtype: DType,
+    offsets: [usize; 2],
+    dev: &DeviceCaps,
     variants: &[String],
 ) -> Result<BwdPlan> {
-    let max_smem = dev.max_smem;
     let d = p.head_dim;
     if d == 0 || d > 32 * BWD_GENERIC_NT[BWD_GENERIC_NT.len() - 1] {
         bail!("flash-attn backward: head_dim {d} is not supported on CUDA (1..=512)")
@@ -127,52 +122,24 @@ pub(crate) fn plan(
             p.batch
         )
     }
-    let prefix = match dtype {
-        DType::BF16 => "flash_bwd_bf16",
-        DType::F16 => "flash_bwd_f16",
-        DType::F32 => "flash_bwd_f32",
-        dt => bail!("flash-attn backward: unsupported dtype {dt:?}"),
-    };
-    let (heads, kv_heads, batch) = (
-        to_u32(p.heads, "heads")?,
-        to_u32(p.kv_heads, "kv_heads")?,
-        to_u32(p.batch, "batch")?,
-    );
-    let generic_threads = (32 * BWD_GENERIC_WARPS) as u32;
-    let dsum = Launch {
-        function: format!("{prefix}_dsum"),
-        grid: (
-            to_u32(p.total_q.div_ceil(BWD_GENERIC_WARPS), "rows")?,
-            heads,
-            1,
-        ),
-        threads: generic_threads,
-        smem: 0,
-    };
     let mods = p.has_alibi || p.score.softcap > 0.0;
-    let suffix = if mods { "_mods" } else { "" };
-    // The Hopper grids put the tile index first, as the tensor-core grids below do: blocks
-    // resident together share their streamed operands through L2 (kernels/sm90/bwd.cuh).
+    let g = Grids {
+        p,
+        module: Module::of(dtype)?,
+        dn: dtype_name(dtype)?,
+        suffix: if mods { "_mods" } else { "" },
+    };
+    let generic = (32 * BWD_GENERIC_WARPS) as u32;
+    let dsum = g.launch("dsum".into(), p.total_q, BWD_GENERIC_WARPS, 1, generic, 0)?;
+    let dsum = Launch {
+        grid: (dsum.grid.0, to_u32(p.heads, "heads")?, 1),
+        ..dsum
+    };
     if let Some(pair) = sm90_pair(p, dtype, offsets, dev, variants) {
-        let dn = if dtype == DType::BF16 { "bf16" } else { "f16" };
-        // Packed sequences take the twins that zero the next sequence's rows in tail tiles.
-        let varlen = if p.varlen.is_some() { "_varlen" } else { "" };
-        let launch = |i: &Sm90Bwd, tiles: usize, heads: u32| -> Result<Launch> {
-            Ok(Launch {
-                function: format!("flash_bwd_sm90_{dn}_{}{varlen}{suffix}", i.name),
-                grid: (
-                    to_u32(tiles.div_ceil(Sm90Bwd::BLOCK), "tiles")?,
-                    heads,
-                    batch,
-                ),
-                threads: Sm90Bwd::THREADS as u32,
-                smem: i.smem(),
-            })
-        };
         return Ok(BwdPlan {
             dsum,
-            dkdv: launch(&pair[0], p.max_seq_k, kv_heads)?,
-            dq: launch(&pair[1], p.max_seq_q, heads)?,
+            dkdv: g.sm90(&pair[0], p.max_seq_k, p.kv_heads)?,
+            dq: g.sm90(&pair[1], p.max_seq_q, p.heads)?,
             mma: None,
             sm90: Some(pair),
         });
@@ -180,58 +147,51 @@ pub(crate) fn plan(
     let mma = BWD_MMA
         .iter()
         .find(|i| {
-            i.d == d && dtype != DType::F32 && aligned(p, offsets) && i.max_smem() <= max_smem
+            i.d == d && dtype != DType::F32 && aligned(p, offsets) && i.max_smem() <= dev.smem_optin
         })
         .copied();
     let (dkdv, dq) = match mma {
         Some(i) => (
-            Launch {
-                function: format!("{prefix}_dkdv_d{d}{suffix}"),
-                grid: (
-                    to_u32(p.max_seq_k.div_ceil(i.kv_bn()), "key tiles")?,
-                    kv_heads,
-                    batch,
-                ),
-                threads: (32 * i.kv_warps) as u32,
-                smem: i.kv_smem(),
-            },
-            Launch {
-                function: format!("{prefix}_dq_d{d}{suffix}"),
-                grid: (
-                    to_u32(p.max_seq_q.div_ceil(i.q_bm()), "query tiles")?,
-                    heads,
-                    batch,
-                ),
-                threads: (32 * i.q_warps) as u32,
-                smem: i.q_smem(),
-            },
+            g.launch(
+                format!("dkdv_d{d}{}", g.suffix),
+                p.max_seq_k,
+                i.kv_bn(),
+                p.kv_heads,
+                (32 * i.kv_warps) as u32,
+                i.kv_smem(),
+            )?,
+            g.launch(
+                format!("dq_d{d}{}", g.suffix),
+                p.max_seq_q,
+                i.q_bm(),
+                p.heads,
+                (32 * i.q_warps) as u32,
+                i.q_smem(),
+            )?,
         ),
         None => {
             let nt = *BWD_GENERIC_NT
                 .iter()
                 .find(|&&nt| 32 * nt >= d)
                 .expect("head_dim checked above");
+            let w = BWD_GENERIC_WARPS;
             (
-                Launch {
-                    function: format!("{prefix}_dkdv_generic_{nt}"),
-                    grid: (
-                        to_u32(p.max_seq_k.div_ceil(BWD_GENERIC_WARPS), "key tiles")?,
-                        kv_heads,
-                        batch,
-                    ),
-                    threads: generic_threads,
-                    smem: 0,
-                },
-                Launch {
-                    function: format!("{prefix}_dq_generic_{nt}"),
-                    grid: (
-                        to_u32(p.max_seq_q.div_ceil(BWD_GENERIC_WARPS), "query tiles")?,
-                        heads,
-                        batch,
-                    ),
-                    threads: generic_threads,
-                    smem: 0,
-                },
+                g.launch(
+                    format!("dkdv_generic_{nt}"),
+                    p.max_seq_k,
+                    w,
+                    p.kv_heads,
+                    generic,
+                    0,
+                )?,
+                g.launch(
+                    format!("dq_generic_{nt}"),
+                    p.max_seq_q,
+                    w,
+                    p.heads,
+                    generic,
+                    0,
+                )?,
             )
         }
     };
@@ -244,6 +204,61 @@ pub(crate) fn plan(
     })
 }
 
+/// Names and grids of one call's backward launches. Every grid puts the tile index first:
+/// blocks resident together share their streamed operands through L2.
+struct Grids<'a> {
+    p: &'a Problem,
+    module: Module,
+    dn: &'static str,
+    suffix: &'static str,
+}
+
+impl Grids<'_> {
+    /// `flash_bwd_{dtype}_{name}` over `len` rows or keys in tiles of `tile`, per head and
+    /// sequence.
+    fn launch(
+        &self,
+        name: String,
+        len: usize,
+        tile: usize,
+        heads: usize,
+        threads: u32,
+        smem: usize,
+    ) -> Result<Launch> {
+        Ok(Launch {
+            module: self.module,
+            function: format!("flash_bwd_{}_{name}", self.dn),
+            grid: (
+                to_u32(len.div_ceil(tile), "tiles")?,
+                to_u32(heads, "heads")?,
+                to_u32(self.p.batch, "batch")?,
+            ),
+            threads,
+            smem,
+        })
+    }
+
+    /// The Hopper instance `i` over `len` rows or keys. Packed sequences take the twins that
+    /// zero the next sequence's rows in tail tiles.
+    fn sm90(&self, i: &Sm90Bwd, len: usize, heads: usize) -> Result<Launch> {
+        let varlen = if self.p.varlen.is_some() {
+            "_varlen"
+        } else {
+            ""
+        };
+        Ok(Launch {
+            module: Module::Sm90Bwd,
+            function: format!(
+                "flash_bwd_sm90_{}_{}{varlen}{}",
+                self.dn, i.name, self.suffix
+            ),
+            threads: Sm90Bwd::THREADS as u32,
+            smem: i.smem(),
+            ..self.launch(String::new(), len, Sm90Bwd::BLOCK, heads, 0, 0)?
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use candle::{Device, Tensor};
@@ -253,17 +268,14 @@ mod tests {
 
     const H100_SMEM: usize = 232_448;
     const A100_SMEM: usize = 166_912;
-    const H100: BwdDevice = BwdDevice {
-        max_smem: H100_SMEM,
-        hopper: true,
-    };
+    const H100: DeviceCaps = DeviceCaps::SM90;
 
-    /// A device without the sm_90a kernels (any GPU but compute capability 9.0, or
-    /// `CANDLE_FLASH_PORTABLE=1`).
-    fn portable(max_smem: usize) -> BwdDevice {
-        BwdDevice {
-            max_smem,
-            hopper: false,
+    /// A device of this shared-memory limit without the sm_90a kernels (any GPU but compute
+    /// capability 9.0, or the portable path).
+    fn portable(max_smem: usize) -> DeviceCaps {
+        DeviceCaps {
+            smem_optin: max_smem,
+            ..DeviceCaps::SM90.portable()
         }
     }
 
@@ -290,7 +302,7 @@ mod tests {
                 for o in &opts {
                     for d in 1..=512 {
                         let p = problem(d, dtype, o, 37, 141);
-                        let pl = plan(&p, dtype, [0, 0], &portable(smem), &[]).unwrap();
+                        let pl = plan_with(&p, dtype, [0, 0], &portable(smem), &[]).unwrap();
                         let what = format!("{dtype:?} d {d} {o:?}: {pl:?}");
                         let fast = dtype != DType::F32 && (d == 64 || d == 128);
                         assert_eq!(pl.mma.is_some(), fast, "{what}");
@@ -323,7 +335,7 @@ mod tests {
         // Validation already refuses it; the planner names head_dim on its own too.
         let mut p = problem(512, DType::BF16, &opts[0], 3, 3);
         p.head_dim = 513;
-        let err = plan(&p, DType::BF16, [0, 0], &portable(H100_SMEM), &[]).unwrap_err();
+        let err = plan_with(&p, DType::BF16, [0, 0], &portable(H100_SMEM), &[]).unwrap_err();
         assert!(err.to_string().contains("head_dim 513"), "{err}");
     }
 
@@ -333,22 +345,26 @@ mod tests {
     fn unaligned_operands_take_the_exact_kernels() {
         let o = FlashAttn::new(0.1);
         let p = problem(128, DType::BF16, &o, 64, 64);
-        assert!(plan(&p, DType::BF16, [0, 0], &portable(H100_SMEM), &[])
-            .unwrap()
-            .mma
-            .is_some());
-        assert!(plan(&p, DType::BF16, [4, 0], &portable(H100_SMEM), &[])
-            .unwrap()
-            .mma
-            .is_none());
-        assert!(plan(&p, DType::BF16, [0, 0], &portable(49_152), &[])
+        assert!(
+            plan_with(&p, DType::BF16, [0, 0], &portable(H100_SMEM), &[])
+                .unwrap()
+                .mma
+                .is_some()
+        );
+        assert!(
+            plan_with(&p, DType::BF16, [4, 0], &portable(H100_SMEM), &[])
+                .unwrap()
+                .mma
+                .is_none()
+        );
+        assert!(plan_with(&p, DType::BF16, [0, 0], &portable(49_152), &[])
             .unwrap()
             .mma
             .is_none());
         let mut strided = p.clone();
         strided.k.dim = 2;
         assert!(
-            plan(&strided, DType::BF16, [0, 0], &portable(H100_SMEM), &[])
+            plan_with(&strided, DType::BF16, [0, 0], &portable(H100_SMEM), &[])
                 .unwrap()
                 .mma
                 .is_none()
@@ -356,7 +372,7 @@ mod tests {
         let mut offset = p.clone();
         offset.v.offset = 3;
         assert!(
-            plan(&offset, DType::BF16, [0, 0], &portable(H100_SMEM), &[])
+            plan_with(&offset, DType::BF16, [0, 0], &portable(H100_SMEM), &[])
                 .unwrap()
                 .mma
                 .is_none()
@@ -383,14 +399,14 @@ mod tests {
                 for d in [32, 64, 96, 128, 256] {
                     let p = problem(d, dtype, o, 300, 517);
                     {
-                        let pl = plan(&p, dtype, [0, 0], &H100, &[]).unwrap();
+                        let pl = plan_with(&p, dtype, [0, 0], &H100, &[]).unwrap();
                         let what = format!("{dtype:?} d {d} {o:?}: {pl:?}");
                         let hopper = dtype != DType::F32 && (d == 64 || (d == 128 && !mods));
                         assert_eq!(pl.sm90.is_some(), hopper, "{what}");
                         if !hopper {
                             assert_eq!(
                                 pl,
-                                plan(&p, dtype, [0, 0], &portable(H100_SMEM), &[]).unwrap()
+                                plan_with(&p, dtype, [0, 0], &portable(H100_SMEM), &[]).unwrap()
                             );
                             continue;
                         }
@@ -422,12 +438,12 @@ mod tests {
         }
         let plain = FlashAttn::new(0.1);
         let p = problem(128, DType::BF16, &plain, 300, 517);
-        let v = plan(&p, DType::BF16, [0, 0], &H100, &["s2".into(), "k64".into()]).unwrap();
+        let v = plan_with(&p, DType::BF16, [0, 0], &H100, &["s2".into(), "k64".into()]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_s2");
         assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_k64");
         // A variant of one head dim leaves the other's default alone.
         let p64 = problem(64, DType::F16, &plain, 300, 517);
-        let v = plan(
+        let v = plan_with(
             &p64,
             DType::F16,
             [0, 0],
@@ -438,10 +454,10 @@ mod tests {
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_f16_dkdv_d64_q64");
         assert_eq!(v.dq.function, "flash_bwd_sm90_f16_dq_d64");
         // One name can swap both kernels.
-        let v = plan(&p64, DType::F16, [0, 0], &H100, &["nopp".into()]).unwrap();
+        let v = plan_with(&p64, DType::F16, [0, 0], &H100, &["nopp".into()]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_f16_dkdv_d64_nopp");
         assert_eq!(v.dq.function, "flash_bwd_sm90_f16_dq_d64_overlap");
-        let v = plan(&p, DType::BF16, [0, 0], &H100, &["pp".into()]).unwrap();
+        let v = plan_with(&p, DType::BF16, [0, 0], &H100, &["pp".into()]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_pp");
         assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_pp");
         // Packed sequences take the `_varlen` twins (they zero the next sequence's rows).
@@ -455,25 +471,25 @@ mod tests {
             total_k: 1034,
             device: None,
         });
-        let v = plan(&packed, DType::BF16, [0, 0], &H100, &[]).unwrap();
+        let v = plan_with(&packed, DType::BF16, [0, 0], &H100, &[]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_varlen");
         assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_varlen");
         // Misaligned output offsets, a broadcast K and too little shared memory: portable.
-        assert!(plan(&p, DType::BF16, [4, 0], &H100, &[])
+        assert!(plan_with(&p, DType::BF16, [4, 0], &H100, &[])
             .unwrap()
             .sm90
             .is_none());
         let mut bcast = p.clone();
         bcast.k.head = 0;
-        assert!(plan(&bcast, DType::BF16, [0, 0], &H100, &[])
+        assert!(plan_with(&bcast, DType::BF16, [0, 0], &H100, &[])
             .unwrap()
             .sm90
             .is_none());
-        let small = BwdDevice {
-            max_smem: 101_376,
-            hopper: true,
+        let small = DeviceCaps {
+            smem_optin: 101_376,
+            ..DeviceCaps::SM90
         };
-        assert!(plan(&p, DType::BF16, [0, 0], &small, &[])
+        assert!(plan_with(&p, DType::BF16, [0, 0], &small, &[])
             .unwrap()
             .sm90
             .is_none());

@@ -1,0 +1,159 @@
+//! What every CUDA pass needs to execute a plan on candle's stream: the device's capabilities,
+//! the embedded PTX modules, one launch helper, tensor maps, device-resident integer arguments
+//! and packed operand copies. Nothing here decides anything: plans do.
+
+pub(crate) mod call;
+pub(crate) mod ints;
+pub(crate) mod operands;
+pub(crate) mod tma;
+
+use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle::cuda_backend::{CudaDevice, WrapErr};
+use candle::{bail, Result};
+
+use super::device::{DeviceCaps, STATIC_SMEM_RESERVE};
+use super::launch::{Launch, Module};
+use super::params::BwdParams;
+use super::params::Params;
+use tma::TmaMap;
+
+// SAFETY: `Params` is `#[repr(C)]`, `Copy`, made of plain integers and floats, and its C twin
+// `FlashParams` is checked field by field at build time (see params.rs).
+unsafe impl DeviceRepr for Params {}
+// SAFETY: as `Params` (the backward's C twin `BwdParams` is checked the same way).
+unsafe impl DeviceRepr for BwdParams {}
+
+/// The PTX text and candle's cache name of a module.
+fn ptx(m: Module) -> (&'static str, &'static str) {
+    match m {
+        Module::Bf16 => (
+            "candle_flash_bf16",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_bf16.ptx")),
+        ),
+        Module::F16 => (
+            "candle_flash_f16",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_f16.ptx")),
+        ),
+        Module::F32 => (
+            "candle_flash_f32",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_f32.ptx")),
+        ),
+        Module::Sm90 => (
+            "candle_flash_sm90",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_sm90.ptx")),
+        ),
+        Module::Sm90Bwd => (
+            "candle_flash_bwd_sm90",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_sm90.ptx")),
+        ),
+        Module::Pack => (
+            "candle_flash_pack",
+            include_str!(concat!(env!("OUT_DIR"), "/pack.ptx")),
+        ),
+    }
+}
+
+/// What the planners need, read from the device. `portable` (the caller's option, or
+/// `CANDLE_FLASH_PORTABLE=1` in the environment) turns the sm_90a kernels off.
+pub(crate) fn caps(stream: &CudaStream, portable: bool) -> Result<DeviceCaps> {
+    let ctx = stream.context();
+    let attr = |a| -> Result<usize> { Ok(ctx.attribute(a).w()?.max(0) as usize) };
+    use CUdevice_attribute as A;
+    let (major, minor) = (
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? as u32,
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)? as u32,
+    );
+    // kHz x bits: two transfers per clock (DDR, HBM), eight bits a byte.
+    let mem_khz = attr(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)?;
+    let bus_bits = attr(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?;
+    let caps = DeviceCaps {
+        major,
+        minor,
+        sms: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+        smem_optin: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+        smem_per_sm: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
+        regs_per_sm: attr(A::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR)?,
+        threads_per_sm: attr(A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?,
+        l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
+        dram_bytes_per_us: mem_khz * bus_bits * 2 / 8 / 1000,
+        hopper: major == 9 && minor == 0,
+    };
+    Ok(if portable || portable_from_env() {
+        caps.portable()
+    } else {
+        caps
+    })
+}
+
+/// `CANDLE_FLASH_PORTABLE=1` (read once): the documented process-wide form of
+/// [`FlashAttn::portable`](crate::FlashAttn::portable).
+fn portable_from_env() -> bool {
+    static PORTABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PORTABLE.get_or_init(|| {
+        std::env::var("CANDLE_FLASH_PORTABLE").is_ok_and(|v| !v.is_empty() && v != "0")
+    })
+}
+
+/// One kernel argument, pushed by value in order.
+pub(crate) enum Arg<'a> {
+    Params(&'a Params),
+    Bwd(&'a BwdParams),
+    Map(&'a TmaMap),
+    I32(&'a i32),
+    I64(&'a i64),
+    Ptr(&'a u64),
+}
+
+/// Loads the plan's function, opts into its dynamic shared memory and launches it on candle's
+/// stream with `args`. An empty grid launches nothing.
+pub(crate) fn launch(dev: &CudaDevice, l: &Launch, args: &[Arg]) -> Result<()> {
+    if l.is_empty() {
+        return Ok(());
+    }
+    let (module, text) = ptx(l.module);
+    let func = dev.get_or_load_custom_func(&l.function, module, text)?;
+    // The plan left room for the kernels' few bytes of static shared memory; make sure it did.
+    let static_smem = func
+        .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+        .w()? as usize;
+    if static_smem > STATIC_SMEM_RESERVE {
+        bail!(
+            "flash-attn: kernel {} holds {static_smem} bytes of static shared memory, more than \
+             the {STATIC_SMEM_RESERVE} its plan reserves",
+            l.function
+        )
+    }
+    if l.smem + static_smem > 48 * 1024 {
+        // Above 48 KB per block, dynamic shared memory must be opted into per function.
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            l.smem as i32,
+        )
+        .w()?;
+    }
+    let cfg = LaunchConfig {
+        grid_dim: l.grid,
+        block_dim: (l.threads, 1, 1),
+        shared_mem_bytes: l.smem as u32,
+    };
+    let mut builder = func.builder();
+    for a in args {
+        match a {
+            Arg::Params(p) => builder.arg(*p),
+            Arg::Bwd(p) => builder.arg(*p),
+            Arg::Map(m) => builder.arg(*m),
+            Arg::I32(x) => builder.arg(*x),
+            Arg::I64(x) => builder.arg(*x),
+            Arg::Ptr(x) => builder.arg(*x),
+        };
+    }
+    // SAFETY: the arguments match the kernel's parameters (the parameter structs are checked
+    // at build time, the tensor maps are the driver's 128-byte CUtensorMap, the rest are the
+    // scalar types the entry point declares); the callers keep every pointer in them alive
+    // until after the launch, and `check_bounds` plus the kernels' clamped per-sequence lengths
+    // bound every element read or written; the grid and shared memory fit the device limits
+    // the plan was made for.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(())
+}
