@@ -215,10 +215,12 @@ fn instances_header() -> String {
     for i in DECODE_INSTANCES {
         write!(
             h,
-            " \\\n    FLASH_DECODE_INSTANCE(PREFIX##_{}, T, {}, {}, {}, {})",
+            " \\\n    FLASH_DECODE_INSTANCE(PREFIX##_{}, T, {}, {}, {}, {}, {}, {})",
             i.suffix(),
             i.d,
-            i.warps,
+            i.rg,
+            i.kg,
+            i.bc,
             i.stages,
             i.smem()
         )

@@ -1,8 +1,9 @@
 // The bf16 module: tensor-core forward instances (forward/mma.cuh; tiles from
 // src/cuda/instances.rs via the generated instances.cuh), the split-KV decode kernels
-// (decode/split_kv.cuh) and the row-wise fallback.
+// (decode/partial.cuh, decode/combine.cuh) and the row-wise fallback.
 #include "backward/mma.cuh"
-#include "decode/split_kv.cuh"
+#include "decode/combine.cuh"
+#include "decode/partial.cuh"
 #include "forward/mma.cuh"
 #include "forward/rowwise.cuh"
 #include "instances.cuh"

@@ -115,65 +115,78 @@ pub const ROWWISE_MAX_D: usize = 512;
 /// Query rows (one per warp) per block of the row-wise kernel.
 pub const ROWWISE_WARPS: usize = 4;
 
-/// One instance of the split-KV decode kernel (`kernels/decode/split_kv.cuh`): 16 packed query
-/// rows per block, `16 * warps` keys per K/V tile, a `stages`-deep cp.async ring.
+/// One instance of the split-KV decode kernel (`kernels/decode/partial.cuh`): `16 * rg` packed
+/// query rows per block, `rg * kg` warps (warp (r, k) takes row tile r and the k-th `bc / kg`
+/// keys of every K/V tile), `bc` keys per tile, a `stages`-deep cp.async ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeInstance {
     pub d: usize,
-    pub warps: usize,
+    pub rg: usize,
+    pub kg: usize,
+    pub bc: usize,
     pub stages: usize,
 }
 
-/// Packed query rows (query heads of one K/V head times their query rows) per decode block.
-pub const DECODE_ROWS: usize = 16;
-
 impl DecodeInstance {
-    /// Keys per K/V tile (Bc): 16 per warp.
-    pub const fn bc(&self) -> usize {
-        16 * self.warps
+    /// Packed query rows per block.
+    pub const fn rows(&self) -> usize {
+        16 * self.rg
     }
     pub const fn threads(&self) -> usize {
-        32 * self.warps
+        32 * self.rg * self.kg
     }
     /// The Q tile plus `stages` K and V tiles, 2-byte elements.
     pub const fn smem(&self) -> usize {
-        (DECODE_ROWS * self.d + self.stages * 2 * self.bc() * self.d) * 2
+        (self.rows() * self.d + self.stages * 2 * self.bc * self.d) * 2
+    }
+    /// Bytes of K and V one tile brings in (2-byte elements, `cols` columns read).
+    pub const fn tile_bytes(&self, cols: usize) -> usize {
+        2 * self.bc * cols * 2
     }
     pub fn suffix(&self) -> String {
-        format!("d{}_w{}_s{}", self.d, self.warps, self.stages)
+        format!(
+            "d{}_r{}_k{}_c{}_s{}",
+            self.d, self.rg, self.kg, self.bc, self.stages
+        )
     }
 }
 
-/// Decode instances, ordered by width, the fastest tiles of a width first (the planner takes the
-/// first that is wide enough and fits the device).
+const fn dec(d: usize, rg: usize, kg: usize, bc: usize, stages: usize) -> DecodeInstance {
+    DecodeInstance {
+        d,
+        rg,
+        kg,
+        bc,
+        stages,
+    }
+}
+
+/// Decode instances by width and row tiles. One row tile (up to 16 packed rows) splits each key
+/// tile over four warps (two at d 256, where a warp's 16 keys would leave too little to load per
+/// thread); more rows give each warp its own row tile and whole key tiles (4 row tiles, or 8 with
+/// 8 warps; 16-key tiles at d 256, whose 128 O registers a thread leave no room for more scores
+/// on sm_80). Each comes deep (two or three tiles in flight while one is computed) and shallow
+/// (one in flight), for GPUs whose shared memory holds only the shallow one (sm_86/sm_89 hold
+/// 100 KB a block). The planner picks among those that fit by its cost model.
 pub const DECODE_INSTANCES: &[DecodeInstance] = &[
-    DecodeInstance {
-        d: 64,
-        warps: 4,
-        stages: 3,
-    },
-    DecodeInstance {
-        d: 128,
-        warps: 4,
-        stages: 2,
-    },
-    // Two tiles in flight per block, but two blocks per H100 SM instead of three: the planner
-    // switches to it when the SMs hold the whole grid with it (few sequences; plan.rs).
-    DecodeInstance {
-        d: 128,
-        warps: 4,
-        stages: 3,
-    },
-    DecodeInstance {
-        d: 256,
-        warps: 4,
-        stages: 2,
-    },
-    DecodeInstance {
-        d: 256,
-        warps: 2,
-        stages: 2,
-    },
+    dec(64, 1, 4, 64, 4),
+    dec(64, 1, 4, 64, 2),
+    dec(64, 4, 1, 64, 4),
+    dec(64, 4, 1, 64, 2),
+    dec(64, 8, 1, 64, 4),
+    dec(64, 8, 1, 64, 2),
+    dec(128, 1, 4, 64, 3),
+    dec(128, 1, 4, 64, 2),
+    dec(128, 4, 1, 64, 3),
+    dec(128, 4, 1, 64, 2),
+    dec(128, 8, 1, 32, 4),
+    dec(128, 8, 1, 32, 2),
+    dec(256, 1, 2, 32, 3),
+    dec(256, 1, 2, 32, 2),
+    dec(256, 4, 1, 16, 4),
+    dec(256, 4, 1, 16, 2),
+    dec(256, 8, 1, 16, 3),
+    dec(256, 8, 1, 16, 2),
 ];
 
 /// One instance of the Hopper forward kernel (`kernels/sm90/fwd.cuh`, sm_90a): a producer

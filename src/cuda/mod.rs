@@ -61,7 +61,8 @@ pub(crate) fn forward(
     let caps = runtime::caps(&dev.cuda_stream(), p.kernels.portable)?;
     forward::plan::check_device(p, &caps)?;
     let qkv = [q, k, v];
-    if let Some(plan) = decode::plan::plan(p, dtype, &caps)? {
+    let residency = |l: &launch::Launch| runtime::residency(&dev, l);
+    if let Some(plan) = decode::plan::plan(p, dtype, &caps, &residency)? {
         return match dtype {
             DType::BF16 => decode::launch::run::<bf16>(p, &plan, alibi, &dev, qkv),
             DType::F16 => decode::launch::run::<f16>(p, &plan, alibi, &dev, qkv),

@@ -95,29 +95,44 @@ fn portable_from_env() -> bool {
     })
 }
 
-/// One kernel argument, pushed by value in order.
-pub(crate) enum Arg<'a> {
-    Params(&'a Params),
-    Bwd(&'a BwdParams),
-    Map(&'a TmaMap),
-    I32(&'a i32),
-    I64(&'a i64),
-    Ptr(&'a u64),
+/// How many blocks of `l` one SM of `dev` holds at once: the driver's occupancy of the compiled
+/// kernel (its registers and static shared memory) at `l`'s block size and dynamic shared
+/// memory. Cached per device and entry point: it depends on the code and the GPU only.
+pub(crate) fn residency(dev: &CudaDevice, l: &Launch) -> Result<usize> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static CACHE: Mutex<Option<HashMap<(usize, String, usize), usize>>> = Mutex::new(None);
+    let key = (
+        dev.cuda_stream().context().ordinal(),
+        l.function.clone(),
+        l.smem,
+    );
+    let cached = |c: &Mutex<Option<HashMap<_, usize>>>| -> Option<usize> {
+        c.lock().ok()?.as_ref()?.get(&key).copied()
+    };
+    if let Some(n) = cached(&CACHE) {
+        return Ok(n);
+    }
+    let func = function(dev, l)?;
+    let n = func
+        .occupancy_max_active_blocks_per_multiprocessor(l.threads, l.smem, None)
+        .w()? as usize;
+    if let Ok(mut c) = CACHE.lock() {
+        c.get_or_insert_with(HashMap::new).insert(key, n);
+    }
+    Ok(n)
 }
 
-/// Loads the plan's function, opts into its dynamic shared memory and launches it on candle's
-/// stream with `args`. An empty grid launches nothing.
-pub(crate) fn launch(dev: &CudaDevice, l: &Launch, args: &[Arg]) -> Result<()> {
-    if l.is_empty() {
-        return Ok(());
-    }
+/// The loaded entry point of `l`, opted into `l`'s dynamic shared memory, after checking that
+/// a plan that sizes dynamic shared memory left room for the kernel's static shared memory.
+fn function(dev: &CudaDevice, l: &Launch) -> Result<candle::cuda_backend::CudaFunc> {
     let (module, text) = ptx(l.module);
     let func = dev.get_or_load_custom_func(&l.function, module, text)?;
-    // The plan left room for the kernels' few bytes of static shared memory; make sure it did.
     let static_smem = func
         .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
         .w()? as usize;
-    if static_smem > STATIC_SMEM_RESERVE {
+    // (Kernels without dynamic shared memory need no room.)
+    if l.smem > 0 && static_smem > STATIC_SMEM_RESERVE {
         bail!(
             "flash-attn: kernel {} holds {static_smem} bytes of static shared memory, more than \
              the {STATIC_SMEM_RESERVE} its plan reserves",
@@ -132,6 +147,26 @@ pub(crate) fn launch(dev: &CudaDevice, l: &Launch, args: &[Arg]) -> Result<()> {
         )
         .w()?;
     }
+    Ok(func)
+}
+
+/// One kernel argument, pushed by value in order.
+pub(crate) enum Arg<'a> {
+    Params(&'a Params),
+    Bwd(&'a BwdParams),
+    Map(&'a TmaMap),
+    I32(&'a i32),
+    I64(&'a i64),
+    Ptr(&'a u64),
+}
+
+/// Loads the plan's function and launches it on candle's stream with `args`. An empty grid
+/// launches nothing.
+pub(crate) fn launch(dev: &CudaDevice, l: &Launch, args: &[Arg]) -> Result<()> {
+    if l.is_empty() {
+        return Ok(());
+    }
+    let func = function(dev, l)?;
     let cfg = LaunchConfig {
         grid_dim: l.grid,
         block_dim: (l.threads, 1, 1),

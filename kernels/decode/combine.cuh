@@ -1,0 +1,116 @@
+// Decode attention, combine pass (flash-decoding's second pass; the partial pass is
+// decode/partial.cuh): one block per (query row, head) merges the splits' partial results.
+// lse = log2-sum-exp2 over the splits, O = sum_s 2^(lse_s - lse) O_s, written in the output
+// dtype with the natural-log lse. Thread s reads split s's lse (one load round for all splits);
+// warp w sums splits w, w + 4, ... (four at a time, so their loads are in flight together) and the
+// warps' sums are added in warp order: bitwise deterministic. Splits that saw no key carry lse
+// -inf and weigh 0; a row no split saw outputs 0, lse -inf.
+#pragma once
+#include "common/math.cuh"
+#include "common/params.cuh"
+#include "forward/rowwise.cuh"
+
+namespace decode {
+
+// Widest head the combine kernel merges (the widest decode instance).
+constexpr int COMBINE_MAX_D = 256;
+constexpr int COMBINE_THREADS = 128;
+
+// One block of COMBINE_THREADS per (output row, head): merges the splits' partials.
+template <typename T>
+__device__ __forceinline__ void combine(const FlashParams& p) {
+    constexpr int WARPS = COMBINE_THREADS / 32;
+    constexpr int CPL = COMBINE_MAX_D / 32;  // columns per lane
+    const int64_t row_g = blockIdx.x;
+    const int h = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int ns = p.num_splits;  // <= COMBINE_THREADS (the planner's MAX_SPLITS)
+    __shared__ float sh_w[COMBINE_THREADS];
+    __shared__ float sh_red[2][WARPS];
+    __shared__ float sh_o[WARPS][COMBINE_MAX_D];
+
+    // Thread s holds split s's base-2 lse: M = max, sum = sum_s 2^(lse_s - M), both reduced in a
+    // fixed order (lanes by a butterfly, then warps in order).
+    const float l = tid < ns ? p.lse_part[((int64_t)tid * p.heads + h) * p.total_q + row_g]
+                             : -INFINITY;
+    // A NaN partial (a NaN score) makes the row NaN, as in the unsplit kernel.
+    const bool nan = __syncthreads_or(l != l);
+    float m = l;
+#pragma unroll
+    for (int o = 16; o >= 1; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    if (lane == 0) sh_red[0][warp] = m;
+    __syncthreads();
+    m = sh_red[0][0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) m = fmaxf(m, sh_red[0][w]);
+    const float e = tid < ns && m != -INFINITY ? exp2f(l - m) : 0.f;
+    float sum = e;
+#pragma unroll
+    for (int o = 16; o >= 1; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    if (lane == 0) sh_red[1][warp] = sum;
+    __syncthreads();
+    sum = sh_red[1][0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) sum += sh_red[1][w];
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    sh_w[tid] = e * inv;
+    if (tid == 0) {
+        const float lse2 = nan ? NAN : (m == -INFINITY ? -INFINITY : m + log2f(sum));
+        // lse output index: dense (b, h, i) or varlen (h, row).
+        int64_t li;
+        if (p.cu_q || p.q_uniform) {
+            li = (int64_t)h * p.lse_head + row_g;
+        } else {
+            const int64_t bb = row_g / p.seq_q, i = row_g % p.seq_q;
+            li = (bb * p.heads + h) * p.seq_q + i;
+        }
+        p.lse[li] = lse2 * LN2_F;
+    }
+    __syncthreads();
+
+    // Warp w sums splits w, w + WARPS, ... for columns lane + 32 c; four splits per step, so
+    // their loads are in flight together. A split that saw no key has weight 0 and O = 0: it is
+    // not read (unless the row is NaN, which every split then carries into the sum).
+    float acc[CPL];
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) acc[c] = 0.f;
+    const float* part = p.o_part + row_g * p.o_seq + (int64_t)h * p.o_head;
+    const int64_t split_stride = (int64_t)p.total_q * p.o_seq;
+    for (int s0 = warp; s0 < ns; s0 += 4 * WARPS) {
+        float x[4][CPL];
+        float w[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int s = s0 + u * WARPS;
+            w[u] = s < ns ? sh_w[s] : 0.f;
+            const bool read = s < ns && (w[u] != 0.f || nan);
+#pragma unroll
+            for (int c = 0; c < CPL; ++c) {
+                const int col = lane + 32 * c;
+                x[u][c] = read && col < p.d_out ? part[s * split_stride + col] : 0.f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+            for (int c = 0; c < CPL; ++c) acc[c] += w[u] * x[u][c];
+    }
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) sh_o[warp][lane + 32 * c] = acc[c];
+    __syncthreads();
+    for (int col = tid; col < p.d_out; col += COMBINE_THREADS) {
+        float o = sh_o[0][col];
+#pragma unroll
+        for (int w = 1; w < WARPS; ++w) o += sh_o[w][col];
+        static_cast<T*>(p.o)[row_g * p.o_seq + (int64_t)h * p.o_head + col] =
+            rowwise::from_f32<T>(o);
+    }
+}
+
+}  // namespace decode
+
+#define FLASH_DECODE_COMBINE(NAME, T) \
+    extern "C" __global__ void __launch_bounds__(decode::COMBINE_THREADS) NAME(                 \
+        const FlashParams p) {                                                                  \
+        decode::combine<T>(p);                                                                  \
+    }

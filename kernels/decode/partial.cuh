@@ -1,0 +1,511 @@
+// Decode attention, partial pass: few query rows per K/V head against a long KV cache, f16/bf16
+// on tensor cores (mma.sync m16n8k16, f32 accumulation), in flash-decoding's two passes (the
+// combine pass is decode/combine.cuh).
+//
+// Grid (splits, kv_heads * row_blocks, batch). One block reads the keys of one split of one K/V
+// head of one sequence once, for every query row that uses them:
+// - GQA packing: the query heads sharing the K/V head and all their seq_q rows form the packed
+//   rows of the block (packed row r -> query i = r / group, head kvh * group + r % group), up to
+//   ROWS = 16 RG of them, RG 16-row mma tiles.
+// - Warps: RG x KG. Warp (rg, kg) owns the 16 rows of tile rg and keys [kg KW, kg KW + KW) of
+//   every K/V tile of BC = KG KW keys. With one row tile (RG 1) the warps split the keys, so a
+//   single sequence's tile still keeps four warps busy; with more rows each warp takes whole key
+//   tiles for its own rows (KG 1) and no merge is needed.
+// - K/V tiles stream through a STAGES-deep cp.async ring; STAGES - 1 tiles are in flight while
+//   one is computed, which is what keeps a block's bytes in flight above the memory latency.
+//   Paged caches read the block-table entries of a tile one iteration ahead (into shared
+//   memory, shared by K and V).
+// - Per tile and warp: S = Q K^T (Q, K by ldmatrix), the online softmax in the S registers
+//   (scale * log2 e folded into exp2; softcap / ALiBi in the `_mods` instances), O += P V with P
+//   straight from the S registers and V by ldmatrix.trans.
+// - After the loop the KG warps of a row tile merge (m, l, O) through shared memory in warp
+//   order (bitwise deterministic). With one split the block writes the output and lse;
+//   otherwise O / l (f32) and its base-2 log-sum-exp go to the split scratch.
+// Masking (causal, windows, prefix ranges), softcap and ALiBi follow src/semantics.rs through
+// common/.
+#pragma once
+#include "common/mask.cuh"
+#include "common/math.cuh"
+#include "common/ptx.cuh"
+#include "forward/mma.cuh"
+#include "forward/rowwise.cuh"
+
+namespace decode {
+
+using flash::cp_async_commit;
+using flash::cp_async_wait;
+using flash::ldsm_x4;
+using flash::ldsm_x4_t;
+using flash::Mma;
+using flash::swz;
+using flash::SwzRow;
+
+template <typename T, int D, int RG, int KG, int BC, int STAGES>
+struct Traits {
+    static constexpr int WARPS = RG * KG;
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int ROWS = 16 * RG;  // packed rows per block
+    static constexpr int KW = BC / KG;    // keys per warp and tile
+    static constexpr int DT = D / 8;      // n8 tiles of O
+    // Q tile, then STAGES (K, V) tiles. The f32 merge buffer (KG > 1) reuses the ring.
+    static constexpr int SMEM = (ROWS * D + STAGES * 2 * BC * D) * (int)sizeof(T);
+    static_assert(KW % 16 == 0, "a warp's keys are whole k16 steps");
+    static_assert(KG == 1 || ROWS * D * 4 <= STAGES * 2 * BC * D * (int)sizeof(T),
+                  "the merge buffer fits in the ring");
+};
+
+// Where a packed row lives: query row i of head h, or nothing (r >= group * sq).
+struct PackedRow {
+    int i, h;
+    bool valid;
+};
+__device__ __forceinline__ PackedRow packed_row(const FlashParams& p, int m0, int r, int kvh,
+                                                int sq) {
+    const int pr = m0 + r;
+    PackedRow x;
+    x.i = pr / p.kv_group;
+    x.h = kvh * p.kv_group + pr % p.kv_group;
+    x.valid = x.i < sq;
+    return x;
+}
+
+// Copies the block's ROWS x D packed rows of Q (per-row addresses) into a swizzled tile,
+// zero-filling rows past the packed length and columns past d_load.
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const BlockGeom& g,
+                                       int m0, int kvh) {
+    constexpr int C = D / 8;
+    for (int idx = threadIdx.x; idx < ROWS * C; idx += THREADS) {
+        const int r = idx / C, c = idx % C;
+        const PackedRow x = packed_row(p, m0, r, kvh, g.sq);
+        const bool ok = x.valid && c * 8 < p.d_load;
+        const T* src = static_cast<const T*>(p.q);
+        if (ok)
+            src += (int64_t)b * p.q_batch + (g.q_row0 + x.i) * p.q_seq + (int64_t)x.h * p.q_head +
+                   c * 8;
+        flash::cp_async16(sQ + swz<D>(r, c), src, ok ? 16 : 0);
+    }
+}
+
+// Copies keys [key0, key0 + TILE) of one K/V head into the swizzled K and V tiles. Contiguous
+// caches (blk null) read row j at kg / vg (the sequence's first row) plus j rows; paged caches
+// read row j % page of block blk[j - key0], the tile's block-table entries fetched beforehand
+// (-1 for rows past the sequence). Rows past `rows_valid`, columns past d_load and blocks outside
+// the cache are zero-filled.
+template <typename T, int D, int TILE, int THREADS>
+__device__ __forceinline__ void load_kv(T* sK, T* sV, const FlashParams& p, const T* kg,
+                                        const T* vg, int64_t k_head_off, int64_t v_head_off,
+                                        int key0, int rows_valid, const int* blk) {
+    constexpr int C = D / 8;
+    constexpr int RPI = THREADS / C;
+    static_assert(RPI >= 1, "a row must fit in one pass of the block");
+    const int r0 = threadIdx.x / C, c = threadIdx.x % C;
+    if (r0 >= RPI) return;
+    const bool col_ok = c * 8 < p.d_load;
+    const T* kc = static_cast<const T*>(p.k);
+    const T* vc = static_cast<const T*>(p.v);
+    constexpr int N = (TILE + RPI - 1) / RPI;
+#pragma unroll
+    for (int it = 0; it < N; ++it) {
+        const int r = r0 + it * RPI;
+        if (TILE % RPI != 0 && r >= TILE) break;
+        const int j = key0 + r;
+        const T* ks = nullptr;
+        const T* vs = nullptr;
+        if (col_ok && r < rows_valid) {
+            if (blk) {
+                const int bi = blk[r];
+                if (bi >= 0 && bi < p.num_blocks) {
+                    // Power-of-two pages (vLLM's 16, most of upstream's) mask instead of divide.
+                    const int row = p.page_shift >= 0 ? j & (p.page - 1) : j % p.page;
+                    ks = kc + (int64_t)bi * p.k_batch + (int64_t)row * p.k_seq + k_head_off;
+                    vs = vc + (int64_t)bi * p.v_batch + (int64_t)row * p.v_seq + v_head_off;
+                }
+            } else {
+                ks = kg + (int64_t)j * p.k_seq;
+                vs = vg + (int64_t)j * p.v_seq;
+            }
+        }
+        // A zero-byte copy reads nothing; point it at the cache base, which is always mapped.
+        flash::cp_async16(sK + swz<D>(r, c), ks ? ks + c * 8 : kc, ks ? 16 : 0);
+        flash::cp_async16(sV + swz<D>(r, c), vs ? vs + c * 8 : vc, vs ? 16 : 0);
+    }
+}
+
+// The block-table entry of key j of sequence b (paged caches), or -1 past the sequence's sk
+// keys. Only the load is issued here: the value is first used when it is stored to shared
+// memory, after the tile's compute, so the load's latency hides behind it.
+__device__ __forceinline__ int table_entry(const FlashParams& p, int b, int j, int sk) {
+    int blk = -1;
+    if (j < sk) {
+        const int pg = p.page_shift >= 0 ? j >> p.page_shift : j / p.page;
+        blk = p.block_table[(int64_t)b * p.max_blocks + pg];
+    }
+    return blk;
+}
+
+// The keys [n_lo, n_hi) this block reads: the union of the windows of the query rows its packed
+// rows touch (both window ends grow with the row), cut to this split's slice. Prefix ranges
+// widen rows' windows: such blocks walk every key (the rows' own ranges mask them).
+__device__ __forceinline__ void split_keys(const FlashParams& p, int split, int i_first,
+                                           int i_last, BlockGeom& g) {
+    const int64_t diag_first = (int64_t)i_first + g.sk - g.sq;
+    const int64_t diag_last = (int64_t)i_last + g.sk - g.sq;
+    int64_t lo = 0, hi = g.sk;
+    if (p.win_left >= 0 && !p.prefix)
+        lo = max((int64_t)0, min((int64_t)g.sk, diag_first - p.win_left));
+    if (p.win_right >= 0 && !p.prefix)
+        hi = max((int64_t)0, min((int64_t)g.sk, diag_last + p.win_right + 1));
+    const int64_t s_lo = (int64_t)split * p.split_keys, s_hi = s_lo + p.split_keys;
+    g.n_lo = (int)max(lo, min(s_lo, (int64_t)g.sk));
+    g.n_hi = (int)max((int64_t)g.n_lo, min(hi, s_hi));
+    g.m0 = i_first;
+    g.rows = i_last - i_first + 1;
+}
+
+// One warp's running state for its 16 rows: O (16 x D over the mma C layout), the row maxima
+// and sums of this thread's two rows (lane / 4 and lane / 4 + 8), in units of the raw score.
+template <int D>
+struct WarpState {
+    float o[D / 8][4];
+    float m[2], l[2];
+};
+
+// S = Q K^T, softmax update and O += P V for this warp's KW keys of one tile, whose first key is
+// `k0`. Masks with the rows' visible ranges [row_lo, row_hi) (within this split).
+template <typename T, int D, int KW, bool MODS>
+__device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p, const T* sQ,
+                                          const T* sK, const T* sV, const SwzRow<D>& q_off,
+                                          const SwzRow<D>& k_off, const SwzRow<D>& v_off, int k0,
+                                          const int (&row_lo)[2], const int (&row_hi)[2],
+                                          const int (&diag)[2], const float (&slope_log2)[2],
+                                          float unit) {
+    constexpr int NT = KW / 8;
+    const int lane = threadIdx.x % 32;
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t qa[4];
+        ldsm_x4(qa, sQ + q_off.at(0, kk));
+#pragma unroll
+        for (int np = 0; np < KW / 16; ++np) {
+            uint32_t kb[4];
+            ldsm_x4(kb, sK + k_off.at(np, kk));
+            Mma<T>::run(s[2 * np], qa, kb[0], kb[1]);
+            Mma<T>::run(s[2 * np + 1], qa, kb[2], kb[3]);
+        }
+    }
+    const int col = k0 + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = col + j * 8 + e % 2;
+            if constexpr (MODS)
+                s[j][e] = modded_score(p, s[j][e], slope_log2[e / 2], diag[e / 2], key);
+            // Keys outside the row's visible range within this split are masked; the split bounds
+            // are in that range, so two splits never count one key twice.
+            if (key < row_lo[e / 2] || key >= row_hi[e / 2]) s[j][e] = -INFINITY;
+        }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float mx = w.m[hf];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * hf], s[j][2 * hf + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_scaled = mx == -INFINITY ? 0.f : mx * unit;
+        const float alpha = fast_exp2(fmaf(w.m[hf], unit, -m_scaled));
+        w.m[hf] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float pv = fast_exp2(fmaf(s[j][2 * hf + e], unit, -m_scaled));
+                s[j][2 * hf + e] = pv;
+                sum += pv;
+            }
+        w.l[hf] = w.l[hf] * alpha + sum;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            w.o[j][2 * hf] *= alpha;
+            w.o[j][2 * hf + 1] *= alpha;
+        }
+    }
+    // O += P V, one k16 step per 16 keys: the C layout of two n8 tiles is the A layout of one.
+#pragma unroll
+    for (int ks = 0; ks < KW / 16; ++ks) {
+        uint32_t pa[4];
+        pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+        pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+        pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+        pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t vb[4];
+            ldsm_x4_t(vb, sV + v_off.at(ks, dp));
+            Mma<T>::run(w.o[2 * dp], pa, vb[0], vb[1]);
+            Mma<T>::run(w.o[2 * dp + 1], pa, vb[2], vb[3]);
+        }
+    }
+}
+
+// Writes one packed row's value (already normalised) to the output, or to the split scratch.
+template <typename T>
+__device__ __forceinline__ void store(const FlashParams& p, const PackedRow& x, int64_t row_g,
+                                      int split, int c, float val) {
+    if (p.num_splits == 1)
+        static_cast<T*>(p.o)[row_g * p.o_seq + (int64_t)x.h * p.o_head + c] =
+            rowwise::from_f32<T>(val);
+    else
+        p.o_part[((int64_t)split * p.total_q + row_g) * p.o_seq + (int64_t)x.h * p.o_head + c] =
+            val;
+}
+
+// Writes one packed row's base-2 log-sum-exp: natural-log lse (one split) or the scratch.
+__device__ __forceinline__ void store_lse(const FlashParams& p, const PackedRow& x, int b,
+                                          int64_t row_g, int split, float lse2) {
+    if (p.num_splits == 1) {
+        const int64_t li = p.cu_q || p.q_uniform ? (int64_t)x.h * p.lse_head + row_g
+                                                 : ((int64_t)b * p.heads + x.h) * p.seq_q + x.i;
+        p.lse[li] = lse2 * LN2_F;
+    } else {
+        p.lse_part[((int64_t)split * p.heads + x.h) * p.total_q + row_g] = lse2;
+    }
+}
+
+template <typename T, int D, int RG, int KG, int BC, int STAGES, bool MODS>
+__device__ __forceinline__ void partial(const FlashParams& p) {
+    using Tr = Traits<T, D, RG, KG, BC, STAGES>;
+    constexpr int THREADS = Tr::THREADS, ROWS = Tr::ROWS, KW = Tr::KW, DT = Tr::DT;
+    constexpr int WARPS = Tr::WARPS;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T* sQ = reinterpret_cast<T*>(smem_raw);
+    T* sKV = sQ + ROWS * D;  // stage s: K at sKV + 2 s BC D, V right after
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int rg = warp / KG, kg = warp % KG;
+    const int split = blockIdx.x;
+    const int kvh = blockIdx.y / p.m_tiles, mb = blockIdx.y % p.m_tiles;
+    const int b = blockIdx.z;
+    const int m0 = mb * ROWS;  // first packed row of the block
+
+    BlockGeom g;
+    if (!block_geom<true>(p, 0, 1, 0, b, g)) return;  // empty sequence: no rows
+    const int i_first = m0 / p.kv_group;
+    if (i_first >= g.sq) return;
+    split_keys(p, split, i_first, min(g.sq - 1, (m0 + ROWS - 1) / p.kv_group), g);
+
+    const T* kg_ptr = static_cast<const T*>(p.k) + (int64_t)b * p.k_batch + g.k_row0 * p.k_seq +
+                      (int64_t)kvh * p.k_head;
+    const T* vg_ptr = static_cast<const T*>(p.v) + (int64_t)b * p.v_batch + g.k_row0 * p.v_seq +
+                      (int64_t)kvh * p.v_head;
+
+    // This thread's two packed rows: diagonal, visible keys (within this split), ALiBi slope.
+    int diag[2], row_lo[2], row_hi[2];
+    float slope_log2[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const PackedRow x = packed_row(p, m0, 16 * rg + lane / 4 + 8 * hf, kvh, g.sq);
+        diag[hf] = x.i + g.sk - g.sq;
+        row_keys(p, b, diag[hf], g.sk, row_lo[hf], row_hi[hf]);
+        row_lo[hf] = max(row_lo[hf], g.n_lo);
+        row_hi[hf] = min(row_hi[hf], g.n_hi);
+        slope_log2[hf] = (MODS && p.alibi) ? p.alibi[b * p.alibi_batch + x.h] * LOG2E_F : 0.f;
+    }
+    WarpState<D> w;
+#pragma unroll
+    for (int j = 0; j < DT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w.o[j][e] = 0.f;
+    w.m[0] = w.m[1] = -INFINITY;
+    w.l[0] = w.l[1] = 0.f;
+    const float unit = MODS ? 1.f : p.scale_log2;
+
+    const SwzRow<D> q_off(16 * rg + lane % 16, lane / 16);
+    const SwzRow<D> k_off(KW * kg + (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    const SwzRow<D> v_off(KW * kg + lane % 16, lane / 16);
+
+    const int t_begin = g.n_lo / BC;
+    const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BC - 1) / BC : t_begin;
+
+    // Block-table entries of two consecutive K/V tiles (paged caches, tile t in blk[t % 2])
+    // during the key loop; the warps' row maxima and sums in the merge after it (KG > 1). Static
+    // shared memory stays within the planner's reserve (STATIC_SMEM_RESERVE, 1 KB).
+    constexpr int MW = KG > 1 ? WARPS : 1;
+    __shared__ union {
+        int blk[2][BC];
+        struct {
+            float m[MW][16], l[MW][16];
+        } ml;
+    } sh_u;
+    auto& sh_blk = sh_u.blk;
+    const bool paged = p.block_table != nullptr;
+    // Thread tid < BC fetches the table entry of key tid of tile t (-1 elsewhere).
+    auto fetch = [&](int t) {
+        return paged && tid < BC && t < t_end ? table_entry(p, b, t * BC + tid, g.sk) : -1;
+    };
+    // Only tiles the loop will issue: the buffer of a later one may still be read.
+    auto put = [&](int t, int blk) {
+        if (paged && tid < BC && t < t_end) sh_blk[t % 2][tid] = blk;
+    };
+    // Issues the copies of tile t into ring stage `stage` (the table entries of a paged tile
+    // must be in shared memory, behind a barrier).
+    auto issue = [&](int t, int stage) {
+        T* sK = sKV + stage * 2 * BC * D;
+        load_kv<T, D, BC, THREADS>(sK, sK + BC * D, p, kg_ptr, vg_ptr, (int64_t)kvh * p.k_head,
+                                   (int64_t)kvh * p.v_head, t * BC, min(BC, g.sk - t * BC),
+                                   paged ? sh_blk[t % 2] : nullptr);
+    };
+
+    load_q<T, D, ROWS, THREADS>(sQ, p, b, g, m0, kvh);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        const int t = t_begin + s;
+        if (t < t_end) {
+            if (paged) {
+                put(t, fetch(t));
+                __syncthreads();
+            }
+            issue(t, s);
+        }
+        cp_async_commit();
+    }
+    // The first tile the loop issues: its table entries are in place before its first barrier.
+    put(t_begin + STAGES - 1, fetch(t_begin + STAGES - 1));
+
+    for (int t = t_begin; t < t_end; ++t) {
+        const int it = t - t_begin;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        const int tn = t + STAGES - 1;
+        if (tn < t_end) issue(tn, (it + STAGES - 1) % STAGES);
+        cp_async_commit();
+        // The table entries of the tile after: loaded now, stored after this tile's compute
+        // (its buffer was last read by the copies of tile tn - 1, before the barrier above).
+        const int next_blk = fetch(tn + 1);
+        const T* sK = sKV + (it % STAGES) * 2 * BC * D;
+        const int k0 = t * BC + KW * kg;  // this warp's first key
+        if (k0 < g.n_hi && k0 + KW > g.n_lo)
+            warp_tile<T, D, KW, MODS>(w, p, sQ, sK, sK + BC * D, q_off, k_off, v_off, k0, row_lo,
+                                      row_hi, diag, slope_log2, unit);
+        put(tn + 1, next_blk);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Row sums over the quad (each thread summed its own columns).
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        w.l[hf] += __shfl_xor_sync(0xffffffff, w.l[hf], 1);
+        w.l[hf] += __shfl_xor_sync(0xffffffff, w.l[hf], 2);
+    }
+    if constexpr (KG == 1) {
+        // Each warp holds whole rows: normalise and write straight from the registers.
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = 16 * rg + lane / 4 + 8 * hf;
+            const PackedRow x = packed_row(p, m0, r, kvh, g.sq);
+            if (!x.valid) continue;
+            const float l = w.l[hf];
+            const float m_scaled = w.m[hf] == -INFINITY ? 0.f : w.m[hf] * unit;
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const int64_t row_g = g.out_row0 + x.i;
+#pragma unroll
+            for (int j = 0; j < DT; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = 8 * j + 2 * (lane % 4) + e;
+                    if (c < p.d_out) store<T>(p, x, row_g, split, c, w.o[j][2 * hf + e] * inv);
+                }
+            // A NaN l (a NaN score) keeps NaN in the lse, as O keeps it.
+            if (lane % 4 == 0)
+                store_lse(p, x, b, row_g, split,
+                          l > 0.f || l != l ? m_scaled + __log2f(l) : -INFINITY);
+        }
+    } else {
+        // Merge the KG warps of each row tile in warp order: M = max of their maxima, each
+        // warp's O and l scaled by 2^(m_w - M), summed in shared memory.
+        float(*sh_m)[16] = sh_u.ml.m;
+        float(*sh_l)[16] = sh_u.ml.l;
+        __shared__ float sh_scale[MW][16];
+        __shared__ float sh_inv[ROWS], sh_lse2[ROWS];
+        if (lane % 4 == 0) {
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                sh_m[warp][lane / 4 + 8 * hf] = w.m[hf];
+                sh_l[warp][lane / 4 + 8 * hf] = w.l[hf];
+            }
+        }
+        __syncthreads();
+        if (tid < ROWS) {
+            const int grp = tid / 16, r = tid % 16;
+            float m = -INFINITY;
+#pragma unroll
+            for (int k = 0; k < KG; ++k) m = fmaxf(m, sh_m[grp * KG + k][r]);
+            const float m_scaled = m == -INFINITY ? 0.f : m * unit;
+            float l = 0.f;
+#pragma unroll
+            for (int k = 0; k < KG; ++k) {
+                const float s = fast_exp2(fmaf(sh_m[grp * KG + k][r], unit, -m_scaled));
+                sh_scale[grp * KG + k][r] = s;
+                l += sh_l[grp * KG + k][r] * s;
+            }
+            sh_inv[tid] = l > 0.f ? 1.f / l : 0.f;
+            sh_lse2[tid] = l > 0.f || l != l ? m_scaled + __log2f(l) : -INFINITY;
+        }
+        __syncthreads();
+        float* sO = reinterpret_cast<float*>(sKV);  // ROWS x D f32, the ring is drained
+        for (int k = 0; k < KG; ++k) {
+            if (kg == k) {
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int r = lane / 4 + 8 * hf;
+                    const float s = sh_scale[warp][r];
+#pragma unroll
+                    for (int j = 0; j < DT; ++j) {
+                        float2* dst = reinterpret_cast<float2*>(sO + (16 * rg + r) * D + j * 8 +
+                                                                2 * (lane % 4));
+                        float2 v = make_float2(w.o[j][2 * hf] * s, w.o[j][2 * hf + 1] * s);
+                        if (k > 0) {
+                            v.x += dst->x;
+                            v.y += dst->y;
+                        }
+                        *dst = v;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+        for (int idx = tid; idx < ROWS * D; idx += THREADS) {
+            const int r = idx / D, c = idx % D;
+            const PackedRow x = packed_row(p, m0, r, kvh, g.sq);
+            if (!x.valid || c >= p.d_out) continue;
+            store<T>(p, x, g.out_row0 + x.i, split, c, sO[idx] * sh_inv[r]);
+        }
+        if (tid < ROWS) {
+            const PackedRow x = packed_row(p, m0, tid, kvh, g.sq);
+            if (x.valid) store_lse(p, x, b, g.out_row0 + x.i, split, sh_lse2[tid]);
+        }
+    }
+}
+
+}  // namespace decode
+
+// Entry points of the table in src/cuda/instances.rs (DECODE_INSTANCES), expanded by build.rs
+// into FLASH_DECODE_INSTANCES with the shared-memory size the planner assumes.
+#define FLASH_DECODE_INSTANCE(NAME, T, D, RG, KG, BC, STAGES, SMEM_BYTES)                        \
+    static_assert(decode::Traits<T, D, RG, KG, BC, STAGES>::SMEM == SMEM_BYTES,                  \
+                  "src/cuda/instances.rs and the kernel disagree on shared memory");            \
+    static_assert(D <= decode::COMBINE_MAX_D, "the combine kernel merges heads up to 256");      \
+    extern "C" __global__ void __launch_bounds__(RG * KG * 32) NAME(const FlashParams p) {       \
+        decode::partial<T, D, RG, KG, BC, STAGES, false>(p);                                     \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(RG * KG * 32) NAME##_mods(const FlashParams p) { \
+        decode::partial<T, D, RG, KG, BC, STAGES, true>(p);                                      \
+    }
