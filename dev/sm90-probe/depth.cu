@@ -4,8 +4,9 @@
 // thread 0 writes those times, relative to the read before the first, to out[0..N). (With A
 // from registers ptxas serialised this probe's wgmma for lack of registers, so only the
 // shared-memory form is measured.) At full rate one such wgmma occupies the SM's tensor pipe for
-// 64 cycles (BENCHMARKS.md, 2026-11-22 ~22:35): issues that return a few cycles apart were
-// queued, issues 64 cycles apart waited for the pipe. Probes:
+// 64 cycles (m64n128k16 is 2 * 64 * 128 * 16 flops, at the H100's 4096 dense bf16 flops per SM
+// and cycle): issues that return a few cycles apart were queued, issues 64 cycles apart waited
+// for the pipe. Probes:
 //   depth_ss: warpgroup 0 alone (the second of two rounds is reported).
 //   depth_ss_busy: warpgroup 1 first issues 16 of its own (the other consumer's S and P V of a
 //     step), then signals warpgroup 0 through shared memory, which issues its N at once.
