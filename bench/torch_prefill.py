@@ -23,7 +23,8 @@ impl,dtype,mask,batch,seq,heads,kv_heads,head_dim,ms,tflops (impl torch-flash or
 mask none or causal; ms and tflops empty where the backend refused the shape). TFLOP/s counts
 4*b*h*s^2*d for the forward and 2.5 times that for the backward (FlashAttention's convention),
 halved under the causal mask. The commit is $BENCH_COMMIT when set (a packed run away from the
-checkout), else `git rev-parse --short HEAD`.
+checkout), else `git rev-parse --short HEAD`. --append adds the rows to an existing file of
+the same columns (the one gpu_bench --csv wrote) instead of replacing it.
 """
 import argparse
 import csv
@@ -91,11 +92,20 @@ def commit():
 class Results:
     """The CSV file of --csv (or nothing): the four provenance columns, then COLUMNS."""
 
-    def __init__(self, path):
-        self.file = open(path, "w", newline="") if path else None
+    def __init__(self, path, append):
+        header = ["date", "commit", "device", "command", *COLUMNS]
+        if path and append and os.path.exists(path) and os.path.getsize(path) > 0:
+            with open(path, newline="") as f:
+                found = next(csv.reader(f), None)
+            if found != header:
+                sys.exit(f"--append: {path} has the columns {found}, not {header}")
+            self.file = open(path, "a", newline="")
+        else:
+            self.file = open(path, "w", newline="") if path else None
+            if self.file:
+                csv.writer(self.file, lineterminator="\n").writerow(header)
         if self.file:
-            self.writer = csv.writer(self.file)
-            self.writer.writerow(["date", "commit", "device", "command", *COLUMNS])
+            self.writer = csv.writer(self.file, lineterminator="\n")
             command = " ".join(["python3", os.path.basename(sys.argv[0]), *sys.argv[1:]])
             today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
             self.prefix = [today, commit(), torch.cuda.get_device_name(), command]
@@ -120,6 +130,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing")
     ap.add_argument("--csv", metavar="PATH", help="write the timings as CSV (bench/report.py)")
+    ap.add_argument("--append", action="store_true",
+                    help="with --csv: add to the file (gpu_bench's rows) instead of replacing it")
     ap.add_argument("--backward", action="store_true", help="time the backward pass instead")
     ap.add_argument("--shape", metavar="D:SEQ", help="only this head dim and sequence length")
     ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
@@ -134,7 +146,7 @@ def main():
     dtypes = (torch.bfloat16,) if args.quick and args.backward else (torch.bfloat16, torch.float16)
     layout = "bhsd" if args.backward else args.layout
     suffix = "-bshd" if layout == "bshd" else ""
-    out = Results(args.csv)
+    out = Results(args.csv, args.append)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {pass_name}, "
           f"q/k/v in {layout} memory")
     print(f"{'backend':<8} {'dtype':<6} {'d':>4} {'seq':>6} {'mask':>7} {'ms':>9} {'TFLOP/s':>9}")
