@@ -603,8 +603,7 @@ commit and command of its rows. History lives in git.
 **Ratios** are "best PyTorch / candle-flash" on times: the time of the faster of PyTorch SDPA's
 flash (FlashAttention-2) and cuDNN backends for the same shape, divided by candle-flash's. Above
 1 candle-flash is faster. Absolute times move between runs and machines; ratios from one run
-move less. CPU results come from a shared 2-core virtual machine unless the device says
-otherwise.
+move less.
 
 ## Producing results
 
