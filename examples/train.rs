@@ -1,5 +1,6 @@
 //! Trains a small character-level decoder-only Transformer with AdamW on the Tiny Shakespeare
-//! excerpt in `examples/data/`, with gradients flowing through either attention:
+//! excerpt in `examples/data/` (embedded in the binary, so a copied binary runs anywhere; `--data`
+//! reads another text), with gradients flowing through either attention:
 //! `naive_attention` (candle autograd through the score matrix) or `FlashAttn` (the op's own
 //! backward pass). Everything but the attention call is shared, and weights and batches come
 //! from `--seed`, so both backends start from the same weights and see the same batches.
@@ -9,16 +10,16 @@
 //! `--check-steps` steps, or if the loss did not fall. `--plot` writes the loss curves as SVG.
 //!
 //! ```text
-//! cargo run --release --example train -- --plot bench/train-loss-cpu.svg
+//! cargo run --release --example train -- --plot docs/img/train-loss-cpu.svg
 //! cargo run --release --example train -- --attention flash --steps 500
-//! cargo run --release --features cuda,candle-nn/cuda --example train -- --device cuda --plot bench/train-loss-cuda.svg
+//! cargo run --release --features cuda,candle-nn/cuda --example train -- --device cuda --plot train-loss-cuda.svg
 //! ```
 
 #[path = "common/charlm.rs"]
 mod charlm;
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -27,6 +28,10 @@ use candle::Device;
 use clap::{Parser, ValueEnum};
 
 use charlm::{Attention, Batches, Config, Corpus, Trainer};
+
+/// The default training text, `examples/data/tinyshakespeare.txt` (about 100 KB), compiled into
+/// the binary so that it does not depend on the build machine's checkout.
+const TINY_SHAKESPEARE: &str = include_str!("data/tinyshakespeare.txt");
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum AttentionArg {
@@ -79,7 +84,8 @@ struct Args {
     /// Seeds the weights and the batch offsets.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Training text (the last 10% is held out for the final evaluation).
+    /// Training text (the last 10% is held out for the final evaluation); by default the Tiny
+    /// Shakespeare excerpt of examples/data/, embedded in the binary.
     #[arg(long)]
     data: Option<PathBuf>,
     /// Write the loss curves (and, with `both`, |Δloss| per step) to this SVG file.
@@ -143,11 +149,15 @@ fn run(args: Args) -> Result<bool> {
         bail!("--steps must be at least 1");
     }
     let dev = device(args.device)?;
-    let data_path = args.data.clone().unwrap_or_else(|| {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/tinyshakespeare.txt")
-    });
-    let text = std::fs::read_to_string(&data_path)
-        .with_context(|| format!("reading {}", data_path.display()))?;
+    let (text, text_name) = match &args.data {
+        Some(path) => (
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?,
+            path.file_name().map_or(path.display().to_string(), |n| {
+                n.to_string_lossy().into_owned()
+            }),
+        ),
+        None => (TINY_SHAKESPEARE.to_string(), "tinyshakespeare.txt".into()),
+    };
     let corpus = Corpus::new(&text)?;
     let (train, held_out) = corpus.split(0.1);
     let cfg = Config {
@@ -197,7 +207,10 @@ fn run(args: Args) -> Result<bool> {
     );
     println!(
         "text: {} ({} characters: {} for training, {} held out)",
-        data_path.display(),
+        match &args.data {
+            Some(path) => path.display().to_string(),
+            None => "examples/data/tinyshakespeare.txt (embedded)".into(),
+        },
         corpus.ids.len(),
         train.len(),
         held_out.len()
@@ -292,8 +305,7 @@ fn run(args: Args) -> Result<bool> {
         let title = [
             format!(
                 "char-level Transformer on {}, f32 on {:?}",
-                data_path.file_name().unwrap_or_default().to_string_lossy(),
-                args.device
+                text_name, args.device
             ),
             format!(
                 "{} layers, d_model {}, {}/{} heads, seq {} × batch {}, AdamW lr {} \

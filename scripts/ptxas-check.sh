@@ -19,7 +19,7 @@ for ptx in "$dir"/*.ptx; do
     report=$(ptxas -arch=$arch -v "$ptx" -o /dev/null 2>&1) || { echo "$report"; exit 1; }
     # ptxas serialises every wgmma of a kernel (each waits for the one before) when it cannot
     # prove the warpgroup converged where it must insert a register handoff: no spill is
-    # reported, but such kernels ran 0.71-0.91x on an H100 (BENCHMARKS.md, 2026-11-23).
+    # reported, but the tensor pipe then idles between the GEMMs of a tile.
     if serial=$(grep "wgmma.mma_async instructions are serialized" <<<"$report"); then
         echo "$serial"; echo "  ^ SERIALISED wgmma in $(basename "$ptx")"; fail=1
     fi

@@ -1,0 +1,759 @@
+#!/usr/bin/env python3
+"""Benchmark report: regenerates docs/benchmarks.md, the plots in docs/img/ and the README's
+performance block (between `<!-- bench:begin -->` and `<!-- bench:end -->`) from the committed
+results in bench/results/*.csv.
+
+    python3 bench/report.py           # rewrite the page, the README block and the plots
+    python3 bench/report.py --check   # exit 1 if the page or the README block is out of date
+
+The plots need matplotlib; without it the tables are still written and the plots are skipped
+with a message. Output depends only on the CSV files, so a second run changes nothing.
+
+Every results file starts with the columns `date,commit,device,command` (where the numbers come
+from: examples/common/results.rs writes them for the Rust benchmarks, bench/torch_*.py for
+PyTorch), then the workload's columns (see SCHEMAS). Rows of several commands (candle-flash's
+benchmark and PyTorch's) share one file; each table lists the date, commit and command of its rows.
+
+Ratios are "best PyTorch / candle-flash" on times: the time of the faster PyTorch backend
+(torch-flash or torch-cudnn) for the same shape divided by candle-flash's. Above 1, candle-flash
+is faster; below 1, PyTorch is.
+"""
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+IMG = os.path.join(ROOT, "docs", "img")
+README = os.path.join(ROOT, "README.md")
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+COMMON = ["date", "commit", "device", "command"]
+SCHEMAS = {
+    "gpu-prefill": "impl,dtype,mask,batch,seq,heads,kv_heads,head_dim,ms,tflops",
+    "gpu-backward": "impl,dtype,mask,batch,seq,heads,kv_heads,head_dim,ms,tflops",
+    "gpu-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,ref_gbps",
+    "cpu-prefill": "impl,dtype,pass,mask,batch,seq,heads,head_dim,ms,gflops",
+    "cpu-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,ref_gbps",
+}
+INTEGER = {"batch", "seq", "heads", "kv_heads", "head_dim", "seq_q", "kv"}
+REAL = {"ms", "tflops", "gflops", "us", "gbps", "ref_gbps"}
+TORCH = ("torch-flash", "torch-cudnn")
+# Implementations in the order their columns appear; others follow alphabetically.
+IMPL_ORDER = ["candle-flash", "candle-flash-autograd", "candle-flash-portable", "candle-naive",
+              "candle-nn-flash", "torch-flash", "torch-cudnn", "torch-cpu"]
+DTYPE_ORDER = {"bf16": 0, "f16": 1, "f32": 2}
+COLORS = {"candle-flash": "tab:red", "candle-flash-autograd": "tab:orange",
+          "candle-flash-portable": "tab:brown", "candle-naive": "tab:gray",
+          "candle-nn-flash": "tab:purple", "torch-flash": "tab:blue", "torch-cudnn": "tab:green",
+          "torch-cpu": "tab:cyan"}
+STYLES = ["-", "--", ":", "-."]  # line styles of successive batch sizes
+BIG_KV_BYTES = 256e6  # K+V at least this large: the cache streams from DRAM, not from L2
+ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def read(name):
+    """Rows of bench/results/NAME.csv as dicts with numbers parsed (None where empty), or None
+    when the file does not exist."""
+    path = os.path.join(RESULTS, name + ".csv")
+    if not os.path.exists(path):
+        return None
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        want = COMMON + SCHEMAS[name].split(",")
+        missing = [c for c in want if c not in (reader.fieldnames or [])]
+        if missing:
+            sys.exit(f"{os.path.relpath(path, ROOT)}: missing columns {missing}; expected "
+                     f"{','.join(want)}")
+        rows = []
+        for line, r in enumerate(reader, start=2):
+            try:
+                for k in INTEGER & r.keys():
+                    r[k] = int(r[k])
+                for k in REAL & r.keys():
+                    r[k] = float(r[k]) if r[k] not in ("", None) else None
+            except ValueError as e:
+                sys.exit(f"{os.path.relpath(path, ROOT)}:{line}: {e}")
+            rows.append(r)
+    return rows
+
+
+def by_device(rows):
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r["device"]].append(r)
+    return [(d, groups[d]) for d in sorted(groups)]
+
+
+def impl_key(i):
+    return (IMPL_ORDER.index(i) if i in IMPL_ORDER else len(IMPL_ORDER), i)
+
+
+def dtype_key(d):
+    return (DTYPE_ORDER.get(d, 9), d)
+
+
+def slug(text):
+    s = "".join(c.lower() if c.isalnum() else "-" for c in text)
+    return "-".join(p for p in s.split("-") if p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting
+
+
+def provenance(rows, device=None):
+    """One line naming the device, the dates, commits and commands of `rows`."""
+    runs = sorted({(r["date"], r["commit"], r["command"]) for r in rows})
+    device = device or rows[0]["device"]
+    if len(runs) == 1:
+        date, commit, command = runs[0]
+        return f"{device}, {date}, commit `{commit}`: `{command}`"
+    parts = "; ".join(f"{d}, commit `{c}`: `{cmd}`" for d, c, cmd in runs)
+    return f"{device}; {parts}"
+
+
+def table(header, rows, align=None):
+    align = align or ["l"] + ["r"] * (len(header) - 1)
+    sep = ["---:" if a == "r" else "---" for a in align]
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def fnum(x, digits=None):
+    """A measured value with about four significant digits; '–' when missing."""
+    if x is None:
+        return "–"
+    if digits is not None:
+        return f"{x:.{digits}f}"
+    a = abs(x)
+    if a >= 1000:
+        return f"{x:.0f}"
+    if a >= 100:
+        return f"{x:.1f}"
+    if a >= 10:
+        return f"{x:.2f}"
+    return f"{x:.3f}"
+
+
+def fratio(x):
+    return "–" if x is None else f"{x:.2f}"
+
+
+def fpct(x):
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def span(values, fmt=fratio):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    lo, hi = min(values), max(values)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)}–{fmt(hi)}"
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def best_torch(times):
+    """(time, impl) of the faster PyTorch backend among `times` {impl: time}, or (None, None)."""
+    cands = [(times[i], i) for i in TORCH if times.get(i) is not None]
+    return min(cands) if cands else (None, None)
+
+
+def ratio(num, den):
+    return num / den if num is not None and den else None
+
+
+def img_link(name, alt):
+    return f"![{alt}](img/{name})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots (matplotlib only here; every function returns without it)
+
+
+class Plots:
+    def __init__(self, enabled):
+        self.plt = None
+        self.written = []
+        if not enabled:
+            return
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed: the plots in docs/img/ are left as they are "
+                  "(pip install matplotlib to redraw them)")
+            return
+        # Deterministic SVG: no date, fixed ids, text kept as text.
+        matplotlib.rcParams.update({"svg.hashsalt": "candle-flash", "svg.fonttype": "none",
+                                    "font.size": 9})
+        self.plt = plt
+
+    def remove_stale(self):
+        """Deletes plots of an earlier run that this run did not draw (a configuration that is
+        no longer in the results); other images in docs/img/ are left alone."""
+        if not self.plt or not os.path.isdir(IMG):
+            return
+        for f in sorted(os.listdir(IMG)):
+            if f.endswith(".svg") and f.split("-")[0] in ("gpu", "cpu") and f not in self.written:
+                os.remove(os.path.join(IMG, f))
+                print(f"removed docs/img/{f} (no longer drawn)")
+
+    def save(self, fig, name):
+        os.makedirs(IMG, exist_ok=True)
+        fig.savefig(os.path.join(IMG, name), format="svg", metadata={"Date": None},
+                    bbox_inches="tight")
+        self.plt.close(fig)
+        self.written.append(name)
+
+    def grid(self, n, ncols, w=4.0, h=3.1):
+        ncols = max(1, min(ncols, n))
+        nrows = math.ceil(n / ncols)
+        fig, axes = self.plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows),
+                                      squeeze=False, layout="constrained")
+        for ax in axes.flat[n:]:
+            ax.set_visible(False)
+        return fig, list(axes.flat[:n])
+
+    def legend(self, fig, impls, styles):
+        """One legend for the figure: a colour per implementation, then the line styles."""
+        from matplotlib.lines import Line2D
+
+        handles = [Line2D([], [], color=COLORS.get(i, "black"), marker="o", ms=3, label=i)
+                   for i in sorted(impls, key=impl_key)]
+        handles += [Line2D([], [], color="black", linestyle=ls, label=label)
+                    for ls, label in styles]
+        fig.legend(handles=handles, loc="outside right upper", fontsize=8)
+
+    def throughput(self, name, title, panels, unit, ncols, xlabel="sequence length"):
+        """panels: [(panel title, {(impl, mask): [(x, y)]})]: lines per implementation, solid
+        without a mask and dashed with the causal mask."""
+        if not self.plt:
+            return
+        fig, axes = self.grid(len(panels), ncols)
+        impls = set()
+        for ax, (ptitle, lines) in zip(axes, panels):
+            for (impl, mask) in sorted(lines, key=lambda k: (impl_key(k[0]), k[1] != "none")):
+                pts = sorted(p for p in lines[(impl, mask)] if p[1] is not None)
+                if not pts:
+                    continue
+                impls.add(impl)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                        color=COLORS.get(impl), linestyle="-" if mask == "none" else "--")
+            ax.set_xscale("log", base=2)
+            xs = sorted({p[0] for pts in lines.values() for p in pts})
+            ax.set_xticks(xs)
+            ax.set_xticklabels([str(x) for x in xs])
+            ax.minorticks_off()
+            ax.set_ylim(bottom=0)
+            ax.set_title(ptitle)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(unit)
+            ax.grid(alpha=0.3)
+        self.legend(fig, impls, [("-", "no mask"), ("--", "causal")])
+        fig.suptitle(title)
+        self.save(fig, name)
+
+    def heatmap(self, name, title, panels):
+        """panels: [(panel title, kvs, batches, {(kv, batch): ratio})]."""
+        if not self.plt:
+            return
+        from matplotlib.colors import TwoSlopeNorm
+
+        fig, axes = self.grid(len(panels), 3, w=4.4, h=3.4)
+        values = [v for _, _, _, cells in panels for v in cells.values() if v is not None]
+        lo, hi = min(values + [0.9]), max(values + [1.1])
+        norm = TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.99), vmax=max(hi, 1.01))
+        image = None
+        for ax, (ptitle, kvs, batches, cells) in zip(axes, panels):
+            grid = [[cells.get((kv, b), float("nan")) for kv in kvs] for b in batches]
+            image = ax.imshow(grid, cmap="RdYlGn", norm=norm, aspect="auto", origin="lower")
+            for yi, b in enumerate(batches):
+                for xi, kv in enumerate(kvs):
+                    v = cells.get((kv, b))
+                    if v is not None:
+                        ax.text(xi, yi, f"{v:.2f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(kvs)))
+            ax.set_xticklabels([str(k) for k in kvs], rotation=45)
+            ax.set_yticks(range(len(batches)))
+            ax.set_yticklabels([str(b) for b in batches])
+            ax.set_xlabel("keys per sequence (kv)")
+            ax.set_ylabel("batch")
+            ax.set_title(ptitle)
+        fig.colorbar(image, ax=axes, label="best PyTorch time / candle-flash time")
+        fig.suptitle(title)
+        self.save(fig, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads. Each returns (page section, README section); plots go through `plots`.
+
+
+def prefill_gpu(name, rows, plots, title, flop_note):
+    page, readme = [], []
+    devices = by_device(rows)
+    for device, drows in devices:
+        suffix = "" if len(devices) == 1 else "-" + slug(device)
+        shapes = defaultdict(dict)
+        for r in drows:
+            key = (r["dtype"], r["head_dim"], r["mask"], r["seq"], r["batch"], r["heads"],
+                   r["kv_heads"])
+            shapes[key][r["impl"]] = r
+        page.append(f"### {device}\n")
+        page.append(f"{flop_note} Plot: {img_link(name + suffix + '.svg', title)}\n")
+        panels = []
+        for dtype in sorted({k[0] for k in shapes}, key=dtype_key):
+            keys = sorted((k for k in shapes if k[0] == dtype),
+                          key=lambda k: (k[1], k[2] != "none", k[3]))
+            dtype_rows = [r for k in keys for r in shapes[k].values()]
+            others = sorted({r["impl"] for r in dtype_rows} - {"candle-flash"}, key=impl_key)
+            body, ratios = [], []
+            for k in keys:
+                got = shapes[k]
+                t = {i: got[i]["ms"] for i in got}
+                cf = t.get("candle-flash")
+                tb, _ = best_torch(t)
+                rt = ratio(tb, cf)
+                ratios.append((rt, k))
+                tf = got.get("candle-flash", {}).get("tflops")
+                heads = f"{k[5]}" if k[5] == k[6] else f"{k[5]}/{k[6]}"
+                body.append([k[1], k[2], k[3], k[4], heads, fnum(cf), fnum(tf, 1)]
+                            + [fnum(t.get(i)) for i in others] + [fratio(rt)])
+            header = (["d", "mask", "seq", "batch", "heads", "candle-flash ms", "TFLOP/s"]
+                      + [f"{i} ms" for i in others] + ["best torch / candle-flash"])
+            page.append(f"**{dtype}** ({provenance(dtype_rows, device)})\n")
+            page.append(table(header, body, ["r", "l"] + ["r"] * (len(header) - 2)) + "\n")
+            have = [(r, k) for r, k in ratios if r is not None]
+            if have:
+                lo = min(have)
+                page.append(f"Best PyTorch / candle-flash over {len(have)} shapes: median "
+                            f"{fratio(median([r for r, _ in have]))}, lowest {fratio(lo[0])} "
+                            f"(d {lo[1][1]}, {lo[1][2]}, seq {lo[1][3]}).\n")
+            for d in sorted({k[1] for k in keys}):
+                lines = defaultdict(list)
+                for k in keys:
+                    if k[1] != d:
+                        continue
+                    for impl, r in shapes[k].items():
+                        lines[(impl, k[2])].append((k[3], r["tflops"]))
+                panels.append((f"{dtype}, head_dim {d}", lines))
+        ncols = max(len({k[1] for k in shapes if k[0] == dt}) for dt in {k[0] for k in shapes})
+        plots.throughput(name + suffix + ".svg", f"{title}, {device}", panels, "TFLOP/s", ncols)
+        readme.append(prefill_gpu_readme(shapes, device, title, name + suffix))
+    return "\n".join(page), "\n".join(x for x in readme if x)
+
+
+def prefill_gpu_readme(shapes, device, title, img):
+    """Ratio per (head_dim, mask) and sequence length, for the first dtype with PyTorch rows."""
+    with_torch = [k for k, got in shapes.items()
+                  if "candle-flash" in got and best_torch({i: got[i]["ms"] for i in got})[0]]
+    if not with_torch:
+        return ""
+    dtype = min({k[0] for k in with_torch}, key=dtype_key)
+    keys = [k for k in with_torch if k[0] == dtype]
+    seqs = sorted({k[3] for k in keys})
+    rowkeys = sorted({(k[1], k[2]) for k in keys}, key=lambda x: (x[0], x[1] != "none"))
+    body = []
+    for d, mask in rowkeys:
+        cells = []
+        for s in seqs:
+            ks = [k for k in keys if k[1] == d and k[2] == mask and k[3] == s]
+            if not ks:
+                cells.append("–")
+                continue
+            got = shapes[ks[0]]
+            t = {i: got[i]["ms"] for i in got}
+            cells.append(fratio(ratio(best_torch(t)[0], t["candle-flash"])))
+        body.append([d, mask] + cells)
+    rows = [r for k in keys for r in shapes[k].values()]
+    return (f"**{title}**, {dtype}: best PyTorch time / candle-flash time per sequence length "
+            f"({provenance(rows, device)}; [plot](docs/img/{img}.svg))\n\n"
+            + table(["d", "mask"] + [str(s) for s in seqs], body, ["r", "l"] + ["r"] * len(seqs))
+            + "\n")
+
+
+def decode_section(name, rows, plots, cpu):
+    page, readme = [], []
+    devices = by_device(rows)
+    for device, drows in devices:
+        suffix = "" if len(devices) == 1 else "-" + slug(device)
+        impls = sorted({r["impl"] for r in drows}, key=impl_key)
+        # One result per (configuration, layout, shape, impl); PyTorch rows are compared with
+        # candle-flash's in the same layout, else with its contiguous ones.
+        cells = defaultdict(dict)
+        for r in drows:
+            cfg = (r["dtype"], r["heads"], r["kv_heads"], r["head_dim"])
+            cells[(cfg, r["batch"], r["seq_q"], r["kv"])][(r["impl"], r["layout"])] = r
+        configs = sorted({k[0] for k in cells}, key=lambda c: (dtype_key(c[0]), c[1:]))
+        layouts = sorted({r["layout"] for r in drows}, key=lambda l: (l != "contiguous", l))
+        page.append(f"### {device}\n")
+        summary, worst, big = [], [], []
+        for cfg in configs:
+            dtype, h, hk, d = cfg
+            cfg_name = f"{dtype}, {h}/{hk} heads, d {d}"
+            cfg_rows = [r for k, v in cells.items() if k[0] == cfg for r in v.values()]
+            page.append(f"**{cfg_name}** ({provenance(cfg_rows, device)})\n")
+            shape_keys = sorted(k for k in cells if k[0] == cfg)
+            body = []
+            heat = defaultdict(dict)
+            for layout in layouts:
+                rs, fr, nr = [], [], []
+                for k in shape_keys:
+                    got = cells[k]
+                    cf = got.get(("candle-flash", layout))
+                    if cf is None:
+                        continue
+                    t = {i: (got.get((i, layout)) or got.get((i, "contiguous")) or {}).get("us")
+                         for i in impls}
+                    tb, tb_impl = best_torch(t)
+                    rt = ratio(tb, cf["us"])
+                    frac = ratio(cf["gbps"], cf["ref_gbps"])
+                    naive = ratio(t.get("candle-naive"), cf["us"])
+                    _, b, sq, kv = k
+                    kv_bytes = 2 * b * kv * hk * d * ELEM_BYTES.get(dtype, 4)
+                    row = [layout, b, sq, kv, fnum(cf["us"]), fnum(cf["gbps"], 1), fpct(frac)]
+                    if cpu:
+                        row += [fnum(t.get("candle-naive")), fratio(naive)]
+                        row += [fnum(t.get(i)) for i in impls if i.startswith("torch")]
+                        nr.append(naive)
+                    else:
+                        row += [fnum(t.get(i)) for i in impls
+                                if i not in ("candle-flash",)] + [fratio(rt)]
+                    body.append(row)
+                    if rt is not None:
+                        rs.append(rt)
+                        worst.append((rt, cfg_name, layout, b, sq, kv, cf["us"], tb, tb_impl))
+                        if layout == "contiguous":
+                            heat[sq][(kv, b)] = rt
+                    # The GPU's share of the reference counts only where the cache cannot sit
+                    # in L2; the CPU's on every row.
+                    if cpu or kv_bytes >= BIG_KV_BYTES:
+                        fr.append(frac)
+                    if not cpu and kv_bytes >= BIG_KV_BYTES:
+                        big.append((cfg_name, layout, b, sq, kv, kv_bytes, frac))
+                summary.append((cfg_name, layout, len(rs) or len(nr), rs, fr, nr))
+            if cpu:
+                header = ["layout", "batch", "seq_q", "kv", "candle-flash µs", "GB/s",
+                          "of ref GB/s", "candle-naive µs", "naive / flash"]
+                header += [f"{i} µs" for i in impls if i.startswith("torch")]
+            else:
+                header = ["layout", "batch", "seq_q", "kv", "candle-flash µs", "GB/s",
+                          "of ref GB/s"] + [f"{i} µs" for i in impls if i != "candle-flash"]
+                header += ["best torch / candle-flash"]
+            page.append(table(header, body, ["l"] + ["r"] * (len(header) - 1)) + "\n")
+            if heat and not cpu:
+                img = f"{name}{suffix}-{slug(f'{dtype} h{h} kv{hk} d{d}')}.svg"
+                seqs = sorted(heat)
+                panels = []
+                for sq in seqs:
+                    kvs = sorted({kv for kv, _ in heat[sq]})
+                    bs = sorted({b for _, b in heat[sq]})
+                    panels.append((f"seq_q {sq}", kvs, bs, heat[sq]))
+                plots.heatmap(img, f"Decode, {cfg_name}, contiguous cache: best PyTorch / "
+                              f"candle-flash, {device}", panels)
+                page.append(f"Heatmap of the ratio over (kv × batch), one panel per seq_q: "
+                            f"{img_link(img, 'decode ratio heatmap ' + cfg_name)}\n")
+        if cpu:
+            head = ["configuration", "layout", "shapes", "of ref GB/s", "naive / flash"]
+            short = [[c, l, n, span(fr, fpct), span(nr)] for c, l, n, rs, fr, nr in summary]
+        else:
+            head = ["configuration", "layout", "shapes", "lowest", "median",
+                    "of ref GB/s, K+V ≥ 256 MB"]
+            short = [[c, l, n, fratio(min(rs) if rs else None), fratio(median(rs)),
+                      span(fr, fpct)] for c, l, n, rs, fr, nr in summary]
+        page.append("**Summary**" + (" (best PyTorch / candle-flash)" if not cpu else "")
+                    + "\n")
+        page.append(table(head, short, ["l", "l"] + ["r"] * (len(head) - 2)) + "\n")
+        if worst and not cpu:
+            worst.sort(key=lambda w: (w[0], w[1:6]))
+            body = [[c, l, b, sq, kv, fnum(us), f"{fnum(tb)} ({ti})", fratio(rt)]
+                    for rt, c, l, b, sq, kv, us, tb, ti in worst[:10]]
+            page.append("**Worst rows** (lowest best PyTorch / candle-flash)\n")
+            page.append(table(["configuration", "layout", "batch", "seq_q", "kv",
+                               "candle-flash µs", "best torch µs", "ratio"], body,
+                              ["l", "l"] + ["r"] * 6) + "\n")
+        if big and not cpu:
+            body = [[c, l, b, sq, kv, f"{kb / 1e6:.0f}", fpct(f)]
+                    for c, l, b, sq, kv, kb, f in sorted(big)]
+            page.append("**Bandwidth where K+V ≥ 256 MB** (candle-flash GB/s as a fraction of "
+                        "the reference bandwidth measured in the same run)\n")
+            page.append(table(["configuration", "layout", "batch", "seq_q", "kv", "K+V MB",
+                               "of ref GB/s"], body, ["l", "l"] + ["r"] * 5) + "\n")
+        readme.append((device, drows, head, short))
+    return "\n".join(page), readme
+
+
+def cpu_prefill(rows, plots):
+    page, readme = [], []
+    devices = by_device(rows)
+    for device, drows in devices:
+        suffix = "" if len(devices) == 1 else "-" + slug(device)
+        impls = sorted({r["impl"] for r in drows}, key=impl_key)
+        others = [i for i in impls if i != "candle-flash"]
+        shapes = defaultdict(dict)
+        for r in drows:
+            shapes[(r["pass"] != "forward", r["pass"], r["dtype"], r["mask"] != "none", r["mask"],
+                    r["seq"], r["batch"], r["heads"], r["head_dim"])][r["impl"]] = r
+        page.append(f"### {device}\n")
+        img = f"cpu-prefill{suffix}.svg"
+        page.append(f"GFLOP/s count `4·batch·heads·seq²·head_dim` for the forward and 2.5 times "
+                    f"that for the backward, halved under the causal mask. The ratios are "
+                    f"times: another implementation's time / candle-flash's. Plot: "
+                    f"{img_link(img, 'CPU prefill GFLOP/s')}\n")
+        short, panels = [], []
+        for pkey in sorted({k[:3] for k in shapes}):
+            _, pss, dtype = pkey
+            keys = sorted(k for k in shapes if k[:3] == pkey)
+            prow = [r for k in keys for r in shapes[k].values()]
+            body = []
+            for k in keys:
+                got = shapes[k]
+                cf = got.get("candle-flash", {})
+                cells = [k[4], k[5], k[6], k[7], k[8], fnum(cf.get("ms")), fnum(cf.get("gflops"), 1)]
+                for i in others:
+                    o = got.get(i, {})
+                    cells += [fnum(o.get("ms")), fratio(ratio(o.get("ms"), cf.get("ms")))]
+                body.append(cells)
+                short.append([pss, dtype, k[4], k[5], fnum(cf.get("gflops"), 1)]
+                             + [fratio(ratio(got.get(i, {}).get("ms"), cf.get("ms")))
+                                for i in others])
+            header = ["mask", "seq", "batch", "heads", "d", "candle-flash ms", "GFLOP/s"]
+            for i in others:
+                header += [f"{i} ms", f"{i} / flash"]
+            page.append(f"**{pss}, {dtype}** ({provenance(prow, device)})\n")
+            page.append(table(header, body, ["l"] + ["r"] * (len(header) - 1)) + "\n")
+            lines = defaultdict(list)
+            for k in keys:
+                for impl, r in shapes[k].items():
+                    lines[(impl, k[4])].append((k[5], r["gflops"]))
+            panels.append((f"{pss}, {dtype}", lines))
+        plots.throughput(img, f"CPU prefill, {device}", panels, "GFLOP/s", 2)
+        head = ["pass", "dtype", "mask", "seq", "candle-flash GFLOP/s"] + [
+            f"{i} / flash" for i in others]
+        readme.append((device, drows, head, short, img))
+    return "\n".join(page), readme
+
+
+def cpu_decode_plot(rows, plots):
+    """GB/s against the cache length, lines per (impl, batch), the reference dashed."""
+    if not plots.plt:
+        return
+    for device, drows in by_device(rows):
+        devices = {r["device"] for r in rows}
+        suffix = "" if len(devices) == 1 else "-" + slug(device)
+        configs = sorted({(r["dtype"], r["heads"], r["kv_heads"], r["head_dim"], r["layout"],
+                           r["seq_q"]) for r in drows}, key=lambda c: (dtype_key(c[0]), c[1:]))
+        fig, axes = plots.grid(len(configs), 3)
+        for ax, cfg in zip(axes, configs):
+            sel = [r for r in drows if (r["dtype"], r["heads"], r["kv_heads"], r["head_dim"],
+                                        r["layout"], r["seq_q"]) == cfg]
+            lines = defaultdict(list)
+            for r in sel:
+                lines[(r["impl"], r["batch"])].append((r["kv"], r["gbps"]))
+            for (impl, b) in sorted(lines, key=lambda k: (impl_key(k[0]), k[1])):
+                pts = sorted(p for p in lines[(impl, b)] if p[1] is not None)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                        color=COLORS.get(impl), label=f"{impl}, batch {b}",
+                        linestyle=STYLES[sorted({x[1] for x in lines}).index(b) % len(STYLES)])
+            ref = median([r["ref_gbps"] for r in sel])
+            if ref:
+                ax.axhline(ref, color="black", linestyle="--", linewidth=0.8,
+                           label="reference (copy)")
+            ax.set_xscale("log", base=2)
+            xs = sorted({r["kv"] for r in sel})
+            ax.set_xticks(xs)
+            ax.set_xticklabels([str(x) for x in xs])
+            ax.minorticks_off()
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{cfg[0]}, {cfg[1]}/{cfg[2]} heads, d {cfg[3]}, {cfg[4]}, seq_q {cfg[5]}")
+            ax.set_xlabel("keys per sequence (kv)")
+            ax.set_ylabel("GB/s (K and V read once)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"CPU decode, {device}")
+        plots.save(fig, f"cpu-decode{suffix}.svg")
+
+
+# ---------------------------------------------------------------------------------------------
+# The page and the README block
+
+
+INTRO = """# Benchmarks
+
+Generated by `python3 bench/report.py` from the CSV files in
+[bench/results/](../bench/results/); do not edit by hand. Each table names the device, date,
+commit and command of its rows. History lives in git.
+
+**Ratios** are "best PyTorch / candle-flash" on times: the time of the faster of PyTorch SDPA's
+flash (FlashAttention-2) and cuDNN backends for the same shape, divided by candle-flash's. Above
+1 candle-flash is faster. Absolute times move between runs and machines; ratios from one run
+move less.
+
+## Producing results
+
+```bash
+# CPU
+cargo run --release --example cpu_bench -- --csv bench/results/cpu-prefill.csv
+cargo run --release --example decode_bench -- --csv bench/results/cpu-decode.csv
+# GPU, with PyTorch appending its rows to the same file
+cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --csv bench/results/gpu-prefill.csv
+python3 bench/torch_prefill.py --append --csv bench/results/gpu-prefill.csv
+cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --backward --csv bench/results/gpu-backward.csv
+python3 bench/torch_prefill.py --backward --append --csv bench/results/gpu-backward.csv
+# then
+python3 bench/report.py
+```
+"""
+
+PREFILL_NOTE = ("Shapes of `examples/gpu_bench.rs`: hidden 2048 (heads = 2048 / head_dim), "
+                "16384 tokens per batch (batch = 16384 / seq), q, k, v in `(batch, seq, heads, "
+                "head_dim)` memory for candle-flash and `(batch, heads, seq, head_dim)` for "
+                "PyTorch. TFLOP/s count `4·batch·heads·seq²·head_dim`, halved under the causal "
+                "mask.")
+BACKWARD_NOTE = ("The backward pass alone from a saved forward (`FlashAttn::backward`; PyTorch: "
+                 "`torch.autograd.grad` of SDPA's output), on the forward's shapes. TFLOP/s "
+                 "count 2.5 times the forward's flops (FlashAttention's convention). "
+                 "`candle-flash-autograd` is the same pass through `loss.backward()`, "
+                 "`candle-flash-portable` the kernels every non-Hopper GPU runs "
+                 "(`FlashAttn::portable(true)`).")
+DECODE_NOTE = ("Decode: `seq_q` query rows per sequence against a KV cache of `kv` keys, "
+               "causal. GB/s count K and V read once in their dtype; \"of ref GB/s\" divides "
+               "that by the copy bandwidth measured in the same run (`ref_gbps`). `paged16`: the "
+               "cache in 16-row pages behind a shuffled block table.")
+
+
+def no_results(name):
+    return f"No results yet (bench/results/{name}.csv).\n"
+
+
+def build(plots):
+    page = [INTRO]
+    readme = []
+
+    rows = read("gpu-prefill")
+    page.append("## GPU forward (prefill)\n")
+    if rows:
+        p, r = prefill_gpu("gpu-prefill", rows, plots, "GPU forward", PREFILL_NOTE)
+        page.append(p)
+        readme.append(r)
+    else:
+        page.append(no_results("gpu-prefill"))
+
+    rows = read("gpu-backward")
+    page.append("## GPU backward\n")
+    if rows:
+        p, r = prefill_gpu("gpu-backward", rows, plots, "GPU backward", BACKWARD_NOTE)
+        page.append(p)
+        readme.append(r)
+    else:
+        page.append(no_results("gpu-backward"))
+
+    rows = read("gpu-decode")
+    page.append("## GPU decode\n")
+    if rows:
+        page.append(DECODE_NOTE + "\n")
+        p, r = decode_section("gpu-decode", rows, plots, cpu=False)
+        page.append(p)
+        for device, drows, head, body in r:
+            readme.append(f"**GPU decode**: best PyTorch time / candle-flash time, lowest and "
+                          f"median over the shapes, and candle-flash's share of the copy "
+                          f"bandwidth where K+V ≥ 256 MB ({provenance(drows, device)})\n\n"
+                          + table(head, body, ["l", "l"] + ["r"] * (len(head) - 2)) + "\n")
+    else:
+        page.append(no_results("gpu-decode"))
+
+    rows = read("cpu-prefill")
+    page.append("## CPU prefill (forward and backward)\n")
+    if rows:
+        p, r = cpu_prefill(rows, plots)
+        page.append(p)
+        for device, drows, head, body, img in r:
+            readme.append(f"**CPU prefill**: candle-flash GFLOP/s, and other implementations' "
+                          f"time / candle-flash's ({provenance(drows, device)}; "
+                          f"[plot](docs/img/{img}))\n\n"
+                          + table(head, body, ["l", "l", "l"] + ["r"] * (len(head) - 3)) + "\n")
+    else:
+        page.append(no_results("cpu-prefill"))
+
+    rows = read("cpu-decode")
+    page.append("## CPU decode\n")
+    if rows:
+        page.append(DECODE_NOTE + " On the CPU `candle-naive` is candle's matmul-softmax-matmul "
+                    "with K and V repeated to the query heads outside the clock.\n")
+        p, r = decode_section("cpu-decode", rows, plots, cpu=True)
+        page.append(p)
+        cpu_decode_plot(rows, plots)
+        page.append(f"Plot: {img_link('cpu-decode.svg', 'CPU decode GB/s')}\n"
+                    if len({x['device'] for x in rows}) == 1 else "")
+        for device, drows, head, body in r:
+            readme.append(f"**CPU decode**: candle-flash's share of the copy bandwidth and "
+                          f"candle-naive's time / candle-flash's ({provenance(drows, device)})"
+                          f"\n\n" + table(head, body, ["l", "l"] + ["r"] * (len(head) - 2))
+                          + "\n")
+    else:
+        page.append(no_results("cpu-decode"))
+
+    page_text = "\n".join(x.rstrip("\n") + "\n" for x in page if x)
+    block = "\n".join(x.rstrip("\n") + "\n" for x in readme if x)
+    block += ("\nEvery table, with the times: [docs/benchmarks.md](docs/benchmarks.md) "
+              "(`python3 bench/report.py` regenerates it and this block from "
+              "[bench/results/](bench/results/)).\n")
+    return page_text, block
+
+
+def splice(readme, block):
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        sys.exit(f"README.md has no {BEGIN} ... {END} block")
+    return readme[: start + len(BEGIN)] + "\n" + block + readme[end:]
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Regenerate docs/benchmarks.md, docs/img/ and the "
+                                 "README's performance block from bench/results/*.csv.")
+    ap.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 if the page or the README block is out of date")
+    args = ap.parse_args()
+    plots = Plots(enabled=not args.check)
+    page, block = build(plots)
+    with open(README) as f:
+        old_readme = f.read()
+    new_readme = splice(old_readme, block)
+    old_page = open(PAGE).read() if os.path.exists(PAGE) else None
+    if args.check:
+        stale = [n for n, o, w in (("docs/benchmarks.md", old_page, page),
+                                   ("README.md", old_readme, new_readme)) if o != w]
+        if stale:
+            print(f"out of date: {', '.join(stale)}; run python3 bench/report.py")
+            return 1
+        print("docs/benchmarks.md and the README block are up to date")
+        return 0
+    plots.remove_stale()
+    os.makedirs(os.path.dirname(PAGE), exist_ok=True)
+    with open(PAGE, "w") as f:
+        f.write(page)
+    with open(README, "w") as f:
+        f.write(new_readme)
+    print(f"wrote docs/benchmarks.md, README.md's performance block"
+          + (f" and {len(plots.written)} plots in docs/img/" if plots.written else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
