@@ -12,8 +12,10 @@
 
 namespace decode {
 
-// Widest head the combine kernel merges (the widest decode instance).
+// Widest head the combine kernel merges (the widest decode instance), most splits (the
+// planner's MAX_SPLITS), threads per block.
 constexpr int COMBINE_MAX_D = 256;
+constexpr int COMBINE_MAX_SPLITS = 256;
 constexpr int COMBINE_THREADS = 128;
 
 // One block of COMBINE_THREADS per (output row, head): merges the splits' partials.
@@ -24,18 +26,27 @@ __device__ __forceinline__ void combine(const FlashParams& p) {
     const int64_t row_g = blockIdx.x;
     const int h = blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int ns = p.num_splits;  // <= COMBINE_THREADS (the planner's MAX_SPLITS)
-    __shared__ float sh_w[COMBINE_THREADS];
+    constexpr int SPT = COMBINE_MAX_SPLITS / COMBINE_THREADS;  // splits per thread
+    const int ns = p.num_splits;  // <= COMBINE_MAX_SPLITS (the planner's MAX_SPLITS)
+    __shared__ float sh_w[COMBINE_MAX_SPLITS];
     __shared__ float sh_red[2][WARPS];
     __shared__ float sh_o[WARPS][COMBINE_MAX_D];
 
-    // Thread s holds split s's base-2 lse: M = max, sum = sum_s 2^(lse_s - M), both reduced in a
-    // fixed order (lanes by a butterfly, then warps in order).
-    const float l = tid < ns ? p.lse_part[((int64_t)tid * p.heads + h) * p.total_q + row_g]
-                             : -INFINITY;
+    // Thread t holds the base-2 lse of splits t, t + THREADS, ...: M = max, sum = sum_s
+    // 2^(lse_s - M), both reduced in a fixed order (a thread's splits in order, lanes by a
+    // butterfly, then warps in order).
+    float l[SPT];
+    bool any_nan = false;
+    float m = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < SPT; ++u) {
+        const int s = tid + u * COMBINE_THREADS;
+        l[u] = s < ns ? p.lse_part[((int64_t)s * p.heads + h) * p.total_q + row_g] : -INFINITY;
+        any_nan |= l[u] != l[u];
+        m = fmaxf(m, l[u]);
+    }
     // A NaN partial (a NaN score) makes the row NaN, as in the unsplit kernel.
-    const bool nan = __syncthreads_or(l != l);
-    float m = l;
+    const bool nan = __syncthreads_or(any_nan);
 #pragma unroll
     for (int o = 16; o >= 1; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
     if (lane == 0) sh_red[0][warp] = m;
@@ -43,8 +54,12 @@ __device__ __forceinline__ void combine(const FlashParams& p) {
     m = sh_red[0][0];
 #pragma unroll
     for (int w = 1; w < WARPS; ++w) m = fmaxf(m, sh_red[0][w]);
-    const float e = tid < ns && m != -INFINITY ? exp2f(l - m) : 0.f;
-    float sum = e;
+    float e[SPT], sum = 0.f;
+#pragma unroll
+    for (int u = 0; u < SPT; ++u) {
+        e[u] = tid + u * COMBINE_THREADS < ns && m != -INFINITY ? exp2f(l[u] - m) : 0.f;
+        sum += e[u];
+    }
 #pragma unroll
     for (int o = 16; o >= 1; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
     if (lane == 0) sh_red[1][warp] = sum;
@@ -53,7 +68,8 @@ __device__ __forceinline__ void combine(const FlashParams& p) {
 #pragma unroll
     for (int w = 1; w < WARPS; ++w) sum += sh_red[1][w];
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    sh_w[tid] = e * inv;
+#pragma unroll
+    for (int u = 0; u < SPT; ++u) sh_w[tid + u * COMBINE_THREADS] = e[u] * inv;
     if (tid == 0) {
         const float lse2 = nan ? NAN : (m == -INFINITY ? -INFINITY : m + log2f(sum));
         // lse output index: dense (b, h, i) or varlen (h, row).

@@ -162,12 +162,12 @@ const fn dec(d: usize, rg: usize, kg: usize, bc: usize, stages: usize) -> Decode
 }
 
 /// Decode instances by width and row tiles. One row tile (up to 16 packed rows) splits each key
-/// tile over four warps (two at d 256, where a warp's 16 keys would leave too little to load per
-/// thread); more rows give each warp its own row tile and whole key tiles (4 row tiles, or 8 with
-/// 8 warps; 16-key tiles at d 256, whose 128 O registers a thread leave no room for more scores
-/// on sm_80). Each comes deep (two or three tiles in flight while one is computed) and shallow
-/// (one in flight), for GPUs whose shared memory holds only the shallow one (sm_86/sm_89 hold
-/// 100 KB a block). The planner picks among those that fit by its cost model.
+/// tile over four warps; more rows give each warp its own row tile and whole key tiles (4 row
+/// tiles, or 8 with 8 warps; 16-key tiles at d 256, whose 128 O registers a thread leave no room
+/// for more scores on sm_80). Each comes deep (two or three tiles in flight while one is
+/// computed) and shallow (one in flight), for GPUs whose shared memory holds only the shallow
+/// one (sm_86/sm_89 hold 100 KB a block; there d 256 takes two warps of 32-key tiles). The
+/// planner picks among those that fit by its cost model.
 pub const DECODE_INSTANCES: &[DecodeInstance] = &[
     dec(64, 1, 4, 64, 4),
     dec(64, 1, 4, 64, 2),
@@ -181,7 +181,8 @@ pub const DECODE_INSTANCES: &[DecodeInstance] = &[
     dec(128, 4, 1, 64, 2),
     dec(128, 8, 1, 32, 4),
     dec(128, 8, 1, 32, 2),
-    dec(256, 1, 2, 32, 3),
+    dec(256, 1, 4, 64, 3),
+    dec(256, 1, 4, 64, 2),
     dec(256, 1, 2, 32, 2),
     dec(256, 4, 1, 16, 4),
     dec(256, 4, 1, 16, 2),

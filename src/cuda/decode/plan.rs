@@ -46,18 +46,19 @@ pub(crate) struct Plan {
 /// ranges, which only this kernel and the row-wise one read, take it at any row count.)
 pub(crate) const DECODE_MAX_ROWS: usize = 128;
 
-/// Most key-range splits of one call: the combine kernel gives each split one of its 128
-/// threads.
-pub(crate) const MAX_SPLITS: usize = 128;
+/// Most key-range splits of one call (the combine kernel's `COMBINE_MAX_SPLITS`): enough for
+/// one sequence of one K/V head to fill two blocks on each SM of a 132-SM GPU.
+pub(crate) const MAX_SPLITS: usize = 256;
 
-/// A loaded DRAM round trip, in microseconds: how long a block waits for the tiles it has in
-/// flight (0.6-1 us on A100 and H100 class memory when lightly loaded, more as the queues
-/// fill; a plan that assumes less leaves SMs idle that a longer wait would have needed).
-const LATENCY_US: f64 = 1.5;
+/// How long a block waits for the tiles it has in flight, in microseconds: one block with two
+/// 32 KB tiles in flight streamed 23 GB/s on an H100 (64 KB / 23 GB/s = 2.8 us), which is the
+/// memory round trip under load plus the block's own issue and compute time per tile.
+const LATENCY_US: f64 = 2.8;
 
 /// What a dependent combine launch costs beyond its bytes, in microseconds: the partial pass
-/// drains, the combine grid ramps up and its first loads wait a round trip.
-const COMBINE_US: f64 = 4.0;
+/// drains, the combine grid ramps up and its first loads wait a round trip (a split at one
+/// wave's size ran 6-11 us slower than the same grid unsplit on an H100).
+const COMBINE_US: f64 = 6.0;
 
 /// How many blocks of a launch one SM holds at once (the device's occupancy of the compiled
 /// kernel at that block size and shared memory).
@@ -203,7 +204,11 @@ fn cost(
     // Keys a block walks: its slice, in whole tiles.
     let keys = p.max_seq_k.div_ceil(splits).next_multiple_of(i.bc);
     let block_bytes = (keys * d_load * 2 * 2) as f64;
-    let block_bw = ((i.stages - 1) * i.tile_bytes(d_load)) as f64 / LATENCY_US;
+    // A block needs about four warps to issue its copies and run its tile products within the
+    // wait for the next tile: the two-warp d 256 blocks streamed 8.7 GB/s, not the 23 GB/s of
+    // four-warp d 128 blocks with as many bytes in flight.
+    let issue = (i.threads() as f64 / 128.0).min(1.0);
+    let block_bw = ((i.stages - 1) * i.tile_bytes(d_load)) as f64 * issue / LATENCY_US;
     let wave = |n: usize| LATENCY_US + block_bytes / block_bw.min(dram / n as f64);
     let full = blocks / slots;
     let rest = blocks % slots;

@@ -8,7 +8,9 @@ pub(crate) mod operands;
 pub(crate) mod tma;
 
 use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use candle::cuda_backend::cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle::cuda_backend::{CudaDevice, WrapErr};
 use candle::{bail, Result};
 
@@ -54,9 +56,38 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
     }
 }
 
-/// What the planners need, read from the device. `portable` (the caller's option, or
-/// `CANDLE_FLASH_PORTABLE=1` in the environment) turns the sm_90a kernels off.
+/// What the planners need, read from the device once per process and device: some attributes
+/// (the memory clock among them) cost the driver hundreds of microseconds, more than a decode
+/// step. `portable` (the caller's option, or `CANDLE_FLASH_PORTABLE=1` in the environment) turns
+/// the sm_90a kernels off.
 pub(crate) fn caps(stream: &CudaStream, portable: bool) -> Result<DeviceCaps> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static CACHE: Mutex<Option<HashMap<usize, DeviceCaps>>> = Mutex::new(None);
+    let ctx = stream.context();
+    let ordinal = ctx.ordinal();
+    let cached = CACHE
+        .lock()
+        .ok()
+        .and_then(|c| c.as_ref()?.get(&ordinal).copied());
+    let caps = match cached {
+        Some(c) => c,
+        None => {
+            let c = read_caps(stream)?;
+            if let Ok(mut cache) = CACHE.lock() {
+                cache.get_or_insert_with(HashMap::new).insert(ordinal, c);
+            }
+            c
+        }
+    };
+    Ok(if portable || portable_from_env() {
+        caps.portable()
+    } else {
+        caps
+    })
+}
+
+fn read_caps(stream: &CudaStream) -> Result<DeviceCaps> {
     let ctx = stream.context();
     let attr = |a| -> Result<usize> { Ok(ctx.attribute(a).w()?.max(0) as usize) };
     use CUdevice_attribute as A;
@@ -67,7 +98,7 @@ pub(crate) fn caps(stream: &CudaStream, portable: bool) -> Result<DeviceCaps> {
     // kHz x bits: two transfers per clock (DDR, HBM), eight bits a byte.
     let mem_khz = attr(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)?;
     let bus_bits = attr(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?;
-    let caps = DeviceCaps {
+    Ok(DeviceCaps {
         major,
         minor,
         sms: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
@@ -78,11 +109,6 @@ pub(crate) fn caps(stream: &CudaStream, portable: bool) -> Result<DeviceCaps> {
         l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
         dram_bytes_per_us: mem_khz * bus_bits * 2 / 8 / 1000,
         hopper: major == 9 && minor == 0,
-    };
-    Ok(if portable || portable_from_env() {
-        caps.portable()
-    } else {
-        caps
     })
 }
 
@@ -125,9 +151,11 @@ pub(crate) fn residency(dev: &CudaDevice, l: &Launch) -> Result<usize> {
 
 /// The loaded entry point of `l`, opted into `l`'s dynamic shared memory, after checking that
 /// a plan that sizes dynamic shared memory left room for the kernel's static shared memory.
-fn function(dev: &CudaDevice, l: &Launch) -> Result<candle::cuda_backend::CudaFunc> {
+fn function(dev: &CudaDevice, l: &Launch) -> Result<CudaFunction> {
     let (module, text) = ptx(l.module);
-    let func = dev.get_or_load_custom_func(&l.function, module, text)?;
+    let func = dev
+        .get_or_load_custom_func(&l.function, module, text)?
+        .into_cuda_function();
     let static_smem = func
         .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
         .w()? as usize;
@@ -172,7 +200,8 @@ pub(crate) fn launch(dev: &CudaDevice, l: &Launch, args: &[Arg]) -> Result<()> {
         block_dim: (l.threads, 1, 1),
         shared_mem_bytes: l.smem as u32,
     };
-    let mut builder = func.builder();
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
     for a in args {
         match a {
             Arg::Params(p) => builder.arg(*p),
