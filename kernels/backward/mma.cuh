@@ -69,29 +69,6 @@ __device__ __forceinline__ float logit2(const FlashParams& p, float dot, float s
     }
 }
 
-// A register of two T (low half first) as two floats.
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t v) {
-    if constexpr (std::is_same_v<T, __half>)
-        return __half22float2(*reinterpret_cast<const __half2*>(&v));
-    else
-        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-
-// ldmatrix / store addressing in a swizzled tile of W-element rows (W % 64 == 0: every chunk
-// is XOR-permuted by r & 7) whose column base is known only at run time (a warp's slice of the
-// head dim or of the query tile). A thread reads rows r_t + dr (dr a multiple of 8) at chunks
-// c_t + k, where the compile-time k shares no bit with the per-thread c_t, so that
-// (c_t + k) ^ (r & 7) = ((c_t ^ (r & 7)) ^ k): one register pair per operand and one XOR per
-// access, instead of a hoisted offset per (dr, k).
-template <int W>
-struct Swz {
-    static_assert(W % 64 == 0, "full 8-chunk XOR swizzle");
-    int row_, y_;
-    __device__ __forceinline__ Swz(int r_t, int c_t) : row_(r_t * W), y_((c_t ^ (r_t & 7)) << 3) {}
-    __device__ __forceinline__ int at(int dr, int k) const { return row_ + dr * W + (y_ ^ (k << 3)); }
-};
-
 // The key tile of a dK/dV block: keys [n0, n0 + rows_k) of sequence b and the BM-row query
 // tiles [m_begin, m_begin + m_count) that hold a row seeing one of them (tiles outside a causal
 // or window band are skipped). False when the tile starts past the sequence: its dK and dV rows
@@ -307,37 +284,6 @@ __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
                 acc_dk[j][2 * hf] * bp.scale, acc_dk[j][2 * hf + 1] * bp.scale);
             *reinterpret_cast<uint32_t*>(dvg + ro + c) =
                 Mma<T>::pack(acc_dv[j][2 * hf], acc_dv[j][2 * hf + 1]);
-        }
-    }
-}
-
-// acc = A B^T for one warp of the fused kernel: A_MI 16-row slices of A (keys: K or V rows,
-// per-thread offsets a_off) against A_NJ n8 tiles of B (queries: Q or dO rows, b_off), over
-// all D columns; acc is zeroed first.
-template <typename T, int D, int A_MI, int A_NJ>
-__device__ __forceinline__ void warp_gemm_abt(float (&acc)[A_MI][A_NJ][4], const T* sA,
-                                              const T* sB, const SwzRow<D>& a_off,
-                                              const SwzRow<D>& b_off) {
-#pragma unroll
-    for (int mi = 0; mi < A_MI; ++mi)
-#pragma unroll
-        for (int j = 0; j < A_NJ; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[A_MI][4];
-#pragma unroll
-        for (int mi = 0; mi < A_MI; ++mi) ldsm_x4(a[mi], sA + a_off.at(mi, kk));
-#pragma unroll
-        for (int np = 0; np < A_NJ / 2; ++np) {
-            uint32_t b[4];
-            ldsm_x4(b, sB + b_off.at(np, kk));
-#pragma unroll
-            for (int mi = 0; mi < A_MI; ++mi) {
-                Mma<T>::run(acc[mi][2 * np], a[mi], b[0], b[1]);
-                Mma<T>::run(acc[mi][2 * np + 1], a[mi], b[2], b[3]);
-            }
         }
     }
 }
