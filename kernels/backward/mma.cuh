@@ -28,6 +28,7 @@
 namespace bwd {
 
 using flash::cp_async16;
+using flash::cp_async4;
 using flash::cp_async_commit;
 using flash::cp_async_wait;
 using flash::ldsm_x4;
@@ -36,12 +37,6 @@ using flash::load_tile;
 using flash::Mma;
 using flash::swz;
 using flash::SwzRow;
-
-// 4-byte async copy (lse and D of a query tile); src_bytes = 0 zero-fills.
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(flash::smem_addr(dst)),
-                 "l"(src), "r"(src_bytes));
-}
 
 // lse in base 2 with -inf (a row that sees no key) turned into +inf, so exp2(s - lse) = 0.
 __device__ __forceinline__ float lse_log2(float lse) {
