@@ -32,7 +32,10 @@
 // tiles with the most work (causal: the first key tiles, the last query tiles) launch first.
 #pragma once
 #include "backward/mma.cuh"
-#include "sm90/fwd.cuh"
+#include "common/mask.cuh"
+#include "common/math.cuh"
+#include "common/ptx.cuh"
+#include "sm90/ptx.cuh"
 
 namespace sm90 {
 
@@ -277,7 +280,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
             // (one arrival per warp after __syncwarp left compute-sanitizer's racecheck unsure).
             mbar_init(bar_empty(s), 128 * Tr::NWG);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_fence();
         proxy_fence();
     }
     __syncthreads();
@@ -289,7 +292,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
 
     if (warp < 4) {
         // ---- producer: warp 0 (lane 0 issues the copies, every lane loads lse and D) ----
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(BWD_PRODUCER_REGS));
+        setmaxnreg_dec<BWD_PRODUCER_REGS>();
         if (warp != 0) return;
         if (lane == 0) {
             prefetch_map(tq);
@@ -328,7 +331,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
     }
 
     // ---- consumers ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(BWD_CONSUMER_REGS));
+    setmaxnreg_inc<BWD_CONSUMER_REGS>();
     const int wg = warp / 4 - 1;
     const int ww = (tid % 128) / 32;
     const int key_l = 64 * wg + 16 * ww + lane / 4;  // this thread's keys: +0 and +8 (in tile)
@@ -504,13 +507,13 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
             mbar_init(bar_full(s), VARLEN ? 32 : 1);  // the producer's threads (see below)
             mbar_init(bar_empty(s), 4 * Tr::NWG);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_fence();
         proxy_fence();
     }
     __syncthreads();
 
     if (warp < 4) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(BWD_PRODUCER_REGS));
+        setmaxnreg_dec<BWD_PRODUCER_REGS>();
         // Lane 0 issues the copies; VARLEN instances run the loop in the whole warp, which zeroes
         // the tails (zero_rows).
         if (VARLEN ? warp == 0 : tid == 0) {
@@ -545,7 +548,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
     }
 
     // ---- consumers ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(BWD_CONSUMER_REGS));
+    setmaxnreg_inc<BWD_CONSUMER_REGS>();
     const int wg = warp / 4 - 1;
     const int ww = (tid % 128) / 32;
     const int row_l = 64 * wg + 16 * ww + lane / 4;  // this thread's rows: +0 and +8 (in tile)
