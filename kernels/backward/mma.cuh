@@ -21,8 +21,11 @@
 //   written once in T. Seven products per pair of tiles instead of five.
 //
 #pragma once
+#include "backward/common.cuh"
 #include "backward/generic.cuh"
-#include "forward/mma.cuh"
+#include "common/ptx.cuh"
+#include "common/score.cuh"
+#include "common/swizzle.cuh"
 #include "bwd_instances.cuh"
 
 namespace bwd {
@@ -38,12 +41,8 @@ using flash::Mma;
 using flash::swz;
 using flash::SwzRow;
 
-// lse in base 2 with -inf (a row that sees no key) turned into +inf, so exp2(s - lse) = 0.
-__device__ __forceinline__ float lse_log2(float lse) {
-    return lse == -INFINITY ? INFINITY : lse * LOG2E_F;
-}
-
-// Base-2 logit of a raw dot product, and the softcap's chain factor 1 - tanh^2 (1 without).
+// Base-2 logit of a raw dot product and its chain factor (common/score.cuh); without score
+// modifiers (the plain instances) only the scale, chain 1.
 template <bool MODS>
 __device__ __forceinline__ float logit2(const FlashParams& p, float dot, float slope_log2, int diag,
                                         int j, float& chain) {
@@ -51,43 +50,8 @@ __device__ __forceinline__ float logit2(const FlashParams& p, float dot, float s
         chain = 1.f;
         return dot * p.scale_log2;
     } else {
-        float x;
-        if (p.softcap > 0.f) {
-            const float t = tanh_fast(dot * p.scale_over_cap);
-            chain = 1.f - t * t;
-            x = p.cap_log2 * t;
-        } else {
-            chain = 1.f;
-            x = dot * p.scale_log2;
-        }
-        return x - slope_log2 * (float)abs(diag - j);
+        return modded_score(p, dot, slope_log2, diag, j, chain);
     }
-}
-
-// The key tile of a dK/dV block: keys [n0, n0 + rows_k) of sequence b and the BM-row query
-// tiles [m_begin, m_begin + m_count) that hold a row seeing one of them (tiles outside a causal
-// or window band are skipped). False when the tile starts past the sequence: its dK and dV rows
-// stay zero.
-struct KeyTile {
-    int n0, rows_k, m_begin, m_count;
-    int64_t off;  // sk - sq: query i's diagonal is i + off
-};
-
-template <int BN, int BM>
-__device__ __forceinline__ bool key_tile(const FlashParams& p, int b, int n_block, BlockGeom& g,
-                                         KeyTile& t) {
-    seq_lengths<false>(p, b, g);
-    t.n0 = n_block * BN;
-    if (t.n0 >= g.sk) return false;
-    t.rows_k = min(BN, g.sk - t.n0);
-    t.off = (int64_t)g.sk - g.sq;
-    int64_t i_lo = 0, i_hi = g.sq;
-    if (p.win_right >= 0) i_lo = max((int64_t)0, t.n0 - t.off - p.win_right);
-    if (p.win_left >= 0)
-        i_hi = min((int64_t)g.sq, t.n0 + t.rows_k - 1 - t.off + p.win_left + 1);
-    t.m_begin = (int)(i_lo / BM);
-    t.m_count = i_hi > i_lo ? (int)((i_hi + BM - 1) / BM) - t.m_begin : 0;
-    return true;
 }
 
 // Starts the cp.async copies of the block's K and V tiles (rows past the sequence zero-filled).

@@ -12,6 +12,7 @@
 #pragma once
 #include "common/mask.cuh"
 #include "common/math.cuh"
+#include "common/score.cuh"
 
 namespace flash32 {
 

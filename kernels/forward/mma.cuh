@@ -22,6 +22,7 @@
 #include "common/mask.cuh"
 #include "common/math.cuh"
 #include "common/ptx.cuh"
+#include "common/score.cuh"
 #include "common/swizzle.cuh"
 
 namespace flash {

@@ -31,10 +31,11 @@
 // different heads as SMs, whose streams did not fit L2 at short sequences.) Within a head the
 // tiles with the most work (causal: the first key tiles, the last query tiles) launch first.
 #pragma once
-#include "backward/mma.cuh"
+#include "backward/common.cuh"
 #include "common/mask.cuh"
 #include "common/math.cuh"
 #include "common/ptx.cuh"
+#include "common/score.cuh"
 #include "sm90/ptx.cuh"
 
 namespace sm90 {
@@ -410,7 +411,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
                     const int qi = m0 + cq + e % 2;
                     const int diag = qi + off;
                     float chain;
-                    float x = bwd::logit2<true>(p, acc_s[4 * j + e], slope_log2, diag, key, chain);
+                    float x = modded_score(p, acc_s[4 * j + e], slope_log2, diag, key, chain);
                     if (!full && (qi >= g.sq || !visible(p, diag, key, g.sk))) x = -INFINITY;
                     const float pv = fast_exp2(x - (e % 2 ? l2.y : l2.x));
                     acc_s[4 * j + e] = pv;
@@ -625,7 +626,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
                     const int key = k0 + 8 * j + 2 * (lane % 4) + e % 2;
                     const int diag = diag_t + 8 * hf;
                     float chain;
-                    float x = bwd::logit2<true>(p, acc_s[4 * j + e], slope_log2, diag, key, chain);
+                    float x = modded_score(p, acc_s[4 * j + e], slope_log2, diag, key, chain);
                     if (!full && !visible(p, diag, key, g.sk)) x = -INFINITY;
                     const float pv = fast_exp2(x - lse2[hf]);
                     acc_dp[4 * j + e] = pv * (acc_dp[4 * j + e] - dsum[hf]) * chain;

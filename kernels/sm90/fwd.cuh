@@ -41,6 +41,7 @@
 #include "common/mask.cuh"
 #include "common/math.cuh"
 #include "common/ptx.cuh"
+#include "common/score.cuh"
 #include "forward/mma.cuh"
 #include "sm90/ptx.cuh"
 
