@@ -18,7 +18,7 @@
 
 namespace bwd {
 
-constexpr int GENERIC_WARPS = 4;  // BWD_GENERIC_WARPS in src/cuda/backward/plan.rs
+constexpr int GENERIC_WARPS = 4;  // BWD_GENERIC_WARPS in src/cuda/backward/instances.rs
 
 using rowwise::from_f32;
 using rowwise::to_f32;

@@ -406,27 +406,27 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
 // Entry points of one (dtype, head dim): dK/dV and dQ, each plain and
 // `_mods` (softcap / ALiBi). Tiles come from the table in src/cuda/backward/instances.rs through
 // the generated bwd_instances.cuh, with the shared memory the planner assumes (checked here).
-#define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_WARPS, KV_MINB, KV_SMEM, Q_BN, Q_WARPS,   \
-                               Q_MINB, Q_SMEM)                                                 \
-    static_assert(bwd::DkdvTraits<T, D, KV_BM, KV_WARPS>::SMEM == KV_SMEM,                    \
-                  "src/cuda/backward/plan.rs and the dkdv kernel disagree on shared memory"); \
-    static_assert(bwd::DqTraits<T, D, Q_BN, Q_WARPS>::SMEM == Q_SMEM,                         \
-                  "src/cuda/backward/plan.rs and the dq kernel disagree on shared memory");   \
-    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                      \
-        PREFIX##_dkdv_d##D(const BwdParams p) {                                               \
-        bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, false>(p);                                       \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                      \
-        PREFIX##_dkdv_d##D##_mods(const BwdParams p) {                                        \
-        bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, true>(p);                                        \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                        \
-        PREFIX##_dq_d##D(const BwdParams p) {                                                 \
-        bwd::dq_mma<T, D, Q_BN, Q_WARPS, false>(p);                                           \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                        \
-        PREFIX##_dq_d##D##_mods(const BwdParams p) {                                          \
-        bwd::dq_mma<T, D, Q_BN, Q_WARPS, true>(p);                                            \
+#define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_WARPS, KV_MINB, KV_SMEM, Q_BN, Q_WARPS,     \
+                               Q_MINB, Q_SMEM)                                                     \
+    static_assert(bwd::DkdvTraits<T, D, KV_BM, KV_WARPS>::SMEM == KV_SMEM,                         \
+                  "src/cuda/backward/instances.rs and the dkdv kernel disagree on shared memory"); \
+    static_assert(bwd::DqTraits<T, D, Q_BN, Q_WARPS>::SMEM == Q_SMEM,                              \
+                  "src/cuda/backward/instances.rs and the dq kernel disagree on shared memory");   \
+    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                           \
+        PREFIX##_dkdv_d##D(const BwdParams p) {                                                    \
+        bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, false>(p);                                            \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                           \
+        PREFIX##_dkdv_d##D##_mods(const BwdParams p) {                                             \
+        bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, true>(p);                                             \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                             \
+        PREFIX##_dq_d##D(const BwdParams p) {                                                      \
+        bwd::dq_mma<T, D, Q_BN, Q_WARPS, false>(p);                                                \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                             \
+        PREFIX##_dq_d##D##_mods(const BwdParams p) {                                               \
+        bwd::dq_mma<T, D, Q_BN, Q_WARPS, true>(p);                                                 \
     }
 
 // Every backward entry point of one 16-bit dtype: the D pass, the exact kernels (other head dims

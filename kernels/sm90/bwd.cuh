@@ -1,9 +1,10 @@
 // FlashAttention-2 backward for Hopper (sm_90a), deterministic: the sm_80 design of
 // backward/mma.cuh (a dK/dV pass, then a dQ pass, no atomics, every run bitwise identical) on
-// the forward's Hopper machinery (sm90/fwd.cuh): TMA loads into 128-byte-swizzled shared memory,
-// mbarrier rings, one producer warp and two consumer warpgroups (setmaxnreg), wgmma with f32
-// accumulators. The D pass (rowsum(dO * O)) is the portable module's bwd_dsum. Masks, windows,
-// softcap, ALiBi, GQA and varlen follow backward/mma.cuh through common/mask.cuh.
+// the Hopper machinery of the forward (the primitives of sm90/ptx.cuh): TMA loads into
+// 128-byte-swizzled shared memory, mbarrier rings, one producer warp and two consumer warpgroups
+// (setmaxnreg), wgmma with f32 accumulators. The D pass (rowsum(dO * O)) is the portable module's
+// bwd_dsum. Masks, windows, GQA and varlen follow backward/mma.cuh through common/mask.cuh,
+// softcap and ALiBi through common/score.cuh.
 //
 // dkdv: one block per (key tile of BN = 128 keys, K/V head, batch); consumer warpgroup w owns
 //   keys [64 w, 64 w + 64) of the tile and keeps their dK and dV in registers for the whole

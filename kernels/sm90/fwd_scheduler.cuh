@@ -23,7 +23,7 @@ struct TileSlot {
     BlockGeom g;
     int tile, h, b;
 };
-static_assert(sizeof(TileSlot) == 80, "plan.rs: Sm90Instance::smem counts 80 bytes a slot");
+static_assert(sizeof(TileSlot) == 80, "src/cuda/instances.rs: Sm90Instance::smem counts 80 bytes a slot");
 
 // A slot's tile geometry, read through volatile loads: the producer reads back what it has just
 // written, so the values it computed are not kept live beside its load loop (its few registers

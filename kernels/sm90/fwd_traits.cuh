@@ -18,7 +18,7 @@ namespace sm90 {
 // instances only: a block that ends with its tile gains nothing from them (it must wait for the
 // copy to read its shared memory before it exits). On an H100, persistent d 128 ran 1.02-1.07x
 // at seq 512 and 0.99-1.03x at 2048 with them; the one-tile instances were no faster (d 64 at
-// seq 512 0.96-0.98x, 176-key d 128 0.99-1.01x). The launch (src/cuda/launch.rs) names the same
+// seq 512 0.96-0.98x, 176-key d 128 0.99-1.01x). The host's o_mode (src/cuda/) names the same
 // three values.
 constexpr int O_STORE_THREADS = 0;
 constexpr int O_STORE_TMA = 1;
