@@ -19,21 +19,26 @@ __device__ __forceinline__ float tanh_of(float x) {
 // The modified score; GRAD: also its chain factor into `chain`. EXACT: natural-log units and
 // tanhf, `scale` the softmax scale and `slope` the ALiBi slope as given; otherwise base 2 and
 // tanh_fast, from the fields of `p` (`scale` unused), `slope` times log2 e.
-// The fields of `p` are read inside the branch that needs them, and the value-only form reads
-// the cap before computing tanh while the gradient form computes tanh first, as the kernels did
-// when each wrote its own: the order of these loads changes the code ptxas generates for the
-// unrolled score loops that call this.
+// The fields of `p` are read inside the branch that needs them, and the three forms order their
+// steps as the kernels did when each wrote its own (cap then tanh; tanh, chain, cap; tanh, cap,
+// chain): the order changes the registers ptxas assigns in the unrolled score loops, and this
+// keeps every kernel's code as it was measured.
 template <bool EXACT, bool GRAD>
 __device__ __forceinline__ float score_mod(const FlashParams& p, float scale, float dot,
                                            float slope, int diag, int j, float& chain) {
     float s;
     if (p.softcap > 0.f) {
-        if constexpr (GRAD) {
-            const float t = tanh_of<EXACT>(dot * p.scale_over_cap);
-            chain = 1.f - t * t;
-            s = (EXACT ? p.softcap : p.cap_log2) * t;
-        } else {
+        if constexpr (!GRAD) {
             s = (EXACT ? p.softcap : p.cap_log2) * tanh_of<EXACT>(dot * p.scale_over_cap);
+        } else {
+            const float t = tanh_of<EXACT>(dot * p.scale_over_cap);
+            if constexpr (EXACT) {
+                s = p.softcap * t;
+                chain = 1.f - t * t;
+            } else {
+                chain = 1.f - t * t;
+                s = p.cap_log2 * t;
+            }
         }
     } else {
         chain = 1.f;
