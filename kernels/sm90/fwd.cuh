@@ -15,6 +15,7 @@
 // src/semantics.rs.
 #pragma once
 #include "common/mask.cuh"
+#include "common/math.cuh"
 #include "common/params.cuh"
 #include "sm90/fwd_epilogue.cuh"
 #include "sm90/fwd_mainloop.cuh"
