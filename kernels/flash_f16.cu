@@ -1,6 +1,11 @@
-// The f16 module: tensor-core forward instances (forward/mma.cuh; tiles from
-// src/cuda/instances.rs via the generated instances.cuh), the split-KV decode kernels
-// (decode/partial.cuh, decode/combine.cuh) and the row-wise fallback.
+// The f16 module (compute_80 PTX, JIT-compiled for any GPU from sm_80 on; Hopper runs the
+// sm_90a modules where they apply): the tensor-core forward (forward/mma.cuh: 16-row mma.sync
+// slices per warp, keys streamed through a cp.async ring), the row-wise fallback
+// (forward/rowwise.cuh: one query row per warp), the split-KV decode (decode/partial.cuh: one
+// pass over a K/V head's keys for all its packed query rows; decode/combine.cuh: the merge of
+// split partials) and the backward (backward/mma.cuh: dK/dV then dQ on tensor cores;
+// backward/generic.cuh: exact, any head dim). Tiles come from src/cuda/instances.rs and
+// src/cuda/backward/instances.rs through the headers build.rs generates.
 #include "backward/mma.cuh"
 #include "decode/combine.cuh"
 #include "decode/partial.cuh"

@@ -1,5 +1,7 @@
-// The f32 module: exact FFMA forward instances (forward/f32.cuh; tiles from
-// src/cuda/instances.rs via the generated instances.cuh) and the row-wise fallback.
+// The f32 module (compute_80 PTX): the exact FFMA forward (forward/f32.cuh: 64-row tiles, 4 x
+// (BC / 16) score micro-tiles per thread; tiles from src/cuda/instances.rs via the generated
+// instances.cuh), the row-wise fallback (forward/rowwise.cuh) and the exact backward
+// (backward/generic.cuh: one warp per key for dK/dV, one per query row for dQ).
 #include "backward/generic.cuh"
 #include "forward/f32.cuh"
 #include "forward/rowwise.cuh"

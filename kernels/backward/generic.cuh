@@ -9,14 +9,16 @@
 // Lane t holds columns t, t + 32, ... (NT of them) of every row vector; dot products are
 // per-lane partial sums reduced by shuffles, so every lane ends with the same value.
 #pragma once
+#include "backward/common.cuh"
 #include "backward/params.cuh"
 #include "common/mask.cuh"
 #include "common/math.cuh"
+#include "common/score.cuh"
 #include "forward/rowwise.cuh"
 
 namespace bwd {
 
-constexpr int GENERIC_WARPS = 4;  // BWD_GENERIC_WARPS in src/cuda/backward/plan.rs
+constexpr int GENERIC_WARPS = 4;  // BWD_GENERIC_WARPS in src/cuda/backward/instances.rs
 
 using rowwise::from_f32;
 using rowwise::to_f32;
@@ -25,29 +27,6 @@ __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
     return x;
-}
-
-// Index of (head h, row i of a sequence starting at q_row0) in the lse and dsum arrays.
-__device__ __forceinline__ int64_t lse_index(const FlashParams& p, int b, int h, int64_t q_row0,
-                                             int i) {
-    return p.cu_q ? (int64_t)h * p.lse_head + q_row0 + i
-                  : ((int64_t)b * p.heads + h) * p.seq_q + i;
-}
-
-// Score of one (row, key) pair in natural-log units, and d score / d (q . k) divided by the
-// softmax scale (1, or 1 - tanh^2 under a softcap). Exact functions: this is the f32 path.
-__device__ __forceinline__ float exact_score(const FlashParams& p, float dot, float slope,
-                                             int diag, int j, float scale, float& chain) {
-    float s;
-    if (p.softcap > 0.f) {
-        const float t = tanhf(dot * p.scale_over_cap);
-        s = p.softcap * t;
-        chain = 1.f - t * t;
-    } else {
-        s = dot * scale;
-        chain = 1.f;
-    }
-    return s - slope * (float)abs(diag - j);
 }
 
 // D_i = sum_x dO[i, h, x] * O[i, h, x] over the contiguous output rows.
@@ -123,7 +102,7 @@ __device__ __forceinline__ void dkdv(const BwdParams& bp) {
             dot = warp_sum(dot);
             dp = warp_sum(dp);
             float chain;
-            const float s = exact_score(p, dot, slope, (int)(i + off), j, bp.scale, chain);
+            const float s = modded_score_exact(p, bp.scale, dot, slope, (int)(i + off), j, chain);
             const float pij = expf(s - lse);
             const float ds = pij * (dp - bp.dsum[l0 + i]) * chain;
 #pragma unroll
@@ -195,7 +174,7 @@ __device__ __forceinline__ void dq(const BwdParams& bp) {
         dot = warp_sum(dot);
         dp = warp_sum(dp);
         float chain;
-        const float s = exact_score(p, dot, slope, diag, j, bp.scale, chain);
+        const float s = modded_score_exact(p, bp.scale, dot, slope, diag, j, chain);
         const float ds = expf(s - lse) * (dp - dsum_i) * chain;
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[t] += ds * k[t];

@@ -21,13 +21,17 @@
 //   written once in T. Seven products per pair of tiles instead of five.
 //
 #pragma once
+#include "backward/common.cuh"
 #include "backward/generic.cuh"
-#include "forward/mma.cuh"
+#include "common/ptx.cuh"
+#include "common/score.cuh"
+#include "common/swizzle.cuh"
 #include "bwd_instances.cuh"
 
 namespace bwd {
 
 using flash::cp_async16;
+using flash::cp_async4;
 using flash::cp_async_commit;
 using flash::cp_async_wait;
 using flash::ldsm_x4;
@@ -37,18 +41,8 @@ using flash::Mma;
 using flash::swz;
 using flash::SwzRow;
 
-// 4-byte async copy (lse and D of a query tile); src_bytes = 0 zero-fills.
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(flash::smem_addr(dst)),
-                 "l"(src), "r"(src_bytes));
-}
-
-// lse in base 2 with -inf (a row that sees no key) turned into +inf, so exp2(s - lse) = 0.
-__device__ __forceinline__ float lse_log2(float lse) {
-    return lse == -INFINITY ? INFINITY : lse * LOG2E_F;
-}
-
-// Base-2 logit of a raw dot product, and the softcap's chain factor 1 - tanh^2 (1 without).
+// Base-2 logit of a raw dot product and its chain factor (common/score.cuh); without score
+// modifiers (the plain instances) only the scale, chain 1.
 template <bool MODS>
 __device__ __forceinline__ float logit2(const FlashParams& p, float dot, float slope_log2, int diag,
                                         int j, float& chain) {
@@ -56,66 +50,8 @@ __device__ __forceinline__ float logit2(const FlashParams& p, float dot, float s
         chain = 1.f;
         return dot * p.scale_log2;
     } else {
-        float x;
-        if (p.softcap > 0.f) {
-            const float t = tanh_fast(dot * p.scale_over_cap);
-            chain = 1.f - t * t;
-            x = p.cap_log2 * t;
-        } else {
-            chain = 1.f;
-            x = dot * p.scale_log2;
-        }
-        return x - slope_log2 * (float)abs(diag - j);
+        return modded_score(p, dot, slope_log2, diag, j, chain);
     }
-}
-
-// A register of two T (low half first) as two floats.
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t v) {
-    if constexpr (std::is_same_v<T, __half>)
-        return __half22float2(*reinterpret_cast<const __half2*>(&v));
-    else
-        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-
-// ldmatrix / store addressing in a swizzled tile of W-element rows (W % 64 == 0: every chunk
-// is XOR-permuted by r & 7) whose column base is known only at run time (a warp's slice of the
-// head dim or of the query tile). A thread reads rows r_t + dr (dr a multiple of 8) at chunks
-// c_t + k, where the compile-time k shares no bit with the per-thread c_t, so that
-// (c_t + k) ^ (r & 7) = ((c_t ^ (r & 7)) ^ k): one register pair per operand and one XOR per
-// access, instead of a hoisted offset per (dr, k).
-template <int W>
-struct Swz {
-    static_assert(W % 64 == 0, "full 8-chunk XOR swizzle");
-    int row_, y_;
-    __device__ __forceinline__ Swz(int r_t, int c_t) : row_(r_t * W), y_((c_t ^ (r_t & 7)) << 3) {}
-    __device__ __forceinline__ int at(int dr, int k) const { return row_ + dr * W + (y_ ^ (k << 3)); }
-};
-
-// The key tile of a dK/dV block: keys [n0, n0 + rows_k) of sequence b and the BM-row query
-// tiles [m_begin, m_begin + m_count) that hold a row seeing one of them (tiles outside a causal
-// or window band are skipped). False when the tile starts past the sequence: its dK and dV rows
-// stay zero.
-struct KeyTile {
-    int n0, rows_k, m_begin, m_count;
-    int64_t off;  // sk - sq: query i's diagonal is i + off
-};
-
-template <int BN, int BM>
-__device__ __forceinline__ bool key_tile(const FlashParams& p, int b, int n_block, BlockGeom& g,
-                                         KeyTile& t) {
-    seq_lengths<false>(p, b, g);
-    t.n0 = n_block * BN;
-    if (t.n0 >= g.sk) return false;
-    t.rows_k = min(BN, g.sk - t.n0);
-    t.off = (int64_t)g.sk - g.sq;
-    int64_t i_lo = 0, i_hi = g.sq;
-    if (p.win_right >= 0) i_lo = max((int64_t)0, t.n0 - t.off - p.win_right);
-    if (p.win_left >= 0)
-        i_hi = min((int64_t)g.sq, t.n0 + t.rows_k - 1 - t.off + p.win_left + 1);
-    t.m_begin = (int)(i_lo / BM);
-    t.m_count = i_hi > i_lo ? (int)((i_hi + BM - 1) / BM) - t.m_begin : 0;
-    return true;
 }
 
 // Starts the cp.async copies of the block's K and V tiles (rows past the sequence zero-filled).
@@ -311,37 +247,6 @@ __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
     }
 }
 
-// acc = A B^T for one warp of the fused kernel: A_MI 16-row slices of A (keys: K or V rows,
-// per-thread offsets a_off) against A_NJ n8 tiles of B (queries: Q or dO rows, b_off), over
-// all D columns; acc is zeroed first.
-template <typename T, int D, int A_MI, int A_NJ>
-__device__ __forceinline__ void warp_gemm_abt(float (&acc)[A_MI][A_NJ][4], const T* sA,
-                                              const T* sB, const SwzRow<D>& a_off,
-                                              const SwzRow<D>& b_off) {
-#pragma unroll
-    for (int mi = 0; mi < A_MI; ++mi)
-#pragma unroll
-        for (int j = 0; j < A_NJ; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][j][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[A_MI][4];
-#pragma unroll
-        for (int mi = 0; mi < A_MI; ++mi) ldsm_x4(a[mi], sA + a_off.at(mi, kk));
-#pragma unroll
-        for (int np = 0; np < A_NJ / 2; ++np) {
-            uint32_t b[4];
-            ldsm_x4(b, sB + b_off.at(np, kk));
-#pragma unroll
-            for (int mi = 0; mi < A_MI; ++mi) {
-                Mma<T>::run(acc[mi][2 * np], a[mi], b[0], b[1]);
-                Mma<T>::run(acc[mi][2 * np + 1], a[mi], b[2], b[3]);
-            }
-        }
-    }
-}
-
 template <typename T, int D, int BN, int WARPS>
 struct DqTraits {
     static constexpr int BM = 16 * WARPS;  // query rows per block
@@ -501,27 +406,27 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
 // Entry points of one (dtype, head dim): dK/dV and dQ, each plain and
 // `_mods` (softcap / ALiBi). Tiles come from the table in src/cuda/backward/instances.rs through
 // the generated bwd_instances.cuh, with the shared memory the planner assumes (checked here).
-#define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_WARPS, KV_MINB, KV_SMEM, Q_BN, Q_WARPS,   \
-                               Q_MINB, Q_SMEM)                                                 \
-    static_assert(bwd::DkdvTraits<T, D, KV_BM, KV_WARPS>::SMEM == KV_SMEM,                    \
-                  "src/cuda/backward/plan.rs and the dkdv kernel disagree on shared memory"); \
-    static_assert(bwd::DqTraits<T, D, Q_BN, Q_WARPS>::SMEM == Q_SMEM,                         \
-                  "src/cuda/backward/plan.rs and the dq kernel disagree on shared memory");   \
-    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                      \
-        PREFIX##_dkdv_d##D(const BwdParams p) {                                               \
-        bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, false>(p);                                       \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                      \
-        PREFIX##_dkdv_d##D##_mods(const BwdParams p) {                                        \
-        bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, true>(p);                                        \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                        \
-        PREFIX##_dq_d##D(const BwdParams p) {                                                 \
-        bwd::dq_mma<T, D, Q_BN, Q_WARPS, false>(p);                                           \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                        \
-        PREFIX##_dq_d##D##_mods(const BwdParams p) {                                          \
-        bwd::dq_mma<T, D, Q_BN, Q_WARPS, true>(p);                                            \
+#define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_WARPS, KV_MINB, KV_SMEM, Q_BN, Q_WARPS,     \
+                               Q_MINB, Q_SMEM)                                                     \
+    static_assert(bwd::DkdvTraits<T, D, KV_BM, KV_WARPS>::SMEM == KV_SMEM,                         \
+                  "src/cuda/backward/instances.rs and the dkdv kernel disagree on shared memory"); \
+    static_assert(bwd::DqTraits<T, D, Q_BN, Q_WARPS>::SMEM == Q_SMEM,                              \
+                  "src/cuda/backward/instances.rs and the dq kernel disagree on shared memory");   \
+    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                           \
+        PREFIX##_dkdv_d##D(const BwdParams p) {                                                    \
+        bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, false>(p);                                            \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                           \
+        PREFIX##_dkdv_d##D##_mods(const BwdParams p) {                                             \
+        bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, true>(p);                                             \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                             \
+        PREFIX##_dq_d##D(const BwdParams p) {                                                      \
+        bwd::dq_mma<T, D, Q_BN, Q_WARPS, false>(p);                                                \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                             \
+        PREFIX##_dq_d##D##_mods(const BwdParams p) {                                               \
+        bwd::dq_mma<T, D, Q_BN, Q_WARPS, true>(p);                                                 \
     }
 
 // Every backward entry point of one 16-bit dtype: the D pass, the exact kernels (other head dims

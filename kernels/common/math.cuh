@@ -1,7 +1,6 @@
-// Scalar math shared by the kernels: exp2 for the base-2 online softmax, a light tanh for the
-// softcap, and the softcap/ALiBi score modifier (src/semantics.rs: softcap, then ALiBi).
+// Scalar math shared by the kernels: exp2 for the base-2 online softmax and a light tanh for the
+// softcap (the score modifier itself is common/score.cuh).
 #pragma once
-#include "params.cuh"
 
 #define LOG2E_F 1.4426950408889634f
 #define LN2_F 0.6931471805599453f
@@ -18,13 +17,4 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // over a whole score tile. exp(2x) overflowing to inf gives exactly 1, underflowing to 0 gives -1.
 __device__ __forceinline__ float tanh_fast(float x) {
     return 1.f - __fdividef(2.f, fast_exp2(x * (2.f * LOG2E_F)) + 1.f);
-}
-
-// Softcap and ALiBi on a raw dot product, result in base 2 (multiplied by log2 e).
-// `diag` is the row's diagonal, `j` the key.
-__device__ __forceinline__ float modded_score(const FlashParams& p, float dot, float slope_log2,
-                                              int diag, int j) {
-    float x = p.softcap > 0.f ? p.cap_log2 * tanh_fast(dot * p.scale_over_cap) : dot * p.scale_log2;
-    x -= slope_log2 * (float)abs(diag - j);
-    return x;
 }

@@ -1,5 +1,5 @@
-// PTX wrappers of the sm_80 tensor-core path: cp.async copies, ldmatrix and mma.sync
-// m16n8k16 with f32 accumulation, for f16 and bf16.
+// PTX wrappers of the sm_80 tensor-core path (also used on later GPUs): cp.async copies,
+// ldmatrix and mma.sync m16n8k16 with f32 accumulation, for f16 and bf16.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -16,6 +16,12 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // 16-byte async copy global -> shared; src_bytes = 0 zero-fills (tails, padding columns).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+// 4-byte async copy global -> shared (single floats: the backward's lse and D rows);
+// src_bytes = 0 zero-fills.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                  "r"(src_bytes));
 }
 // threadIdx.x through a volatile read: per-copy offsets derived from it are then recomputed at

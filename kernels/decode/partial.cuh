@@ -27,7 +27,8 @@
 #include "common/mask.cuh"
 #include "common/math.cuh"
 #include "common/ptx.cuh"
-#include "forward/mma.cuh"
+#include "common/score.cuh"
+#include "common/swizzle.cuh"
 #include "forward/rowwise.cuh"
 
 namespace decode {

@@ -8,10 +8,12 @@
 // transposed in shared memory ([d][row]) so one 16-byte load feeds 4 rows; P goes through
 // shared memory ([key][row]) for the P V product. Inputs are read through their strides
 // directly (any layout, any head dim up to D; missing columns are zero).
-// Masking, GQA, varlen, softcap and ALiBi follow flash_common.cuh, as in the tensor-core kernel.
+// Masking, GQA and varlen follow common/mask.cuh, softcap and ALiBi common/score.cuh, as in the
+// tensor-core kernel.
 #pragma once
 #include "common/mask.cuh"
 #include "common/math.cuh"
+#include "common/score.cuh"
 
 namespace flash32 {
 

@@ -14,6 +14,7 @@
 
 #include "common/mask.cuh"
 #include "common/math.cuh"
+#include "common/score.cuh"
 
 namespace rowwise {
 

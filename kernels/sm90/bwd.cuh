@@ -1,9 +1,10 @@
 // FlashAttention-2 backward for Hopper (sm_90a), deterministic: the sm_80 design of
 // backward/mma.cuh (a dK/dV pass, then a dQ pass, no atomics, every run bitwise identical) on
-// the forward's Hopper machinery (sm90/fwd.cuh): TMA loads into 128-byte-swizzled shared memory,
-// mbarrier rings, one producer warp and two consumer warpgroups (setmaxnreg), wgmma with f32
-// accumulators. The D pass (rowsum(dO * O)) is the portable module's bwd_dsum. Masks, windows,
-// softcap, ALiBi, GQA and varlen follow backward/mma.cuh through common/mask.cuh.
+// the Hopper machinery of the forward (the primitives of sm90/ptx.cuh): TMA loads into
+// 128-byte-swizzled shared memory, mbarrier rings, one producer warp and two consumer warpgroups
+// (setmaxnreg), wgmma with f32 accumulators. The D pass (rowsum(dO * O)) is the portable module's
+// bwd_dsum. Masks, windows, GQA and varlen follow backward/mma.cuh through common/mask.cuh,
+// softcap and ALiBi through common/score.cuh.
 //
 // dkdv: one block per (key tile of BN = 128 keys, K/V head, batch); consumer warpgroup w owns
 //   keys [64 w, 64 w + 64) of the tile and keeps their dK and dV in registers for the whole
@@ -31,8 +32,12 @@
 // different heads as SMs, whose streams did not fit L2 at short sequences.) Within a head the
 // tiles with the most work (causal: the first key tiles, the last query tiles) launch first.
 #pragma once
-#include "backward/mma.cuh"
-#include "sm90/fwd.cuh"
+#include "backward/common.cuh"
+#include "common/mask.cuh"
+#include "common/math.cuh"
+#include "common/ptx.cuh"
+#include "common/score.cuh"
+#include "sm90/ptx.cuh"
 
 namespace sm90 {
 
@@ -277,7 +282,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
             // (one arrival per warp after __syncwarp left compute-sanitizer's racecheck unsure).
             mbar_init(bar_empty(s), 128 * Tr::NWG);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_fence();
         proxy_fence();
     }
     __syncthreads();
@@ -289,7 +294,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
 
     if (warp < 4) {
         // ---- producer: warp 0 (lane 0 issues the copies, every lane loads lse and D) ----
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(BWD_PRODUCER_REGS));
+        setmaxnreg_dec<BWD_PRODUCER_REGS>();
         if (warp != 0) return;
         if (lane == 0) {
             prefetch_map(tq);
@@ -328,7 +333,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
     }
 
     // ---- consumers ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(BWD_CONSUMER_REGS));
+    setmaxnreg_inc<BWD_CONSUMER_REGS>();
     const int wg = warp / 4 - 1;
     const int ww = (tid % 128) / 32;
     const int key_l = 64 * wg + 16 * ww + lane / 4;  // this thread's keys: +0 and +8 (in tile)
@@ -407,7 +412,7 @@ __device__ __forceinline__ void bwd_dkdv_sm90(const BwdParams& bp, const TmaMap*
                     const int qi = m0 + cq + e % 2;
                     const int diag = qi + off;
                     float chain;
-                    float x = bwd::logit2<true>(p, acc_s[4 * j + e], slope_log2, diag, key, chain);
+                    float x = modded_score(p, acc_s[4 * j + e], slope_log2, diag, key, chain);
                     if (!full && (qi >= g.sq || !visible(p, diag, key, g.sk))) x = -INFINITY;
                     const float pv = fast_exp2(x - (e % 2 ? l2.y : l2.x));
                     acc_s[4 * j + e] = pv;
@@ -504,13 +509,13 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
             mbar_init(bar_full(s), VARLEN ? 32 : 1);  // the producer's threads (see below)
             mbar_init(bar_empty(s), 4 * Tr::NWG);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        mbar_init_fence();
         proxy_fence();
     }
     __syncthreads();
 
     if (warp < 4) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(BWD_PRODUCER_REGS));
+        setmaxnreg_dec<BWD_PRODUCER_REGS>();
         // Lane 0 issues the copies; VARLEN instances run the loop in the whole warp, which zeroes
         // the tails (zero_rows).
         if (VARLEN ? warp == 0 : tid == 0) {
@@ -545,7 +550,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
     }
 
     // ---- consumers ----
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(BWD_CONSUMER_REGS));
+    setmaxnreg_inc<BWD_CONSUMER_REGS>();
     const int wg = warp / 4 - 1;
     const int ww = (tid % 128) / 32;
     const int row_l = 64 * wg + 16 * ww + lane / 4;  // this thread's rows: +0 and +8 (in tile)
@@ -622,7 +627,7 @@ __device__ __forceinline__ void bwd_dq_sm90(const BwdParams& bp, const TmaMap* t
                     const int key = k0 + 8 * j + 2 * (lane % 4) + e % 2;
                     const int diag = diag_t + 8 * hf;
                     float chain;
-                    float x = bwd::logit2<true>(p, acc_s[4 * j + e], slope_log2, diag, key, chain);
+                    float x = modded_score(p, acc_s[4 * j + e], slope_log2, diag, key, chain);
                     if (!full && !visible(p, diag, key, g.sk)) x = -INFINITY;
                     const float pv = fast_exp2(x - lse2[hf]);
                     acc_dp[4 * j + e] = pv * (acc_dp[4 * j + e] - dsum[hf]) * chain;

@@ -4,6 +4,7 @@
 // generates, so the planner and the module cannot disagree. Compiled for compute_90a only and
 // used on compute capability 9.0.
 #include "sm90/bwd.cuh"
+#include "bwd_instances.cuh"
 
 FLASH_BWD_SM90_INSTANCES(bf16, __nv_bfloat16)
 FLASH_BWD_SM90_INSTANCES(f16, __half)
