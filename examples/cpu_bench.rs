@@ -335,15 +335,18 @@ fn time(reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
 /// Seconds beyond which a warm-up run counts as a measurement.
 const LONG_RUN: f64 = 2.0;
 
-/// CPU seconds this process has used (all threads), from `/proc/self/stat`; `None` elsewhere.
-/// Tuning on a shared machine reads this, since wall time there depends on the neighbours.
+/// CPU seconds this process has used (all threads), summed over `/proc/self/task/*/schedstat`
+/// (nanoseconds on the CPU; `/proc/self/stat` counts 10 ms ticks, too coarse for one shape's
+/// runs); `None` elsewhere. Threads that exited since are not counted, so only differences
+/// over a stretch in which rayon's pool lives are meaningful. Tuning on a shared machine reads
+/// this, since wall time there depends on the neighbours.
 fn cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
-    let rest = stat.rsplit_once(')')?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
-    Some(ticks / 100.0)
+    let mut ns = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        ns += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 * 1e-9)
 }
 
 /// The 1-minute load average (`/proc/loadavg`), printed so that runs on a shared machine can be

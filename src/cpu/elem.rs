@@ -156,12 +156,13 @@ pub(super) fn load_keys<T: Elem>(
     }
 }
 
-/// `v` as a `Vec<B>` when `A` and `B` are the same type (no copy), else `None`.
-pub(super) fn same_vec<A: 'static, B: 'static>(v: Vec<A>) -> Option<Vec<B>> {
+/// `v` as a `Vec<B>` when `A` and `B` are the same type (no copy), else `v` back.
+pub(super) fn same_vec<A: 'static, B: 'static>(v: Vec<A>) -> Result<Vec<B>, Vec<A>> {
     let mut slot = Some(v);
-    (&mut slot as &mut dyn std::any::Any)
-        .downcast_mut::<Option<Vec<B>>>()
-        .and_then(Option::take)
+    match (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<Vec<B>>>() {
+        Some(same) => Ok(same.take().unwrap_or_default()),
+        None => Err(slot.unwrap_or_default()),
+    }
 }
 
 /// `s` as a `&[B]` when `A` and `B` are the same type, else `None`.

@@ -269,23 +269,18 @@ fn update<K: Kernel>(
 /// Per-lane key bounds of a tile the mask cuts: lane `r` sees keys `lo[r] <= j < hi[r]`.
 pub(super) type Bounds = ([usize; BR], [usize; BR]);
 
-/// The online softmax of one tile: the scores `s` of keys `j0 ..` (one `Lanes` per key) for
-/// the query rows `r0 .. r0 + rows` (pre-scaled by `scale · log2 e`, or by `scale` alone under a
-/// softcap) become the probabilities `P` in place; the running max `m` and sum `l` are updated.
-/// Returns the correction `O` needs, and for a tile that the mask cuts (or with `cut`: keys
-/// past the real ones to mask) the per-lane key bounds.
+/// The scores `s` of keys `j0 ..` for the query rows `r0 .. r0 + rows` (see [`softmax`]) in
+/// base 2 with the softcap and ALiBi applied and masked keys at `-inf`. Returns, for a tile that
+/// the mask cuts (or with `cut`: keys past the real ones to mask), the per-lane key bounds.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub(super) fn softmax<K: Kernel>(
+pub(super) fn mask_scores(
     it: &ItemCtx,
-    m: &mut Lanes,
-    l: &mut Lanes,
     s: &mut [Lanes],
     r0: usize,
     rows: usize,
     j0: usize,
     cut: bool,
-) -> (Lanes, Option<Bounds>) {
+) -> Option<Bounds> {
     let (p, sq, sk, slope) = (it.p, it.sq, it.sk, it.slope);
     let cols = s.len();
     if it.softcap || slope != 0.0 {
@@ -306,7 +301,7 @@ pub(super) fn softmax<K: Kernel>(
         }
     }
     // Only tiles the band cuts through need a per-element mask.
-    let bounds = (cut || !it.mask.covers(r0..r0 + rows, j0..j0 + cols)).then(|| {
+    (cut || !it.mask.covers(r0..r0 + rows, j0..j0 + cols)).then(|| {
         // Per-lane bounds (each row sees one interval, prefix ranges or not), then one
         // lane-wise compare per key: the loop over lanes vectorises, where a loop over keys per
         // row was a scalar store per score.
@@ -324,8 +319,27 @@ pub(super) fn softmax<K: Kernel>(
             }
         }
         (lo, hi)
-    });
+    })
+}
 
+/// The online softmax of one tile: the scores `s` of keys `j0 ..` (one `Lanes` per key) for
+/// the query rows `r0 .. r0 + rows` (pre-scaled by `scale · log2 e`, or by `scale` alone under a
+/// softcap) become the probabilities `P` in place; the running max `m` and sum `l` are updated.
+/// Returns the correction `O` needs, and for a tile that the mask cuts (or with `cut`: keys
+/// past the real ones to mask) the per-lane key bounds.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn softmax<K: Kernel>(
+    it: &ItemCtx,
+    m: &mut Lanes,
+    l: &mut Lanes,
+    s: &mut [Lanes],
+    r0: usize,
+    rows: usize,
+    j0: usize,
+    cut: bool,
+) -> (Lanes, Option<Bounds>) {
+    let bounds = mask_scores(it, s, r0, rows, j0, cut);
     // Online softmax, per lane: m_new = max(m, rowmax(S)), P = 2^(S - m_new),
     // l = l · 2^(m - m_new) + rowsum(P); O gets the same correction inside the P·V kernel.
     //

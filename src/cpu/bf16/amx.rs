@@ -217,7 +217,7 @@ pub(super) unsafe fn mm<T: Tiles>(
 /// A software model of the tile unit, for tests on machines without AMX: per thread, eight
 /// 1 KiB tiles, `TDPBF16PS` as f32 fused multiply-adds.
 #[cfg(test)]
-pub(super) struct Soft;
+pub(in crate::cpu) struct Soft;
 
 #[cfg(test)]
 thread_local! {

@@ -163,3 +163,273 @@ pub(super) unsafe fn scale_rows(rows: &mut [Lanes], c: &Lanes) {
         }
     }
 }
+
+/// `2^x` on 16 lanes for the bf16 paths' softmax: `x = n + f` with `n` the nearest integer and
+/// `|f| <= 1/2`, `2^f` by a degree-5 polynomial (least-squares fit at 200 Chebyshev nodes of
+/// `[-1/2, 1/2]`, relative error below 2.3e-7 evaluated in f32), times `2^n` by `VSCALEFPS`.
+/// Below -160 the result is exactly 0 (so `-inf` maps to 0, which masking relies on); NaN
+/// stays NaN. Callers pass `x <= 0` (scores minus their running max).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn exp2(x: __m512) -> __m512 {
+    const C: [f32; 6] = [
+        1.000_000_1,
+        0.693_146_94,
+        0.240_221_22,
+        0.055_507_425,
+        0.009_675_46,
+        0.001_326_697,
+    ];
+    // `vmaxps` returns its second operand when one is NaN: the NaN.
+    let x = _mm512_max_ps(_mm512_set1_ps(-160.0), x);
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+    let f = _mm512_sub_ps(x, n);
+    let mut p = _mm512_set1_ps(C[5]);
+    for &c in C[..5].iter().rev() {
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    }
+    _mm512_scalef_ps(p, n)
+}
+
+/// The online softmax update of the bf16 forward, on scores already in base 2 and masked
+/// (`s`, one row of lanes per key): `m_new = max(m, rowmax(s))` (a NaN score is skipped here
+/// and propagates through its `P`), `P = 2^(s - m_new)` (0 for lanes that have seen only masked
+/// keys), `l = l · corr + rowsum(P)` with `corr = 2^(m - m_new)`. `P` goes to `pt` rounded to
+/// bf16 pairs of keys (`pt.len() = ⌈s.len() / 2⌉`), and with `keep` also back to `s` in f32.
+/// Returns `corr`.
+///
+/// # Safety
+/// avx512f, avx512bw and avx512bf16 must be available.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn online_pairs(
+    m: &mut Lanes,
+    l: &mut Lanes,
+    s: &mut [Lanes],
+    pt: &mut [Pairs],
+    keep: bool,
+) -> Lanes {
+    let n = s.len();
+    // SAFETY (every load and store of a row below): `Lanes` and `Pairs` hold BR = 16 V
+    // elements of 4 bytes, aligned to 64; rows are indexed below `n` and `pt.len()`.
+    let ld = |r: &Lanes, v: usize| unsafe { _mm512_load_ps(r.0.as_ptr().add(16 * v)) };
+    let mut mt = [_mm512_set1_ps(f32::NEG_INFINITY); V];
+    for r in s.iter() {
+        for (v, mt) in mt.iter_mut().enumerate() {
+            // `max(x, m)` returns m when x is NaN.
+            *mt = _mm512_max_ps(ld(r, v), *mt);
+        }
+    }
+    let mut corr = Lanes::splat(0.0);
+    let mut msub = [_mm512_setzero_ps(); V];
+    for v in 0..V {
+        let old = ld(m, v);
+        let new = _mm512_max_ps(mt[v], old);
+        let empty = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(new, _mm512_set1_ps(f32::NEG_INFINITY));
+        msub[v] = _mm512_mask_blend_ps(empty, new, _mm512_setzero_ps());
+        // SAFETY: as above.
+        unsafe {
+            _mm512_store_ps(m.0.as_mut_ptr().add(16 * v), new);
+            _mm512_store_ps(
+                corr.0.as_mut_ptr().add(16 * v),
+                exp2(_mm512_sub_ps(old, msub[v])),
+            );
+        }
+    }
+    // SAFETY: 32 u16 are 64 bytes.
+    let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
+    let mut sum = [_mm512_setzero_ps(); V];
+    for (i, pr) in pt.iter_mut().enumerate() {
+        for v in 0..V {
+            let x0 = exp2(_mm512_sub_ps(ld(&s[2 * i], v), msub[v]));
+            let x1 = if 2 * i + 1 < n {
+                exp2(_mm512_sub_ps(ld(&s[2 * i + 1], v), msub[v]))
+            } else {
+                _mm512_setzero_ps()
+            };
+            sum[v] = _mm512_add_ps(_mm512_add_ps(sum[v], x0), x1);
+            // SAFETY: as above; the bf16 vector is the same 64 bytes as the u32 one.
+            unsafe {
+                let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(x1, x0));
+                let pairs = _mm512_permutexvar_epi16(idx, both);
+                _mm512_store_si512(pr.0.as_mut_ptr().add(16 * v).cast(), pairs);
+                if keep {
+                    _mm512_store_ps(s[2 * i].0.as_mut_ptr().add(16 * v), x0);
+                    if 2 * i + 1 < n {
+                        _mm512_store_ps(s[2 * i + 1].0.as_mut_ptr().add(16 * v), x1);
+                    }
+                }
+            }
+        }
+    }
+    for (v, &sum) in sum.iter().enumerate() {
+        let c = ld(&corr, v);
+        let x = _mm512_fmadd_ps(ld(l, v), c, sum);
+        // SAFETY: as above.
+        unsafe { _mm512_store_ps(l.0.as_mut_ptr().add(16 * v), x) };
+    }
+    corr
+}
+
+/// Transposes a 16 × 16 block of u32 held as 16 rows: output row `j` is input column `j`.
+/// Interleaves 32-bit then 64-bit elements inside 128-bit lanes, then gathers the lanes in two
+/// rounds of `VSHUFI32X4`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    let t: [__m512i; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
+    });
+    // u[4i + m], lane L: column 4L + m of rows 4i .. 4i + 4.
+    let u: [__m512i; 16] = std::array::from_fn(|k| {
+        let (i, m) = (k / 4, k % 4);
+        let (a, b) = (t[4 * i + (m / 2)], t[4 * i + 2 + (m / 2)]);
+        if m % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
+    });
+    let mut out = [_mm512_setzero_si512(); 16];
+    for m in 0..4 {
+        let va = _mm512_shuffle_i32x4::<0x88>(u[m], u[4 + m]);
+        let vb = _mm512_shuffle_i32x4::<0xDD>(u[m], u[4 + m]);
+        let wa = _mm512_shuffle_i32x4::<0x88>(u[8 + m], u[12 + m]);
+        let wb = _mm512_shuffle_i32x4::<0xDD>(u[8 + m], u[12 + m]);
+        out[m] = _mm512_shuffle_i32x4::<0x88>(va, wa);
+        out[8 + m] = _mm512_shuffle_i32x4::<0xDD>(va, wa);
+        out[4 + m] = _mm512_shuffle_i32x4::<0x88>(vb, wb);
+        out[12 + m] = _mm512_shuffle_i32x4::<0xDD>(vb, wb);
+    }
+    out
+}
+
+/// `dst[t]` lane `c` = the pair `src[c · stride + 2t], src[c · stride + 2t + 1]` for rows
+/// `c < rows` (at most BR), 0 in the lanes past them: rows of bf16 pairs turned into lanes,
+/// 16 × 16 pairs per transpose.
+///
+/// # Safety
+/// avx512f must be available; `stride` is even and `rows <= BR`; every row `c < rows` holds
+/// `2 · dst.len()` values from `c · stride` inside `src`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn rows_to_lanes(dst: &mut [Pairs], src: &[u16], stride: usize, rows: usize) {
+    let np = dst.len();
+    for c0 in (0..BR).step_by(16) {
+        for t0 in (0..np).step_by(16) {
+            let w = (np - t0).min(16);
+            let mask: __mmask16 = if w == 16 { !0 } else { (1 << w) - 1 };
+            let r: [__m512i; 16] = std::array::from_fn(|i| {
+                let c = c0 + i;
+                if c < rows {
+                    // SAFETY: the `w` pairs from pair `t0` of row `c` lie inside `src` (the
+                    // caller's bounds); the masked load reads no other.
+                    unsafe {
+                        _mm512_maskz_loadu_epi32(mask, src.as_ptr().add(c * stride + 2 * t0).cast())
+                    }
+                } else {
+                    _mm512_setzero_si512()
+                }
+            });
+            let o = transpose16(r);
+            for (j, o) in o.iter().enumerate().take(w) {
+                // SAFETY: `dst[t0 + j]` exists (`j < w`); lanes `c0 .. c0 + 16` of it are 64
+                // bytes inside its BR lanes.
+                unsafe { _mm512_storeu_si512(dst[t0 + j].0.as_mut_ptr().add(c0).cast(), *o) };
+            }
+        }
+    }
+}
+
+/// `dst[x · dst_stride + r] = src[r · src_stride + x]` for `x < d`, `r < rows`, and 0 for
+/// `rows <= r < ⌈rows / 32⌉ · 32`: a bf16 transpose in which every pair of source rows
+/// becomes a pair of destination columns, 16 × 16 pairs per transpose.
+///
+/// # Safety
+/// avx512f and avx512bw must be available; every row `r < rows` of `src` holds `d` values from
+/// `r · src_stride`; `dst_stride >= ⌈rows / 32⌉ · 32` and `dst` holds `d` such rows.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn transpose_rows(
+    dst: &mut [u16],
+    dst_stride: usize,
+    src: &[u16],
+    src_stride: usize,
+    rows: usize,
+    d: usize,
+) {
+    // SAFETY: 32 u16 are 64 bytes.
+    let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
+    let row = |r: usize, x0: usize, mask: __mmask16| {
+        if r < rows {
+            // SAFETY: values `x0 .. x0 + 16` of row `r` that the mask keeps (those `< d`) lie
+            // inside `src`.
+            unsafe { _mm256_maskz_loadu_epi16(mask, src.as_ptr().add(r * src_stride + x0).cast()) }
+        } else {
+            _mm256_setzero_si256()
+        }
+    };
+    for r0 in (0..rows).step_by(32) {
+        for x0 in (0..d).step_by(16) {
+            let w = (d - x0).min(16);
+            let mask: __mmask16 = if w == 16 { !0 } else { (1 << w) - 1 };
+            // Pair row i: values x0 .. x0 + 16 of rows r0 + 2i and r0 + 2i + 1, interleaved.
+            let p: [__m512i; 16] = std::array::from_fn(|i| {
+                let a = row(r0 + 2 * i, x0, mask);
+                let b = row(r0 + 2 * i + 1, x0, mask);
+                _mm512_permutexvar_epi16(idx, _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b))
+            });
+            let o = transpose16(p);
+            for (j, o) in o.iter().enumerate().take(w) {
+                // SAFETY: row `x0 + j < d` of `dst`, columns `r0 .. r0 + 32 <= dst_stride`.
+                unsafe {
+                    _mm512_storeu_si512(dst.as_mut_ptr().add((x0 + j) * dst_stride + r0).cast(), *o)
+                }
+            }
+        }
+    }
+}
+
+/// `dst[i]` lane `x` = the pair `(src[2i · stride + x], src[(2i + 1) · stride + x])` for
+/// `x < d` (at most BR) and source rows `< rows`, 0 elsewhere: pairs of rows interleaved.
+///
+/// # Safety
+/// avx512f and avx512bw must be available; every row `r < rows` of `src` holds `d <= BR`
+/// values from `r · stride`.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn interleave_rows(
+    dst: &mut [Pairs],
+    src: &[u16],
+    stride: usize,
+    rows: usize,
+    d: usize,
+) {
+    // SAFETY: 32 u16 are 64 bytes.
+    let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
+    for (i, o) in dst.iter_mut().enumerate() {
+        for v in 0..V {
+            let x0 = 16 * v;
+            let w = d.saturating_sub(x0).min(16);
+            let mask: __mmask16 = if w == 16 { !0 } else { (1 << w) - 1 };
+            let row = |r: usize| {
+                if r < rows && w > 0 {
+                    // SAFETY: the values of row `r` the mask keeps (`< d`) lie inside `src`.
+                    unsafe {
+                        _mm256_maskz_loadu_epi16(mask, src.as_ptr().add(r * stride + x0).cast())
+                    }
+                } else {
+                    _mm256_setzero_si256()
+                }
+            };
+            let (a, b) = (row(2 * i), row(2 * i + 1));
+            let p = _mm512_permutexvar_epi16(
+                idx,
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b),
+            );
+            // SAFETY: lanes `x0 .. x0 + 16` of `dst[i]`, aligned to 64 bytes.
+            unsafe { _mm512_store_si512(o.0.as_mut_ptr().add(x0).cast(), p) };
+        }
+    }
+}

@@ -10,7 +10,7 @@
 //! `TDPBF16PS` (A tile times a B tile in pair rows), so the two engines share every tile
 //! layout and differ only in the padding they need ([`Engine::K_ALIGN`], [`Engine::M_ALIGN`]).
 
-mod amx;
+pub(super) mod amx;
 mod avx512;
 pub(super) mod prefill;
 
@@ -173,6 +173,73 @@ pub(super) fn round_row(dst: &mut [u16], src: &Lanes) {
     unsafe { avx512::round_row(dst, src) }
 }
 
+/// [`avx512::online_pairs`]: the online softmax update on masked base-2 scores `s`, `P` into
+/// `pt` as bf16 pairs of keys (and with `keep` back into `s`); returns the correction of `O`.
+#[inline(always)]
+pub(super) fn online_pairs(
+    m: &mut Lanes,
+    l: &mut Lanes,
+    s: &mut [Lanes],
+    pt: &mut [Pairs],
+    keep: bool,
+) -> Lanes {
+    // SAFETY: as for `pack_pairs`.
+    unsafe { avx512::online_pairs(m, l, s, pt, keep) }
+}
+
+/// [`avx512::rows_to_lanes`]: `dst[t]` lane `c` = the pair of values `2t, 2t + 1` of row `c`
+/// of `src` (row stride `stride`), 0 in lanes `rows ..`.
+#[inline(always)]
+pub(super) fn rows_to_lanes(dst: &mut [Pairs], src: &[u16], stride: usize, rows: usize) {
+    assert!(
+        rows <= BR
+            && stride.is_multiple_of(2)
+            && (rows == 0 || (rows - 1) * stride + 2 * dst.len() <= src.len()),
+        "cpu flash bf16 transpose out of bounds"
+    );
+    // SAFETY: as for `pack_pairs` (avx512f); bounds checked above.
+    unsafe { avx512::rows_to_lanes(dst, src, stride, rows) }
+}
+
+/// [`avx512::transpose_rows`]: `dst[x][r] = src[r][x]` for `x < d`, `r < rows`, 0 up to the
+/// next multiple of 32 rows.
+#[inline(always)]
+pub(super) fn transpose_rows(
+    dst: &mut [u16],
+    dst_stride: usize,
+    src: &[u16],
+    src_stride: usize,
+    rows: usize,
+    d: usize,
+) {
+    assert!(
+        pad(rows, 32) <= dst_stride
+            && d * dst_stride <= dst.len()
+            && (rows == 0 || (rows - 1) * src_stride + d <= src.len()),
+        "cpu flash bf16 transpose out of bounds"
+    );
+    // SAFETY: as for `pack_pairs` (avx512f, avx512bw); bounds checked above.
+    unsafe { avx512::transpose_rows(dst, dst_stride, src, src_stride, rows, d) }
+}
+
+/// [`avx512::interleave_rows`]: `dst[i]` lane `x` = values `x` of rows `2i` and `2i + 1`
+/// (`x < d <= BR`; 0 past `d` and for rows `>= rows`).
+#[inline(always)]
+pub(super) fn interleave_rows(
+    dst: &mut [Pairs],
+    src: &[u16],
+    stride: usize,
+    rows: usize,
+    d: usize,
+) {
+    assert!(
+        d <= BR && (rows == 0 || d == 0 || (rows - 1) * stride + d <= src.len()),
+        "cpu flash bf16 interleave out of bounds"
+    );
+    // SAFETY: as for `pack_pairs` (avx512f, avx512bw); bounds checked above.
+    unsafe { avx512::interleave_rows(dst, src, stride, rows, d) }
+}
+
 /// Rounds `x` to a multiple of `a`, upwards.
 #[inline(always)]
 pub(super) const fn pad(x: usize, a: usize) -> usize {
@@ -242,4 +309,119 @@ pub(super) fn all_finite(x: &[u16]) -> bool {
 #[inline(always)]
 pub(super) fn to_f32(w: u16) -> f32 {
     f32::from_bits((w as u32) << 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pseudo-random bf16 bits with every exponent, NaN and infinities included.
+    fn bits(n: usize, seed: u64) -> Vec<u16> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 24) as u16
+            })
+            .collect()
+    }
+
+    /// The vector transposes and the interleave against plain loops, at ragged sizes.
+    #[test]
+    fn layouts_match_plain_loops() {
+        if !crate::cpu::dispatch::avx512bf16() {
+            eprintln!("NOT TESTED: this CPU has no AVX512-BF16; the bf16 layouts need it");
+            return;
+        }
+        for (rows, d) in [(1, 1), (7, 3), (16, 16), (37, 40), (64, 80), (64, 129)] {
+            let stride = pad(d, 2) + 4;
+            let src = bits(BR * stride, (rows * 1000 + d) as u64);
+            let at = |r: usize, x: usize| {
+                if r < rows && x < d {
+                    src[r * stride + x]
+                } else {
+                    0
+                }
+            };
+            let pair = |lo: u16, hi: u16| lo as u32 | (hi as u32) << 16;
+
+            let mut lanes = vec![Pairs([7; BR]); d.div_ceil(2)];
+            rows_to_lanes(&mut lanes, &src, stride, rows.min(BR));
+            for (t, l) in lanes.iter().enumerate() {
+                for c in 0..BR {
+                    let want = if c < rows {
+                        pair(at(c, 2 * t), src[c * stride + 2 * t + 1])
+                    } else {
+                        0
+                    };
+                    assert_eq!(l.0[c], want, "rows_to_lanes ({rows}, {d}) [{t}][{c}]");
+                }
+            }
+
+            let dst_stride = pad(rows, 32) + 8;
+            let mut t = vec![7u16; d * dst_stride];
+            transpose_rows(&mut t, dst_stride, &src, stride, rows, d);
+            for x in 0..d {
+                for r in 0..pad(rows, 32) {
+                    assert_eq!(
+                        t[x * dst_stride + r],
+                        at(r, x),
+                        "transpose_rows ({rows}, {d}) [{x}][{r}]"
+                    );
+                }
+            }
+
+            let dd = d.min(BR);
+            let mut il = vec![Pairs([7; BR]); rows.div_ceil(2) + 1];
+            interleave_rows(&mut il, &src, stride, rows, dd);
+            for (i, l) in il.iter().enumerate() {
+                for x in 0..BR {
+                    let at = |r: usize| if x < dd { at(r, x) } else { 0 };
+                    assert_eq!(
+                        l.0[x],
+                        pair(at(2 * i), at(2 * i + 1)),
+                        "interleave ({rows}, {d}) [{i}][{x}]"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The softmax's exp2: accurate, exactly 0 at -inf and far below, NaN kept.
+    #[test]
+    fn online_pairs_exp2() {
+        if !crate::cpu::dispatch::avx512bf16() {
+            eprintln!("NOT TESTED: this CPU has no AVX512-BF16; the bf16 softmax needs it");
+            return;
+        }
+        // One key per lane value: P = 2^(s - max) with max 0 (the first key), sum in l.
+        let xs: Vec<f32> = (0..BR).map(|i| -(i as f32) * 2.3).collect();
+        let mut s = vec![Lanes::splat(0.0), Lanes(std::array::from_fn(|i| xs[i]))];
+        s.push(Lanes(std::array::from_fn(|i| match i {
+            0 => f32::NEG_INFINITY,
+            1 => -200.0,
+            2 => f32::NAN,
+            _ => -0.5,
+        })));
+        let (mut m, mut l) = (Lanes::splat(f32::NEG_INFINITY), Lanes::splat(0.0));
+        let mut pt = vec![Pairs::ZERO; 2];
+        let corr = online_pairs(&mut m, &mut l, &mut s, &mut pt, true);
+        assert!(corr.0.iter().all(|&c| c == 0.0), "first tile: corr 0");
+        assert!(m.0.iter().all(|&m| m == 0.0));
+        for (i, &x) in xs.iter().enumerate() {
+            let rel = (s[1].0[i] as f64 / (x as f64).exp2() - 1.0).abs();
+            assert!(
+                rel < 3e-7 || (x < -126.0 && s[1].0[i] < 1e-37),
+                "exp2({x}): {rel}"
+            );
+        }
+        assert_eq!(s[2].0[0], 0.0);
+        assert_eq!(s[2].0[1], 0.0);
+        assert!(s[2].0[2].is_nan() && l.0[2].is_nan());
+        // bf16(P) of key 1 in the high half of pair 0.
+        let hi = (pt[0].0[5] >> 16) as u16;
+        assert_eq!(hi, half::bf16::from_f32(s[1].0[5]).to_bits());
+    }
 }

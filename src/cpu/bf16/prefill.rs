@@ -18,9 +18,12 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::super::kernel::Avx512;
-use super::super::prefill::{masked_pv, softmax, ItemCtx};
+use super::super::prefill::{mask_scores, masked_pv, ItemCtx};
 use super::super::{Lanes, SyncPtr, BC, BR, QSUB};
-use super::{load_keys, load_rows, pack_pairs, pad, Acc, AmxBf16, Avx512Bf16, Engine, Pairs};
+use super::{
+    load_keys, load_rows, online_pairs, pad, rows_to_lanes, transpose_rows, Acc, AmxBf16,
+    Avx512Bf16, Engine, Pairs,
+};
 use crate::problem::Problem;
 use crate::semantics::{kv_head, LOG2_E};
 
@@ -136,8 +139,8 @@ struct Scratch {
     vt: Vec<u16>,
     /// The V tile in f32 for the rare masked product with a non-finite V.
     v32: Vec<f32>,
-    /// One query row (`dk` values, padding 0).
-    row: Vec<u16>,
+    /// The query rows of one sub-tile, row-major `BR × dk` (padding 0).
+    qrows: Vec<u16>,
 }
 
 impl Scratch {
@@ -163,7 +166,7 @@ impl Scratch {
             vrow: vec![0; BC * d],
             vt: vec![0; dm * BC],
             v32: vec![0.0; BC * d],
-            row: vec![0; dk],
+            qrows: vec![0; BR * dk],
         }
     }
 }
@@ -227,16 +230,9 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
         sub_rows[u] = (r0, n);
         sub_keys[u] = mask.key_range_rows(r0..r0 + n);
         let st = &mut sc.sub[u];
-        // Lanes past the last row stay 0, which keeps their (unused) scores finite.
-        if n < BR {
-            st.qtp.iter_mut().for_each(|x| *x = Pairs::ZERO);
-        }
-        for r in 0..n {
-            load_rows(&mut sc.row, dk, ctx.q, &p.q, b, seq.q_row + r0 + r, 1, h, d);
-            for (pr, pair) in st.qtp.iter_mut().zip(sc.row.chunks_exact(2)) {
-                pr.0[r] = pair[0] as u32 | (pair[1] as u32) << 16;
-            }
-        }
+        // Lanes past the last row are 0, which keeps their (unused) scores finite.
+        load_rows(&mut sc.qrows, dk, ctx.q, &p.q, b, seq.q_row + r0, n, h, d);
+        rows_to_lanes(&mut st.qtp, &sc.qrows, dk, n);
         st.ot.iter_mut().for_each(|x| *x = Lanes::splat(0.0));
         st.m = Lanes::splat(f32::NEG_INFINITY);
         st.l = Lanes::splat(0.0);
@@ -253,7 +249,8 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
         sc.k[cols * dk..colsp * dk].fill(0);
         load_keys(&mut sc.vrow, d, ctx.v, &p.v, &keys, j0, cols, kvh, d);
         let v_finite = super::all_finite(&sc.vrow[..cols * d]);
-        transpose(&sc.vrow, &mut sc.vt, cols, colsp, d);
+        // Vᵀ; keys past `cols` are 0 up to the next multiple of 32 (>= colsp).
+        transpose_rows(&mut sc.vt, BC, &sc.vrow, d, cols, d);
         for u in 0..nsub {
             // The sub-tile's part of this key tile, widened to the engine's alignment.
             let c0 = sub_keys[u].0.max(j0);
@@ -276,14 +273,15 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
                 &st.qtp,
                 dk,
             );
-            let cut = a1 > j0 + cols;
-            let (corr, bounds) =
-                softmax::<Avx512>(&it, &mut st.m, &mut st.l, s, r0, nrows, a0, cut);
+            let bounds = mask_scores(&it, s, r0, nrows, a0, a1 > j0 + cols);
+            // A masked key has P = 0, but 0 · NaN = NaN: with a non-finite V in a cut tile, the
+            // per-row product of the f32 path (on the unrounded P, kept for it).
+            let per_row = bounds.is_some() && !v_finite;
+            let pt = &mut sc.pt[..n / 2];
+            let corr = online_pairs(&mut st.m, &mut st.l, s, pt, per_row);
             let vt = &sc.vt[a0 - j0..];
             match bounds {
-                // A masked key has P = 0, but 0 · NaN = NaN: with a non-finite V in a cut tile,
-                // the per-row product of the f32 path (on the unrounded P).
-                Some((lo, hi)) if !v_finite => {
+                Some((lo, hi)) if per_row => {
                     for c in 0..n {
                         for x in 0..d {
                             sc.v32[c * d + x] = super::to_f32(vt[x * BC + c]);
@@ -292,10 +290,7 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
                     let v32 = &sc.v32[..n * d];
                     masked_pv::<Avx512>(&mut st.ot, &corr, v32, s, d, nrows, a0, (&lo, &hi));
                 }
-                _ => {
-                    pack_pairs(&mut sc.pt[..n / 2], s, n);
-                    E::mm(&mut st.ot[..dm], Acc::Scale(&corr), 1.0, vt, BC, &sc.pt, n);
-                }
+                _ => E::mm(&mut st.ot[..dm], Acc::Scale(&corr), 1.0, vt, BC, &sc.pt, n),
             }
         }
         j0 += cols;
@@ -325,18 +320,6 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
             // SAFETY: as above, for the row's log-sum-exp.
             unsafe { *ctx.lse.0.add(seq.lse_base + h * lse_h + i) = row_lse };
         }
-    }
-}
-
-/// `vt[x][c] = vrow[c][x]` for keys `c < cols`, 0 for `cols <= c < colsp` (rows `x < d`;
-/// `vt` has `BC` keys per row).
-#[inline(always)]
-fn transpose(vrow: &[u16], vt: &mut [u16], cols: usize, colsp: usize, d: usize) {
-    for (x, row) in vt.chunks_exact_mut(BC).take(d).enumerate() {
-        for (c, o) in row[..cols].iter_mut().enumerate() {
-            *o = vrow[c * d + x];
-        }
-        row[cols..colsp].fill(0);
     }
 }
 

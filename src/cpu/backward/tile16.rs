@@ -1,0 +1,308 @@
+//! One (query tile, key tile) step of the bf16 backward pass: the schedule, lanes and softmax
+//! of [`super::tile`] (keys in lanes), with K, V, Q and dO kept in bf16 and the five products on
+//! an [`Engine`] in the pair layout of [`crate::cpu::bf16`]:
+//!
+//! * `S = Q Kᵀ`, `dP = dO Vᵀ`: rows are queries (Q, dO row-major bf16), the reduction runs over
+//!   head-dim pairs of `Kᵀ`, `Vᵀ` (per key tile: `ktp[t]` lane `c` = `K[c][2t], K[c][2t+1]`);
+//! * `P`, `dS` from the f32 code of the f32 path ([`super::tile::probabilities`]);
+//! * `dVᵀ += dOᵀ P`, `dKᵀ += Qᵀ dS`: rows are head dims (`dOᵀ`, `Qᵀ` bf16, transposed once per
+//!   query tile), the reduction runs over pairs of query rows of `P` and `dS`, rounded to bf16;
+//! * `dQ = dS K`: rows are queries (`dS` rounded to bf16 row-major), the reduction runs over key
+//!   pairs of `K` (per key tile: `kp[cp]` lane `x` = `K[2cp][x], K[2cp+1][x]`, 64 head dims per
+//!   chunk).
+//!
+//! `P` and `dS` are rounded to bf16 for their products as on the GPU; `D`, the lse and every
+//! accumulator stay f32. Padding (to the engine's alignment of rows and of reductions) is 0 in
+//! every operand, so it adds nothing.
+
+use half::bf16;
+
+use super::super::bf16::{
+    interleave_rows, load_keys, load_rows, pack_pairs, pad, round_row, rows_to_lanes,
+    transpose_rows, Acc, Engine, Pairs,
+};
+use super::super::kernel::Avx512;
+use super::super::{Lanes, BC, BR};
+use super::tile::{probabilities, QuerySrc, Step, KSUB, QSUB, QT};
+use crate::problem::{KeyRows, Problem};
+
+/// Head dims per lane chunk of `K` pairs and of the dQ tile.
+const CH: usize = BR;
+/// Rows of the per-step tiles: a step's query rows, plus the padding of AMX's 16-row blocks.
+const QTM: usize = QT + 16;
+/// Query rows of the loaded query tiles, plus the padding of a 32-row reduction starting at
+/// any row of them.
+const QROWS: usize = QSUB * QT + 32;
+
+/// Per-thread buffers of the bf16 backward.
+pub(in super::super) struct Scratch16 {
+    d: usize,
+    /// `d` padded for the reductions over head dims (`dk`) and for rows of head dims (`dm`).
+    dk: usize,
+    dm: usize,
+    /// The engine's alignments these buffers are padded for.
+    align: (usize, usize),
+    /// Lane chunks of the head dim (`⌈d / 64⌉`).
+    nch: usize,
+    /// One K or V tile, row-major `BC × dk` (padding 0), on its way into the pair tiles.
+    tile: Vec<u16>,
+    /// Per key tile slot `u < KSUB` (at `u * dk / 2`): `Kᵀ`, `Vᵀ` in pair rows of key lanes.
+    ktp: Vec<Pairs>,
+    vtp: Vec<Pairs>,
+    /// Per slot (at `u * nch * BC / 2`): `K` in key pairs, `kp[ch * BC / 2 + cp]` lane `x`
+    /// holding dim `64 ch + x` of keys `2cp`, `2cp + 1`.
+    kp: Vec<Pairs>,
+    /// Per slot (at `u * dm`): `dKᵀ` (unscaled) and `dVᵀ`, rows of key lanes.
+    dkt: Vec<Lanes>,
+    dvt: Vec<Lanes>,
+    /// Q and dO of the loaded query rows, row-major `QROWS × dk`, and transposed, `dm` rows of
+    /// `QROWS` (columns past the loaded rows 0).
+    q: Vec<u16>,
+    g: Vec<u16>,
+    qt: Vec<u16>,
+    gt: Vec<u16>,
+    /// Per loaded query row: `lse · log2 e` and `D`.
+    lse2: [f32; QSUB * QT],
+    delta: [f32; QSUB * QT],
+    /// `S` then `P`, `dP` then `dS`: rows of key lanes.
+    s: Vec<Lanes>,
+    dp: Vec<Lanes>,
+    /// `P` and `dS` in pairs of query rows.
+    pp: Vec<Pairs>,
+    dsp: Vec<Pairs>,
+    /// `dS` rounded to bf16, row-major `QTM × BC`.
+    ds: Vec<u16>,
+    /// `dS K` of the step (unscaled): `dqt[ch * QTM + r]` holds dims `64 ch ..` of row `r`.
+    dqt: Vec<Lanes>,
+    /// Per slot: every element of the key tile is finite.
+    k_finite: [bool; KSUB],
+}
+
+impl Scratch16 {
+    fn new<E: Engine>(d: usize) -> Self {
+        let dk = pad(d, E::K_ALIGN);
+        let dm = pad(d, E::M_ALIGN);
+        let nch = d.div_ceil(CH);
+        let z = Lanes::splat(0.0);
+        Self {
+            d,
+            dk,
+            dm,
+            align: (E::K_ALIGN, E::M_ALIGN),
+            nch,
+            tile: vec![0; BC * dk],
+            ktp: vec![Pairs::ZERO; KSUB * dk / 2],
+            vtp: vec![Pairs::ZERO; KSUB * dk / 2],
+            kp: vec![Pairs::ZERO; KSUB * nch * BC / 2],
+            dkt: vec![z; KSUB * dm],
+            dvt: vec![z; KSUB * dm],
+            q: vec![0; QROWS * dk],
+            g: vec![0; QROWS * dk],
+            qt: vec![0; dm * QROWS],
+            gt: vec![0; dm * QROWS],
+            lse2: [0.0; QSUB * QT],
+            delta: [0.0; QSUB * QT],
+            s: vec![z; QTM],
+            dp: vec![z; QTM],
+            pp: vec![Pairs::ZERO; QT / 2 + 16],
+            dsp: vec![Pairs::ZERO; QT / 2 + 16],
+            ds: vec![0; QTM * BC],
+            dqt: vec![z; nch * QTM],
+            k_finite: [true; KSUB],
+        }
+    }
+
+    pub fn zero_dkdv(&mut self) {
+        let z = Lanes::splat(0.0);
+        self.dkt.iter_mut().for_each(|x| *x = z);
+        self.dvt.iter_mut().for_each(|x| *x = z);
+    }
+
+    /// `dKᵀ` (unscaled) and `dVᵀ` of key tile slot `u` (the first `d` rows hold the head dims).
+    pub fn dkdv(&self, u: usize) -> (&[Lanes], &[Lanes]) {
+        let dm = self.dm;
+        (
+            &self.dkt[u * dm..(u + 1) * dm],
+            &self.dvt[u * dm..(u + 1) * dm],
+        )
+    }
+
+    /// Adds row `r` of this step's dQ tile to `dst` (`d` elements).
+    #[inline(always)]
+    pub fn add_dq_row(&self, r: usize, dst: &mut [f32]) {
+        for (ch, dst) in dst[..self.d].chunks_mut(CH).enumerate() {
+            for (o, &x) in dst.iter_mut().zip(&self.dqt[ch * QTM + r].0) {
+                *o += x;
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// Each thread's scratch, kept between work items and calls.
+    static SCRATCH: std::cell::RefCell<Option<Scratch16>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's scratch, (re)built when the head dim or the engine changed.
+pub(in super::super) fn with_scratch16<E: Engine>(d: usize, f: impl FnOnce(&mut Scratch16)) {
+    let fits = |s: &Scratch16| s.d == d && s.align == (E::K_ALIGN, E::M_ALIGN);
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut slot) => {
+            if !matches!(&*slot, Some(s) if fits(s)) {
+                *slot = Some(Scratch16::new::<E>(d));
+            }
+            if let Some(s) = slot.as_mut() {
+                f(s);
+            }
+        }
+        Err(_) => f(&mut Scratch16::new::<E>(d)),
+    })
+}
+
+/// Loads keys `j0 .. j0 + cols` of K/V head `kvh` into key tile slot `u`: `Kᵀ`, `Vᵀ` in pair
+/// rows and (with `chunks`) `K` in key pairs. Lanes and pairs past the tile's keys are 0.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_keys_tile(
+    sc: &mut Scratch16,
+    u: usize,
+    p: &Problem,
+    k: &[bf16],
+    v: &[bf16],
+    keys: &KeyRows,
+    j0: usize,
+    cols: usize,
+    kvh: usize,
+    chunks: bool,
+) {
+    let (d, dk, nch) = (sc.d, sc.dk, sc.nch);
+    let half = dk / 2;
+    load_keys(&mut sc.tile, dk, k, &p.k, keys, j0, cols, kvh, d);
+    sc.k_finite[u] = super::super::bf16::all_finite(&sc.tile[..cols * dk]);
+    rows_to_lanes(&mut sc.ktp[u * half..(u + 1) * half], &sc.tile, dk, cols);
+    if chunks {
+        let kp = &mut sc.kp[u * nch * BC / 2..(u + 1) * nch * BC / 2];
+        for (ch, kp) in kp.chunks_exact_mut(BC / 2).enumerate() {
+            let x0 = ch * CH;
+            interleave_rows(kp, &sc.tile[x0..], dk, cols, CH.min(d - x0));
+        }
+    }
+    load_keys(&mut sc.tile, dk, v, &p.v, keys, j0, cols, kvh, d);
+    rows_to_lanes(&mut sc.vtp[u * half..(u + 1) * half], &sc.tile, dk, cols);
+}
+
+/// Loads query rows `i0 .. i0 + rows` (`rows <= QSUB · QT`) of head `h` (storage row
+/// `q_row + i0`, output row `out_row + i0`): Q, dO row-major and transposed, `lse · log2 e`
+/// and `D`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_queries(
+    sc: &mut Scratch16,
+    src: &QuerySrc<bf16>,
+    b: usize,
+    q_row: usize,
+    out_row: usize,
+    i0: usize,
+    rows: usize,
+    h: usize,
+) {
+    let (d, dk) = (sc.d, sc.dk);
+    load_rows(&mut sc.q, dk, src.q, src.qs, b, q_row + i0, rows, h, d);
+    for r in 0..rows {
+        let at = (out_row + i0 + r) * src.heads + h;
+        for (o, x) in sc.g[r * dk..r * dk + d]
+            .iter_mut()
+            .zip(&src.go[at * d..(at + 1) * d])
+        {
+            *o = x.to_bits();
+        }
+        sc.lse2[r] = src.lse2[at];
+        sc.delta[r] = src.delta[at];
+    }
+    // Columns past the loaded rows are 0 as far as a reduction padded to 32 rows from any
+    // of them can read: it adds 0 · 0 there.
+    let (end, zero_to) = (pad(rows, 32), (pad(rows, 32) + 32).min(QROWS));
+    for (src, dst) in [(&sc.q, &mut sc.qt), (&sc.g, &mut sc.gt)] {
+        transpose_rows(dst, QROWS, src, dk, rows, d);
+        for row in dst.chunks_exact_mut(QROWS).take(d) {
+            row[end..zero_to].fill(0);
+        }
+    }
+}
+
+/// One step over the loaded tiles on engine `E`: `S`, `P`, `dP`, `dS`; then `dVᵀ`, `dKᵀ` (with
+/// `dkdv`) and the dQ tile `dS K` (with `dq`, which needs the key pairs loaded).
+#[inline(always)]
+pub(super) fn step<E: Engine>(st: &Step, sc: &mut Scratch16, dkdv: bool, dq: bool) {
+    let (dk, dm, nch) = (sc.dk, sc.dm, sc.nch);
+    let half = dk / 2;
+    let (rows, cols, u, ro) = (st.rows, st.cols, st.u, st.ro);
+    let mrows = pad(rows, E::M_ALIGN);
+    let (ktp, vtp) = (
+        &sc.ktp[u * half..(u + 1) * half],
+        &sc.vtp[u * half..(u + 1) * half],
+    );
+    E::mm(
+        &mut sc.s[..mrows],
+        Acc::Zero,
+        1.0,
+        &sc.q[ro * dk..],
+        dk,
+        ktp,
+        dk,
+    );
+    E::mm(
+        &mut sc.dp[..mrows],
+        Acc::Zero,
+        1.0,
+        &sc.g[ro * dk..],
+        dk,
+        vtp,
+        dk,
+    );
+    let (lse2, delta) = (&sc.lse2[ro..], &sc.delta[ro..]);
+    probabilities::<Avx512>(st, &mut sc.s[..rows], &mut sc.dp[..rows], lse2, delta);
+    if dkdv {
+        // dVᵀ += dOᵀ P and dKᵀ += Qᵀ dS over pairs of query rows.
+        let rp = pad(rows, E::K_ALIGN);
+        pack_pairs(&mut sc.pp[..rp / 2], &sc.s, rows);
+        pack_pairs(&mut sc.dsp[..rp / 2], &sc.dp, rows);
+        let dvt = &mut sc.dvt[u * dm..(u + 1) * dm];
+        E::mm(dvt, Acc::Keep, 1.0, &sc.gt[ro..], QROWS, &sc.pp, rp);
+        let dkt = &mut sc.dkt[u * dm..(u + 1) * dm];
+        E::mm(dkt, Acc::Keep, 1.0, &sc.qt[ro..], QROWS, &sc.dsp, rp);
+    }
+    if dq {
+        // dQ = dS K over key pairs, head dims in lanes.
+        let colsp = pad(cols, E::K_ALIGN);
+        for (r, dp) in sc.dp[..rows].iter().enumerate() {
+            round_row(&mut sc.ds[r * BC..r * BC + colsp], dp);
+        }
+        let kp = &sc.kp[u * nch * BC / 2..(u + 1) * nch * BC / 2];
+        for (ch, kp) in kp.chunks_exact(BC / 2).enumerate() {
+            let out = &mut sc.dqt[ch * QTM..ch * QTM + mrows];
+            if sc.k_finite[u] {
+                E::mm(out, Acc::Zero, 1.0, &sc.ds, BC, kp, colsp);
+            } else {
+                // A masked key has dS = 0, but 0 · NaN = NaN: with a NaN or infinity in the
+                // tile, the terms of zero dS are left out, so it reaches only the rows that see
+                // its key (whose dS is then NaN already).
+                for (o, ds) in out[..rows].iter_mut().zip(sc.dp.iter()) {
+                    *o = Lanes::splat(0.0);
+                    for (c, &g) in ds.0[..cols].iter().enumerate() {
+                        if g != 0.0 {
+                            let g = super::super::bf16::to_f32(bf16::from_f32(g).to_bits());
+                            let kc = &kp[c / 2];
+                            for (o, &k) in o.0.iter_mut().zip(&kc.0) {
+                                let k = if c % 2 == 0 {
+                                    k as u16
+                                } else {
+                                    (k >> 16) as u16
+                                };
+                                *o = g.mul_add(super::super::bf16::to_f32(k), *o);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
