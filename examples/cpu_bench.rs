@@ -379,8 +379,8 @@ fn causal_mask(n: usize, dev: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(mask, (n, n), dev)?)
 }
 
-/// The sequence lengths, masks and repetitions the arguments ask for.
-fn plan(args: &Args) -> (Vec<usize>, Vec<bool>, Box<dyn Fn(usize) -> usize + '_>) {
+/// The sequence lengths and masks the arguments ask for.
+fn plan(args: &Args) -> (Vec<usize>, Vec<bool>) {
     let ns = match (&args.n[..], args.quick) {
         ([], true) => vec![256],
         ([], false) => vec![1024, 4096],
@@ -390,15 +390,17 @@ fn plan(args: &Args) -> (Vec<usize>, Vec<bool>, Box<dyn Fn(usize) -> usize + '_>
         None => vec![false, true],
         Some(c) => vec![c],
     };
-    let reps = move |n: usize| {
-        let default = match (args.quick, n > 2048) {
-            (true, _) => 2,
-            (false, false) => 5,
-            (false, true) => 3,
-        };
-        args.reps.unwrap_or(default).max(1)
+    (ns, masks)
+}
+
+/// Forward repetitions at length `n`.
+fn forward_reps(args: &Args, n: usize) -> usize {
+    let default = match (args.quick, n > 2048) {
+        (true, _) => 2,
+        (false, false) => 5,
+        (false, true) => 3,
     };
-    (ns, masks, Box::new(reps))
+    args.reps.unwrap_or(default).max(1)
 }
 
 fn main() -> Result<()> {
@@ -421,7 +423,8 @@ fn main() -> Result<()> {
 
 fn forward_bench(args: &Args, csv: &mut Option<results::Csv>) -> Result<()> {
     let dev = Device::Cpu;
-    let (ns, masks, reps_for) = plan(args);
+    let (ns, masks) = plan(args);
+    let reps_for = |n| forward_reps(args, n);
     let mem_n = args.mem_n.unwrap_or(if args.quick { 2048 } else { 16384 });
     let h = args.heads;
     let variants = variants(args);
@@ -661,7 +664,7 @@ fn lean_naive(
 /// and, in f32, of the naive graphs; and the extra memory of one long flash backward.
 fn backward_bench(args: &Args, csv: &mut Option<results::Csv>) -> Result<()> {
     let dev = Device::Cpu;
-    let (ns, masks, _) = plan(args);
+    let (ns, masks) = plan(args);
     let reps_for = |n: usize| {
         args.reps.unwrap_or(if args.quick { 2 } else { 3 }).max(1)
             + usize::from(n < 2048 && !args.quick) * 2

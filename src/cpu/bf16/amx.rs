@@ -129,9 +129,9 @@ impl Tiles for Amx {
 /// Bytes between two rows of lanes (`Lanes` or `Pairs`).
 const LANE_ROW: usize = BR * 4;
 
-/// The pair product of [`super::Engine::mm`] on tiles: `out` (`M` rows of lanes) = `init(out)`
-/// + `A · B`, times `scale`, with `A` the `M × k` bf16 matrix at `a` (row stride `a_stride`)
-/// and `B` the `k / 2` rows of pairs `b`.
+/// The pair product of [`super::Engine::mm`] on tiles: `out` (`M` rows of lanes) becomes
+/// `init(out) + A · B`, times `scale`, with `A` the `M × k` bf16 matrix at `a` (row stride
+/// `a_stride`) and `B` the `k / 2` rows of pairs `b`.
 ///
 /// Tiled 2 × 2: tiles 0..4 accumulate a 32 × 32 block of `out` (two 16-row blocks times two
 /// 16-lane blocks), tiles 4 and 5 hold the two 16 × 32 blocks of `A`, tiles 6 and 7 the two

@@ -191,12 +191,21 @@ fn exp2(x: __m512) -> __m512 {
     _mm512_scalef_ps(p, n)
 }
 
-/// The online softmax update of the bf16 forward, on scores already in base 2 and masked
-/// (`s`, one row of lanes per key): `m_new = max(m, rowmax(s))` (a NaN score is skipped here
-/// and propagates through its `P`), `P = 2^(s - m_new)` (0 for lanes that have seen only masked
-/// keys), `l = l · corr + rowsum(P)` with `corr = 2^(m - m_new)`. `P` goes to `pt` rounded to
-/// bf16 pairs of keys (`pt.len() = ⌈s.len() / 2⌉`), and with `keep` also back to `s` in f32.
-/// Returns `corr`.
+/// How far (in base 2) a lane's running max may lag behind its scores before the lane is
+/// rescaled: `P` may reach `2^8`, far from f32 overflow in `l` and `O` for any sequence, and
+/// bf16 rounds it with the same relative error at any size. Rescaling only on such jumps makes
+/// the correction exactly 1 after the first tiles of nearly every row, so the rescaling pass
+/// over `Oᵀ` is skipped (it costs as much as a tile product on AMX).
+const LAG: f32 = 8.0;
+
+/// The online softmax update of the bf16 forward, on masked scores in base 2 (`s`, one row of
+/// lanes per key; multiplied by `scale` first): `m` moves to `rowmax(s)` where that exceeds it by
+/// more than [`LAG`] (a NaN score is skipped here and propagates through its `P`),
+/// `P = 2^(s - m)` (0 for lanes that have seen only masked keys), `l = l · corr + rowsum(P)` with
+/// `corr = 2^(m_old - m)`. `P` goes to `pt` rounded to bf16 pairs of keys
+/// (`pt.len() = ⌈s.len() / 2⌉`), and with `keep` also back to `s` in f32. Returns `corr` and
+/// whether `O` needs it: not when every lane's `corr` is 1 or its `O` is still 0 (no finite
+/// max yet).
 ///
 /// # Safety
 /// avx512f, avx512bw and avx512bf16 must be available.
@@ -207,32 +216,44 @@ pub(super) unsafe fn online_pairs(
     s: &mut [Lanes],
     pt: &mut [Pairs],
     keep: bool,
-) -> Lanes {
+    scale: f32,
+) -> (Lanes, bool) {
     let n = s.len();
+    let sc = _mm512_set1_ps(scale);
     // SAFETY (every load and store of a row below): `Lanes` and `Pairs` hold BR = 16 V
     // elements of 4 bytes, aligned to 64; rows are indexed below `n` and `pt.len()`.
     let ld = |r: &Lanes, v: usize| unsafe { _mm512_load_ps(r.0.as_ptr().add(16 * v)) };
-    let mut mt = [_mm512_set1_ps(f32::NEG_INFINITY); V];
+    let lds = |r: &Lanes, v: usize| {
+        if scale == 1.0 {
+            ld(r, v)
+        } else {
+            _mm512_mul_ps(ld(r, v), sc)
+        }
+    };
+    let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut mt = [neg_inf; V];
     for r in s.iter() {
         for (v, mt) in mt.iter_mut().enumerate() {
             // `max(x, m)` returns m when x is NaN.
-            *mt = _mm512_max_ps(ld(r, v), *mt);
+            *mt = _mm512_max_ps(lds(r, v), *mt);
         }
     }
     let mut corr = Lanes::splat(0.0);
     let mut msub = [_mm512_setzero_ps(); V];
+    let mut rescale: __mmask16 = 0;
     for v in 0..V {
         let old = ld(m, v);
-        let new = _mm512_max_ps(mt[v], old);
-        let empty = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(new, _mm512_set1_ps(f32::NEG_INFINITY));
+        let grow = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(mt[v], _mm512_add_ps(old, _mm512_set1_ps(LAG)));
+        let new = _mm512_mask_blend_ps(grow, old, mt[v]);
+        let empty = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(new, neg_inf);
         msub[v] = _mm512_mask_blend_ps(empty, new, _mm512_setzero_ps());
+        let c = exp2(_mm512_sub_ps(old, msub[v]));
+        let started = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(old, neg_inf);
+        rescale |= _mm512_mask_cmp_ps_mask::<_CMP_NEQ_UQ>(started, c, _mm512_set1_ps(1.0));
         // SAFETY: as above.
         unsafe {
             _mm512_store_ps(m.0.as_mut_ptr().add(16 * v), new);
-            _mm512_store_ps(
-                corr.0.as_mut_ptr().add(16 * v),
-                exp2(_mm512_sub_ps(old, msub[v])),
-            );
+            _mm512_store_ps(corr.0.as_mut_ptr().add(16 * v), c);
         }
     }
     // SAFETY: 32 u16 are 64 bytes.
@@ -240,9 +261,9 @@ pub(super) unsafe fn online_pairs(
     let mut sum = [_mm512_setzero_ps(); V];
     for (i, pr) in pt.iter_mut().enumerate() {
         for v in 0..V {
-            let x0 = exp2(_mm512_sub_ps(ld(&s[2 * i], v), msub[v]));
+            let x0 = exp2(_mm512_sub_ps(lds(&s[2 * i], v), msub[v]));
             let x1 = if 2 * i + 1 < n {
-                exp2(_mm512_sub_ps(ld(&s[2 * i + 1], v), msub[v]))
+                exp2(_mm512_sub_ps(lds(&s[2 * i + 1], v), msub[v]))
             } else {
                 _mm512_setzero_ps()
             };
@@ -267,7 +288,7 @@ pub(super) unsafe fn online_pairs(
         // SAFETY: as above.
         unsafe { _mm512_store_ps(l.0.as_mut_ptr().add(16 * v), x) };
     }
-    corr
+    (corr, rescale != 0)
 }
 
 /// Transposes a 16 × 16 block of u32 held as 16 rows: output row `j` is input column `j`.

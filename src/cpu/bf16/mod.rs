@@ -173,8 +173,9 @@ pub(super) fn round_row(dst: &mut [u16], src: &Lanes) {
     unsafe { avx512::round_row(dst, src) }
 }
 
-/// [`avx512::online_pairs`]: the online softmax update on masked base-2 scores `s`, `P` into
-/// `pt` as bf16 pairs of keys (and with `keep` back into `s`); returns the correction of `O`.
+/// [`avx512::online_pairs`]: the online softmax update on masked base-2 scores `s` (times
+/// `scale`), `P` into `pt` as bf16 pairs of keys (and with `keep` back into `s`); returns the
+/// correction of `O` and whether `O` needs it.
 #[inline(always)]
 pub(super) fn online_pairs(
     m: &mut Lanes,
@@ -182,9 +183,10 @@ pub(super) fn online_pairs(
     s: &mut [Lanes],
     pt: &mut [Pairs],
     keep: bool,
-) -> Lanes {
+    scale: f32,
+) -> (Lanes, bool) {
     // SAFETY: as for `pack_pairs`.
-    unsafe { avx512::online_pairs(m, l, s, pt, keep) }
+    unsafe { avx512::online_pairs(m, l, s, pt, keep, scale) }
 }
 
 /// [`avx512::rows_to_lanes`]: `dst[t]` lane `c` = the pair of values `2t, 2t + 1` of row `c`
@@ -407,8 +409,9 @@ mod tests {
         })));
         let (mut m, mut l) = (Lanes::splat(f32::NEG_INFINITY), Lanes::splat(0.0));
         let mut pt = vec![Pairs::ZERO; 2];
-        let corr = online_pairs(&mut m, &mut l, &mut s, &mut pt, true);
+        let (corr, rescale) = online_pairs(&mut m, &mut l, &mut s, &mut pt, true, 1.0);
         assert!(corr.0.iter().all(|&c| c == 0.0), "first tile: corr 0");
+        assert!(!rescale, "first tile: O is 0, nothing to rescale");
         assert!(m.0.iter().all(|&m| m == 0.0));
         for (i, &x) in xs.iter().enumerate() {
             let rel = (s[1].0[i] as f64 / (x as f64).exp2() - 1.0).abs();
@@ -423,5 +426,58 @@ mod tests {
         // bf16(P) of key 1 in the high half of pair 0.
         let hi = (pt[0].0[5] >> 16) as u16;
         assert_eq!(hi, half::bf16::from_f32(s[1].0[5]).to_bits());
+    }
+
+    /// The AMX instructions (inline assembly) against the software tile model on the same
+    /// tiling: every `mm` shape the passes use, within f32 rounding of each other.
+    #[test]
+    fn amx_tiles_match_the_model() {
+        use std::io::Write;
+        if !crate::cpu::dispatch::amx_usable() {
+            let _ = writeln!(std::io::stderr(), "NOT TESTED on this machine: AMX tiles");
+            return;
+        }
+        type Hw = AmxBf16;
+        type Model = AmxBf16<amx::Soft>;
+        // (rows of out, k, a_stride): the forward's scores and PV, the backward's products.
+        for (m, k, stride) in [
+            (64, 64, 64),
+            (32, 128, 160),
+            (80, 64, 64),
+            (48, 96, 288),
+            (16, 32, 32),
+        ] {
+            let a: Vec<u16> = bits(m * stride, (m * k) as u64)
+                .into_iter()
+                .map(|w| half::bf16::from_f32(to_f32(w & 0xBFFF).clamp(-4.0, 4.0)).to_bits())
+                .collect();
+            let b: Vec<Pairs> = (0..k / 2)
+                .map(|t| {
+                    Pairs(std::array::from_fn(|i| {
+                        ((t * 131 + i * 7) % 251) as u32 * 0x0001_0001 + 0x3F00_3F00
+                    }))
+                })
+                .collect();
+            let init = Lanes(std::array::from_fn(|i| i as f32 * 0.25 - 3.0));
+            let corr = Lanes(std::array::from_fn(|i| 1.0 - i as f32 / 128.0));
+            for acc in [Acc::Zero, Acc::Keep, Acc::Scale(&corr)] {
+                let mut hw = vec![init; m];
+                let mut model = vec![init; m];
+                Hw::begin();
+                Hw::mm(&mut hw, acc, 0.5, &a, stride, &b, k);
+                Hw::end();
+                Model::begin();
+                Model::mm(&mut model, acc, 0.5, &a, stride, &b, k);
+                Model::end();
+                for (r, (x, y)) in hw.iter().zip(&model).enumerate() {
+                    for (c, (x, y)) in x.0.iter().zip(&y.0).enumerate() {
+                        assert!(
+                            (x - y).abs() <= 1e-5 * y.abs().max(1.0) * k as f32,
+                            "({m}, {k}) row {r} lane {c}: hardware {x}, model {y}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -221,6 +221,10 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
     } else {
         p.score.scale * LOG2_E
     };
+    // The scale goes into the softmax's first read of the scores where masking (to -inf)
+    // commutes with it; the softcap and ALiBi need the scaled scores.
+    let fold = q_scale > 0.0 && !softcap && it.slope == 0.0;
+    let (mm_scale, sm_scale) = if fold { (1.0, q_scale) } else { (q_scale, 1.0) };
 
     let mut sub_rows = [(0usize, 0usize); QSUB];
     let mut sub_keys = [(0usize, 0usize); QSUB];
@@ -267,7 +271,7 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
             E::mm(
                 s,
                 Acc::Zero,
-                q_scale,
+                mm_scale,
                 &sc.k[(a0 - j0) * dk..],
                 dk,
                 &st.qtp,
@@ -278,7 +282,7 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
             // per-row product of the f32 path (on the unrounded P, kept for it).
             let per_row = bounds.is_some() && !v_finite;
             let pt = &mut sc.pt[..n / 2];
-            let corr = online_pairs(&mut st.m, &mut st.l, s, pt, per_row);
+            let (corr, rescale) = online_pairs(&mut st.m, &mut st.l, s, pt, per_row, sm_scale);
             let vt = &sc.vt[a0 - j0..];
             match bounds {
                 Some((lo, hi)) if per_row => {
@@ -290,7 +294,14 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
                     let v32 = &sc.v32[..n * d];
                     masked_pv::<Avx512>(&mut st.ot, &corr, v32, s, d, nrows, a0, (&lo, &hi));
                 }
-                _ => E::mm(&mut st.ot[..dm], Acc::Scale(&corr), 1.0, vt, BC, &sc.pt, n),
+                _ => {
+                    let init = if rescale {
+                        Acc::Scale(&corr)
+                    } else {
+                        Acc::Keep
+                    };
+                    E::mm(&mut st.ot[..dm], init, 1.0, vt, BC, &sc.pt, n)
+                }
             }
         }
         j0 += cols;
@@ -325,6 +336,8 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
 
 #[cfg(test)]
 mod tests {
+    use std::io::Write;
+
     use candle::{DType, Device, Tensor};
 
     use super::super::amx::Soft;
@@ -385,6 +398,12 @@ mod tests {
                 runs.push(("avx512bf16", o));
                 let (o, _) = run::<AmxBf16<Soft>>(&p, slopes.as_deref(), &qv, &kv, &vv);
                 runs.push(("amx (software tiles)", o));
+                if super::super::super::dispatch::amx_usable() {
+                    let (o, _) = run::<AmxBf16>(&p, slopes.as_deref(), &qv, &kv, &vv);
+                    runs.push(("amx", o));
+                } else {
+                    let _ = writeln!(std::io::stderr(), "NOT TESTED on this machine: AMX tiles");
+                }
             } else {
                 eprintln!("NOT TESTED: this CPU has no AVX512-BF16; the bf16 engines need it");
             }
