@@ -18,13 +18,17 @@
 use half::bf16;
 
 use super::super::bf16::{
-    interleave_rows, load_keys, load_rows, pack_pairs, pad, round_row, rows_to_lanes,
+    interleave_rows, load_keys, load_rows, pack_pairs, pad, probs_pairs, round_row, rows_to_lanes,
     transpose_rows, Acc, Engine, Pairs,
 };
 use super::super::kernel::Avx512;
 use super::super::{Lanes, BC, BR};
 use super::tile::{probabilities, QuerySrc, Step, KSUB, QSUB, QT};
 use crate::problem::{KeyRows, Problem};
+use crate::semantics::LOG2_E;
+
+/// `dS` rows are BC keys long, stored BR apart.
+const _: () = assert!(BC == BR);
 
 /// Head dims per lane chunk of `K` pairs and of the dQ tile.
 const CH: usize = BR;
@@ -259,12 +263,48 @@ pub(super) fn step<E: Engine>(st: &Step, sc: &mut Scratch16, dkdv: bool, dq: boo
         dk,
     );
     let (lse2, delta) = (&sc.lse2[ro..], &sc.delta[ro..]);
-    probabilities::<Avx512>(st, &mut sc.s[..rows], &mut sc.dp[..rows], lse2, delta);
-    if dkdv {
-        // dVᵀ += dOᵀ P and dKᵀ += Qᵀ dS over pairs of query rows.
-        let rp = pad(rows, E::K_ALIGN);
+    // P and dS, rounded to bf16 pairs of rows for dVᵀ and dKᵀ and to bf16 rows for dQ.
+    let rp = pad(rows, E::K_ALIGN);
+    let colsp = pad(cols, E::K_ALIGN);
+    let p = st.p;
+    if p.score.softcap > 0.0 || st.slope != 0.0 {
+        probabilities::<Avx512>(st, &mut sc.s[..rows], &mut sc.dp[..rows], lse2, delta);
         pack_pairs(&mut sc.pp[..rp / 2], &sc.s, rows);
         pack_pairs(&mut sc.dsp[..rp / 2], &sc.dp, rows);
+        for (r, dp) in sc.dp[..rows].iter().enumerate() {
+            round_row(&mut sc.ds[r * BC..r * BC + colsp], dp);
+        }
+    } else {
+        // Tiles the band cuts through (and the key tail) need a per-element mask.
+        let masked = cols < BC || !st.mask.covers(st.i0..st.i0 + rows, st.j0..st.j0 + cols);
+        let mut lanes = [0u64; QT];
+        if masked {
+            for (r, l) in lanes[..rows].iter_mut().enumerate() {
+                let (lo, hi) = st.mask.row_range(st.i0 + r);
+                let a = lo.clamp(st.j0, st.j0 + cols) - st.j0;
+                let b = hi.clamp(st.j0, st.j0 + cols) - st.j0;
+                let below = |n: usize| if n >= 64 { !0u64 } else { (1u64 << n) - 1 };
+                *l = below(b) & !below(a);
+            }
+        }
+        let qk2 = p.score.scale * LOG2_E;
+        let keep = dq && !sc.k_finite[u];
+        probs_pairs(
+            &sc.s,
+            &mut sc.dp,
+            lse2,
+            delta,
+            qk2,
+            masked.then_some(&lanes[..]),
+            rows,
+            &mut sc.pp[..rp / 2],
+            &mut sc.dsp[..rp / 2],
+            &mut sc.ds,
+            keep,
+        );
+    }
+    if dkdv {
+        // dVᵀ += dOᵀ P and dKᵀ += Qᵀ dS over pairs of query rows.
         let dvt = &mut sc.dvt[u * dm..(u + 1) * dm];
         E::mm(dvt, Acc::Keep, 1.0, &sc.gt[ro..], QROWS, &sc.pp, rp);
         let dkt = &mut sc.dkt[u * dm..(u + 1) * dm];
@@ -272,10 +312,6 @@ pub(super) fn step<E: Engine>(st: &Step, sc: &mut Scratch16, dkdv: bool, dq: boo
     }
     if dq {
         // dQ = dS K over key pairs, head dims in lanes.
-        let colsp = pad(cols, E::K_ALIGN);
-        for (r, dp) in sc.dp[..rows].iter().enumerate() {
-            round_row(&mut sc.ds[r * BC..r * BC + colsp], dp);
-        }
         let kp = &sc.kp[u * nch * BC / 2..(u + 1) * nch * BC / 2];
         for (ch, kp) in kp.chunks_exact(BC / 2).enumerate() {
             let out = &mut sc.dqt[ch * QTM..ch * QTM + mrows];

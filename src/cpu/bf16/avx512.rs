@@ -454,3 +454,89 @@ pub(super) unsafe fn interleave_rows(
         }
     }
 }
+
+/// The backward pass's probabilities and their packing in one pass, for steps without a softcap
+/// or ALiBi: for rows `r < rows` (`s`, `dp`: `S = Q Kᵀ` unscaled and `dP = dO Vᵀ`, keys in
+/// lanes) `P = 2^(S · qk2 - lse2[r])` and `dS = P ∘ (dP - delta[r])`, both 0 in the lanes
+/// outside `lanes[r]` (a bit per key; `None`: every lane). Writes `P` and `dS` rounded to bf16
+/// pairs of rows (`pp`, `dsp`: `pp.len()` pairs, rows `>= rows` counting as 0), `dS` rounded to
+/// bf16 row-major (`ds`, row stride BR), and with `keep` `dS` in f32 back into `dp`.
+///
+/// # Safety
+/// avx512f, avx512bw and avx512bf16 must be available; `ds` holds `rows` rows of BR, `s`, `dp`,
+/// `lse2`, `delta` (and `lanes`) at least `rows` entries, `dsp.len() == pp.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn probs_pairs(
+    s: &[Lanes],
+    dp: &mut [Lanes],
+    lse2: &[f32],
+    delta: &[f32],
+    qk2: f32,
+    lanes: Option<&[u64]>,
+    rows: usize,
+    pp: &mut [Pairs],
+    dsp: &mut [Pairs],
+    ds: &mut [u16],
+    keep: bool,
+) {
+    // SAFETY: 32 u16 are 64 bytes.
+    let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
+    let q = _mm512_set1_ps(qk2);
+    // Read and written below through one pointer: each row is read before it is written.
+    let dpp = dp.as_mut_ptr();
+    // P and dS of row r, vector v (0 past `rows`).
+    let row = |r: usize, v: usize| -> (__m512, __m512) {
+        if r >= rows {
+            return (_mm512_setzero_ps(), _mm512_setzero_ps());
+        }
+        // SAFETY: rows `r < rows` exist in `s` and `dp`; `Lanes` holds BR = 16 V floats
+        // aligned to 64.
+        let (x, g) = unsafe {
+            (
+                _mm512_load_ps(s[r].0.as_ptr().add(16 * v)),
+                _mm512_load_ps((*dpp.add(r)).0.as_ptr().add(16 * v)),
+            )
+        };
+        let p = exp2(_mm512_fmsub_ps(x, q, _mm512_set1_ps(lse2[r])));
+        let d = _mm512_mul_ps(p, _mm512_sub_ps(g, _mm512_set1_ps(delta[r])));
+        match lanes {
+            None => (p, d),
+            Some(l) => {
+                let k = (l[r] >> (16 * v)) as __mmask16;
+                (_mm512_maskz_mov_ps(k, p), _mm512_maskz_mov_ps(k, d))
+            }
+        }
+    };
+    for (i, (pr, dr)) in pp.iter_mut().zip(dsp.iter_mut()).enumerate() {
+        let (r0, r1) = (2 * i, 2 * i + 1);
+        for v in 0..V {
+            let (p0, d0) = row(r0, v);
+            let (p1, d1) = row(r1, v);
+            // SAFETY: as above for `pp[i]`, `dsp[i]`, rows `< rows` of `dp` and of `ds`
+            // (BR u16 each, 16 of them from 16 v); the bf16 vectors are the bytes of the u32
+            // ones.
+            unsafe {
+                let pb: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(p1, p0));
+                let db: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(d1, d0));
+                _mm512_store_si512(
+                    pr.0.as_mut_ptr().add(16 * v).cast(),
+                    _mm512_permutexvar_epi16(idx, pb),
+                );
+                _mm512_store_si512(
+                    dr.0.as_mut_ptr().add(16 * v).cast(),
+                    _mm512_permutexvar_epi16(idx, db),
+                );
+                for (r, d) in [(r0, d0), (r1, d1)] {
+                    if r < rows {
+                        let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(d));
+                        _mm256_storeu_si256(ds.as_mut_ptr().add(r * BR + 16 * v).cast(), h);
+                        if keep {
+                            _mm512_store_ps((*dpp.add(r)).0.as_mut_ptr().add(16 * v), d);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -189,6 +189,38 @@ pub(super) fn online_pairs(
     unsafe { avx512::online_pairs(m, l, s, pt, keep, scale) }
 }
 
+/// [`avx512::probs_pairs`]: the backward's `P` and `dS` of rows `< rows` (no softcap, no
+/// ALiBi), masked to the key bits of `lanes`, into bf16 pairs of rows (`pp`, `dsp`), `dS`
+/// row-major bf16 into `ds` (row stride BR), and with `keep` `dS` in f32 into `dp`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn probs_pairs(
+    s: &[Lanes],
+    dp: &mut [Lanes],
+    lse2: &[f32],
+    delta: &[f32],
+    qk2: f32,
+    lanes: Option<&[u64]>,
+    rows: usize,
+    pp: &mut [Pairs],
+    dsp: &mut [Pairs],
+    ds: &mut [u16],
+    keep: bool,
+) {
+    assert!(
+        s.len() >= rows
+            && dp.len() >= rows
+            && lse2.len() >= rows
+            && delta.len() >= rows
+            && lanes.is_none_or(|l| l.len() >= rows)
+            && ds.len() >= rows * BR
+            && dsp.len() == pp.len(),
+        "cpu flash bf16 backward: tile indexing out of bounds"
+    );
+    // SAFETY: as for `pack_pairs`; bounds checked above.
+    unsafe { avx512::probs_pairs(s, dp, lse2, delta, qk2, lanes, rows, pp, dsp, ds, keep) }
+}
+
 /// [`avx512::rows_to_lanes`]: `dst[t]` lane `c` = the pair of values `2t, 2t + 1` of row `c`
 /// of `src` (row stride `stride`), 0 in lanes `rows ..`.
 #[inline(always)]

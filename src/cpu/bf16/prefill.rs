@@ -19,13 +19,19 @@ use rayon::prelude::*;
 
 use super::super::kernel::Avx512;
 use super::super::prefill::{mask_scores, masked_pv, ItemCtx};
-use super::super::{Lanes, SyncPtr, BC, BR, QSUB};
+use super::super::{Lanes, SyncPtr, BC, BR};
 use super::{
     load_keys, load_rows, online_pairs, pad, rows_to_lanes, transpose_rows, Acc, AmxBf16,
     Avx512Bf16, Engine, Pairs,
 };
 use crate::problem::Problem;
 use crate::semantics::{kv_head, LOG2_E};
+
+/// Most BR-row sub-tiles per work item: twice the f32 prefill's. Each K/V tile copy waits on
+/// memory (rows of one head are `heads · d` values apart) for as long as the products of a
+/// sub-tile or two take on a bf16 engine, so the copy is shared by more sub-tiles; the scratch
+/// stays within L2 (about 300 KiB at head dim 128).
+const QSUB: usize = 8;
 
 /// Everything a work item reads, shared by all of them.
 struct Ctx<'a> {
@@ -71,7 +77,7 @@ pub(super) fn run<E: Engine>(
     // The item sizes and order of the f32 prefill (see there).
     let rows_total: usize = (0..p.batch).map(|b| p.seq(b).seq_q).sum::<usize>() * p.heads;
     let want = 4 * rayon::current_num_threads();
-    let qsub = [QSUB, 2, 1]
+    let qsub = [QSUB, 4, 2, 1]
         .into_iter()
         .find(|&n| rows_total.div_ceil(BR * n) >= want)
         .unwrap_or(1);
