@@ -19,13 +19,18 @@ use rayon::prelude::*;
 
 use super::super::kernel::Avx512;
 use super::super::prefill::{mask_scores, masked_pv, ItemCtx};
-use super::super::{Lanes, SyncPtr, BC, BR};
+use super::super::{Lanes, SyncPtr, BR};
 use super::{
     load_keys, load_rows, online_pairs, pad, rows_to_lanes, transpose_rows, Acc, AmxBf16,
     Avx512Bf16, Engine, Pairs,
 };
 use crate::problem::Problem;
 use crate::semantics::{kv_head, LOG2_E};
+
+/// Keys per tile: twice the f32 prefill's, so that each pass of `Oᵀ` through the tile unit
+/// (loaded, 4 products per 16 × 16 block, stored) adds 128 keys: with 64 the loads and stores of
+/// `Oᵀ` took longer than its products on AMX. A multiple of 32 (AMX's reduction per product).
+const BK: usize = 128;
 
 /// Most BR-row sub-tiles per work item: twice the f32 prefill's. Each K/V tile copy waits on
 /// memory (rows of one head are `heads · d` values apart) for as long as the products of a
@@ -133,15 +138,15 @@ struct Scratch {
     dm: usize,
     align: usize,
     sub: Vec<Sub>,
-    /// `Sᵀ`, then `Pᵀ` in place: `BC` rows of lanes.
+    /// `Sᵀ`, then `Pᵀ` in place: `BK` rows of lanes.
     s: Vec<Lanes>,
-    /// `Pᵀ` in bf16 pairs of keys: `BC / 2` rows.
+    /// `Pᵀ` in bf16 pairs of keys: `BK / 2` rows.
     pt: Vec<Pairs>,
-    /// The K tile, row-major `BC × dk` (padding 0).
+    /// The K tile, row-major `BK × dk` (padding 0).
     k: Vec<u16>,
-    /// The V tile row-major (`BC × d`) on its way into `vt`.
+    /// The V tile row-major (`BK × d`) on its way into `vt`.
     vrow: Vec<u16>,
-    /// `Vᵀ`: `dm` rows of `BC` keys (padding 0).
+    /// `Vᵀ`: `dm` rows of `BK` keys (padding 0).
     vt: Vec<u16>,
     /// The V tile in f32 for the rare masked product with a non-finite V.
     v32: Vec<f32>,
@@ -166,12 +171,12 @@ impl Scratch {
                     l: Lanes::splat(0.0),
                 })
                 .collect(),
-            s: vec![Lanes::splat(0.0); BC],
-            pt: vec![Pairs::ZERO; BC / 2],
-            k: vec![0; BC * dk],
-            vrow: vec![0; BC * d],
-            vt: vec![0; dm * BC],
-            v32: vec![0.0; BC * d],
+            s: vec![Lanes::splat(0.0); BK],
+            pt: vec![Pairs::ZERO; BK / 2],
+            k: vec![0; BK * dk],
+            vrow: vec![0; BK * d],
+            vt: vec![0; dm * BK],
+            v32: vec![0.0; BK * d],
             qrows: vec![0; BR * dk],
         }
     }
@@ -248,19 +253,19 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
         st.l = Lanes::splat(0.0);
     }
 
-    // The key tiles of the f32 prefill: on the BC grid, so the bits do not depend on how the
+    // Key tiles on the BK grid, as in the f32 prefill, so the bits do not depend on how the
     // sub-tiles are grouped into items.
     let (lo, hi) = mask.key_range_rows(i0..i0 + rows);
-    let mut j0 = lo - lo % BC;
+    let mut j0 = lo - lo % BK;
     while j0 < hi {
-        let cols = BC.min(hi - j0);
+        let cols = BK.min(hi - j0);
         let colsp = pad(cols, E::K_ALIGN);
         load_keys(&mut sc.k, dk, ctx.k, &p.k, &keys, j0, cols, kvh, d);
         sc.k[cols * dk..colsp * dk].fill(0);
         load_keys(&mut sc.vrow, d, ctx.v, &p.v, &keys, j0, cols, kvh, d);
         let v_finite = super::all_finite(&sc.vrow[..cols * d]);
         // Vᵀ; keys past `cols` are 0 up to the next multiple of 32 (>= colsp).
-        transpose_rows(&mut sc.vt, BC, &sc.vrow, d, cols, d);
+        transpose_rows(&mut sc.vt, BK, &sc.vrow, d, cols, d);
         for u in 0..nsub {
             // The sub-tile's part of this key tile, widened to the engine's alignment.
             let c0 = sub_keys[u].0.max(j0);
@@ -294,7 +299,7 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
                 Some((lo, hi)) if per_row => {
                     for c in 0..n {
                         for x in 0..d {
-                            sc.v32[c * d + x] = super::to_f32(vt[x * BC + c]);
+                            sc.v32[c * d + x] = super::to_f32(vt[x * BK + c]);
                         }
                     }
                     let v32 = &sc.v32[..n * d];
@@ -306,7 +311,7 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
                     } else {
                         Acc::Keep
                     };
-                    E::mm(&mut st.ot[..dm], init, 1.0, vt, BC, &sc.pt, n)
+                    E::mm(&mut st.ot[..dm], init, 1.0, vt, BK, &sc.pt, n)
                 }
             }
         }
