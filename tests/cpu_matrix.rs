@@ -471,3 +471,67 @@ fn forcing_a_missing_path_is_an_error() {
         );
     }
 }
+
+/// A NaN in one key and an infinity in the next one's value reach only the rows that see
+/// those keys, forward and backward (dQ), on every path: a masked key has `P = 0` and `dS = 0`,
+/// but `0 · NaN = NaN`, so the products must leave such terms out.
+#[test]
+fn non_finite_keys_reach_only_the_rows_that_see_them() {
+    let dev = Device::Cpu;
+    let (sq, sk, h, hk, d) = (130, 130, 2, 1, 64);
+    let opts = FlashAttn::new(scale(d)).causal();
+    for dtype in [DType::BF16, DType::F32] {
+        let q = randn(&[1, sq, h, d], dtype, 600, &dev).unwrap();
+        let g = randn(&[1, sq, h, d], dtype, 603, &dev).unwrap();
+        let poison = |t: Tensor, row: usize, x: f32| {
+            let bad = Tensor::full(x, (1, 1, hk, d), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            t.slice_assign(&[0..1, row..row + 1, 0..hk, 0..d], &bad)
+                .unwrap()
+        };
+        let k0 = randn(&[1, sk, hk, d], dtype, 601, &dev).unwrap();
+        let v0 = randn(&[1, sk, hk, d], dtype, 602, &dev).unwrap();
+        let k = poison(k0.clone(), 100, f32::NAN);
+        let v = poison(v0.clone(), 101, f32::INFINITY);
+        // Rows 0 .. 100 see neither key (causal, sq = sk): compare them alone.
+        let clean = 100 * h * d;
+        let (ref_out, _) = reference(&q, &k, &v, &opts).unwrap();
+        let r = reference_grads(&q, &k, &v, &g, &opts).unwrap();
+        // The yardstick on the clean inputs: the same for those rows (the naive path's matrix
+        // products carry 0 · NaN into every row).
+        let naive = naive_attention(&q, &k0, &v0, &opts).unwrap();
+        let ne = max_abs_err_slice_prefix(&naive, &ref_out, clean);
+        let scale = scale_of(&ref_out[..clean]);
+        for m in paths(dtype) {
+            let what = format!("non-finite keys {dtype:?} {m:?}");
+            let o = on(&opts, m);
+            let out = values(&o.forward(&q, &k, &v).unwrap()).unwrap();
+            let err = common::max_abs_err_slice(&out[..clean], &ref_out[..clean])
+                .unwrap_or_else(|| panic!("{what}: a row that sees no bad key is not finite"));
+            let bound = tolerance(dtype, ne, scale);
+            assert!(err <= bound, "{what}: out err {err:.3e} > {bound:.3e}");
+            assert!(
+                out[100 * h * d..].iter().any(|x| !x.is_finite()),
+                "{what}: NaN vanished"
+            );
+            let grads = autograd(&q, &k, &v, &g, |q, k, v| o.forward(q, k, v)).unwrap();
+            let dq = values(&grads.0).unwrap();
+            let dq_scale = scale_of(&r.dq[..clean]);
+            let err =
+                common::max_abs_err_slice(&dq[..clean], &r.dq[..clean]).unwrap_or_else(|| {
+                    panic!("{what}: dq of a row that sees no bad key is not finite")
+                });
+            // bf16 rounding of dS and the inputs, at the scale of dq's clean rows.
+            let bound = if dtype == DType::F32 { 1e-4 } else { 2e-2 } * dq_scale.max(1.0);
+            assert!(err <= bound, "{what}: dq err {err:.3e} > {bound:.3e}");
+        }
+    }
+}
+
+/// `max |a - reference|` over the first `n` elements (finite there by construction).
+fn max_abs_err_slice_prefix(a: &Tensor, reference: &[f64], n: usize) -> f64 {
+    let a = values(a).unwrap();
+    common::max_abs_err_slice(&a[..n], &reference[..n]).expect("non-finite naive output")
+}

@@ -2,11 +2,11 @@
 //! log-sum-exp, with no N×N buffer.
 //!
 //! 1. **Preprocess**: `D = rowsum(dO ∘ O)` and `lse · log2 e` per (row, head), O(N).
-//! 2. **dK/dV pass**: work items own key tiles of one `(batch, kv head)`, [`KSUB`] of them held
-//!    at once. For each query head of the group and each query tile that sees them (loaded
-//!    once for all of them): recompute `S` and `P` from q, k and the lse, then `dV += Pᵀ dO`,
-//!    `dP = dO Vᵀ`, `dS = P ∘ (dP - D)`, `dK += dSᵀ Q` (see [`tile`]). dK and dV of a key tile
-//!    have one owner: no atomics.
+//! 2. **dK/dV pass**: work items own key tiles of one `(batch, kv head)`, [`Tiles::KSUB`] of
+//!    them held at once. For each query head of the group and each query tile that sees them
+//!    (loaded once for all of them): recompute `S` and `P` from q, k and the lse, then
+//!    `dV += Pᵀ dO`, `dP = dO Vᵀ`, `dS = P ∘ (dP - D)`, `dK += dSᵀ Q` (see [`tile`], and
+//!    [`tile16`] for bf16 on a bf16 engine). dK and dV of a key tile have one owner: no atomics.
 //! 3. **dQ** (`dQ += dS K`), one of two ways, chosen by [`fused`]:
 //!    * *fused*: when there are enough `(batch, kv head)` pairs to keep every thread busy, an
 //!      item owns a whole pair, walks its key tiles in order and adds each step's `dS K` to the
@@ -15,9 +15,10 @@
 //!      and a second pass over `(batch, head, QSUB query tiles)` recomputes `S`, `P`, `dP`,
 //!      `dS` and adds `dS K` key tile by key tile (7 products per step in all).
 //!
-//!    Both add the same per-step tiles in the same key-tile order over the same tile grid, so
-//!    they give bitwise identical results, whatever the thread count; every sum runs in a fixed
-//!    order, so runs are bitwise reproducible.
+//!    Both add the same per-step tiles (or, for the bf16 engines, the same per-group tiles:
+//!    one `dS K` over `KSUB` key tiles, added once) in the same key-tile order over the same
+//!    tile grid, so they give bitwise identical results, whatever the thread count; every sum
+//!    runs in a fixed order, so runs are bitwise reproducible.
 //!
 //! Extra memory: `D` and the lse (two f32 per row and head), an f32 dQ accumulator when the
 //! inputs are f16/bf16 (f32 accumulates in the output itself), and per thread a few tiles
@@ -42,7 +43,10 @@ use super::kernel::{Isa, Kernel, Portable};
 use super::{Lanes, SyncPtr, BC};
 use crate::problem::{KeyRows, Problem, Seq};
 use crate::semantics::{group_size, LOG2_E};
-use tile::{with_scratch, QuerySrc, Scratch, Step, KSUB, QSUB, QT};
+use tile::{with_scratch, QuerySrc, Scratch, Step, QSUB, QT};
+
+/// The most key tiles any path's [`Tiles::KSUB`] holds at once.
+const MAX_KSUB: usize = 8;
 
 /// dq (contiguous like the output: `total_q × heads × d`), dk and dv (contiguous,
 /// `k_rows × kv_heads × d`) of one call. `out`, `grad_out` are contiguous like the output,
@@ -364,6 +368,17 @@ fn item_bf16<E: Engine>(ctx: &Ctx<half::bf16>, sc: &mut tile16::Scratch16, item:
 
 /// The tiles of one path: what the schedule asks of them (see [`tile`] and [`tile16`]).
 trait Tiles<T> {
+    /// Key tiles held at once (at most [`MAX_KSUB`]): each query tile load (and each pass
+    /// over its dQ rows) serves this many.
+    const KSUB: usize;
+    /// dQ of a query tile is one product over the key tiles of a group of `KSUB` (on the grid
+    /// of groups from the sequence's first key tile), between [`dq_begin`](Self::dq_begin) and
+    /// [`dq_end`](Self::dq_end), and added once; otherwise each step's product is added.
+    const GROUPED_DQ: bool;
+    /// Starts a grouped dQ for the `rows` query rows from row `base` of the loaded ones.
+    fn dq_begin(&mut self, _base: usize, _rows: usize) {}
+    /// The grouped dQ of the steps since `dq_begin` over key tile slots `0 .. slots`.
+    fn dq_end(&mut self, _slots: usize) {}
     /// Keys `j0 .. j0 + cols` of kv head `kvh` into key tile slot `u` (with `chunks`, also
     /// the layout of the dQ product).
     #[allow(clippy::too_many_arguments)]
@@ -404,6 +419,8 @@ trait Tiles<T> {
 struct F32Tiles<'a, K>(&'a mut Scratch, PhantomData<K>);
 
 impl<T: Elem, K: Kernel> Tiles<T> for F32Tiles<'_, K> {
+    const KSUB: usize = tile::KSUB;
+    const GROUPED_DQ: bool = false;
     #[inline(always)]
     fn load_keys(
         &mut self,
@@ -456,6 +473,16 @@ struct Bf16Tiles<'a, E>(&'a mut tile16::Scratch16, PhantomData<E>);
 
 #[cfg(target_arch = "x86_64")]
 impl<E: Engine> Tiles<half::bf16> for Bf16Tiles<'_, E> {
+    const KSUB: usize = tile16::KSUB;
+    const GROUPED_DQ: bool = true;
+    #[inline(always)]
+    fn dq_begin(&mut self, base: usize, rows: usize) {
+        self.0.dq_begin(base, rows)
+    }
+    #[inline(always)]
+    fn dq_end(&mut self, slots: usize) {
+        tile16::dq_end::<E>(self.0, slots)
+    }
     #[inline(always)]
     fn load_keys(
         &mut self,
@@ -503,12 +530,12 @@ impl<E: Engine> Tiles<half::bf16> for Bf16Tiles<'_, E> {
 }
 
 #[inline(always)]
-fn run_item<T: Elem>(ctx: &Ctx<T>, sc: &mut impl Tiles<T>, item: Item) {
+fn run_item<T: Elem, S: Tiles<T>>(ctx: &Ctx<T>, sc: &mut S, item: Item) {
     match item {
         Item::Keys { b, kvh, t0, t1, dq } => {
             let mut t = t0;
             while t < t1 {
-                let end = (t + KSUB).min(t1);
+                let end = (t + S::KSUB).min(t1);
                 key_tiles(ctx, sc, b, kvh, t, end, dq);
                 t = end;
             }
@@ -536,17 +563,18 @@ fn add_dq<T: Elem>(ctx: &Ctx<T>, sc: &impl Tiles<T>, seq: &Seq, h: usize, i0: us
     }
 }
 
-/// Key tiles `t0 .. t1` (at most [`KSUB`]) of kv head `kvh` in sequence `b`, held at once:
-/// dK and dV of their keys (written out), and with `dq` each step's `dS K` added to dQ.
+/// Key tiles `t0 .. t1` (at most [`Tiles::KSUB`]) of kv head `kvh` in sequence `b`, held at
+/// once: dK and dV of their keys (written out), and with `dq` the dQ of their steps added
+/// (per step, or per query tile for a grouped dQ; the groups are those of `run_item`).
 ///
 /// Every step covers one query tile of the grid of multiples of [`QT`] and one key tile,
 /// clipped to the rows that see that key tile, so the arithmetic of each key tile (and each
 /// step's dQ tile) does not depend on how tiles are grouped.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn key_tiles<T: Elem>(
+fn key_tiles<T: Elem, S: Tiles<T>>(
     ctx: &Ctx<T>,
-    sc: &mut impl Tiles<T>,
+    sc: &mut S,
     b: usize,
     kvh: usize,
     t0: usize,
@@ -561,7 +589,7 @@ fn key_tiles<T: Elem>(
     let keys = p.key_rows(b, &seq);
     // Per slot: first key, keys, and the query rows `[ia, ib)` that see some key of the tile
     // (both ends of a row's key range grow with the row, so they form one interval).
-    let mut span = [(0usize, 0usize, 0usize, 0usize); KSUB];
+    let mut span = [(0usize, 0usize, 0usize, 0usize); MAX_KSUB];
     let (mut ia, mut ib) = (sq, 0);
     for (u, t) in (t0..t1).enumerate() {
         let j0 = t * BC;
@@ -582,6 +610,10 @@ fn key_tiles<T: Elem>(
             // One query tile of the grid, loaded once for all key tiles.
             let i1 = ((i0 / QT + 1) * QT).min(ib);
             sc.load_queries(&ctx.src, b, seq.q_row, seq.out_row, i0, i1 - i0, h);
+            let grouped = dq && S::GROUPED_DQ;
+            if grouped {
+                sc.dq_begin(0, i1 - i0);
+            }
             for (u, &(j0, cols, a, z)) in span.iter().enumerate() {
                 let (r0, r1) = (i0.max(a), i1.min(z));
                 if r0 >= r1 {
@@ -599,9 +631,14 @@ fn key_tiles<T: Elem>(
                     u,
                 };
                 sc.step(&st, true, dq);
-                if dq {
+                if dq && !grouped {
                     add_dq(ctx, sc, &seq, h, r0, r1 - r0);
                 }
+            }
+            if grouped {
+                // Rows of the tile that see none of these keys add 0.
+                sc.dq_end(span.len());
+                add_dq(ctx, sc, &seq, h, i0, i1 - i0);
             }
             i0 = i1;
         }
@@ -644,9 +681,10 @@ fn partition_point(n: usize, pred: impl Fn(usize) -> bool) -> usize {
 
 /// dQ of query tiles `t · QSUB ..` (up to [`QSUB`] of them) of head `h` in sequence `b` (the
 /// split schedule): every key tile each of them sees, in order; each key tile is loaded once
-/// for all of them.
+/// for all of them. A grouped dQ is made of the same groups of key tiles as in the fused
+/// schedule (`run_item`), so the two add the same tiles.
 #[inline(always)]
-fn query_tiles<T: Elem>(ctx: &Ctx<T>, sc: &mut impl Tiles<T>, b: usize, h: usize, t: usize) {
+fn query_tiles<T: Elem, S: Tiles<T>>(ctx: &Ctx<T>, sc: &mut S, b: usize, h: usize, t: usize) {
     let p = ctx.p;
     let seq = p.seq(b);
     let sk = seq.seq_k;
@@ -677,6 +715,46 @@ fn query_tiles<T: Elem>(ctx: &Ctx<T>, sc: &mut impl Tiles<T>, b: usize, h: usize
     let kvh = crate::semantics::kv_head(h, p.heads, p.kv_heads);
     let slope = slope(ctx, b, h);
     sc.load_queries(&ctx.src, b, seq.q_row, seq.out_row, i0, rows, h);
+    if S::GROUPED_DQ {
+        // The sequence's key tiles `[g0, g1)`, as `schedule` gives them to the fused items.
+        let (lo, hi) = mask.key_range_rows(0..seq.seq_q);
+        let (g0, g1) = (lo / BC, hi.div_ceil(BC));
+        let mut gs = g0 + (k0 - g0) / S::KSUB * S::KSUB;
+        while gs < k1 {
+            let ge = (gs + S::KSUB).min(g1);
+            for (u, kt) in (gs..ge).enumerate() {
+                let cols = BC.min(sk - kt * BC);
+                sc.load_keys(u, p, ctx.k, ctx.v, &keys, kt * BC, cols, kvh, true);
+            }
+            for &(r0, r, lo, hi) in &tiles[..n] {
+                if hi <= gs || lo >= ge {
+                    continue;
+                }
+                sc.dq_begin(r0 - i0, r);
+                for (u, kt) in (gs..ge).enumerate() {
+                    if kt < lo || kt >= hi {
+                        continue;
+                    }
+                    let st = Step {
+                        p,
+                        mask,
+                        slope,
+                        i0: r0,
+                        rows: r,
+                        ro: r0 - i0,
+                        j0: kt * BC,
+                        cols: BC.min(sk - kt * BC),
+                        u,
+                    };
+                    sc.step(&st, false, true);
+                }
+                sc.dq_end(ge - gs);
+                add_dq(ctx, sc, &seq, h, r0, r);
+            }
+            gs = ge;
+        }
+        return;
+    }
     for kt in k0..k1 {
         let j0 = kt * BC;
         let cols = BC.min(sk - j0);

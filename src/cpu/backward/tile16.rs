@@ -9,7 +9,9 @@
 //!   query tile), the reduction runs over pairs of query rows of `P` and `dS`, rounded to bf16;
 //! * `dQ = dS K`: rows are queries (`dS` rounded to bf16 row-major), the reduction runs over key
 //!   pairs of `K` (per key tile: `kp[cp]` lane `x` = `K[2cp][x], K[2cp+1][x]`, 64 head dims per
-//!   chunk).
+//!   chunk). One product per query tile covers all [`KSUB`] key tiles held (their `dS` side by
+//!   side, their `K` pairs one after the other), so dQ's rows are read and written once per
+//!   group of key tiles, not once per step.
 //!
 //! `P` and `dS` are rounded to bf16 for their products as on the GPU; `D`, the lse and every
 //! accumulator stay f32. Padding (to the engine's alignment of rows and of reductions) is 0 in
@@ -23,12 +25,19 @@ use super::super::bf16::{
 };
 use super::super::kernel::Avx512;
 use super::super::{Lanes, BC, BR};
-use super::tile::{probabilities, QuerySrc, Step, KSUB, QSUB, QT};
+use super::tile::{probabilities, QuerySrc, Step, QSUB, QT};
 use crate::problem::{KeyRows, Problem};
 use crate::semantics::LOG2_E;
 
 /// `dS` rows are BC keys long, stored BR apart.
 const _: () = assert!(BC == BR);
+
+/// Key tiles held at once: twice the f32 tiles', since on a bf16 engine the loads of a query
+/// tile (Q and dO, transposed) and the pass over its dQ rows cost as much as several steps'
+/// products; 8 keep the dK/dV accumulators within L2 (512 KiB at head dim 128).
+pub(super) const KSUB: usize = 8;
+/// Keys side by side in a row of `dS` (all slots).
+const DSW: usize = KSUB * BC;
 
 /// Head dims per lane chunk of `K` pairs and of the dQ tile.
 const CH: usize = BR;
@@ -53,9 +62,12 @@ pub(in super::super) struct Scratch16 {
     /// Per key tile slot `u < KSUB` (at `u * dk / 2`): `Kᵀ`, `Vᵀ` in pair rows of key lanes.
     ktp: Vec<Pairs>,
     vtp: Vec<Pairs>,
-    /// Per slot (at `u * nch * BC / 2`): `K` in key pairs, `kp[ch * BC / 2 + cp]` lane `x`
-    /// holding dim `64 ch + x` of keys `2cp`, `2cp + 1`.
+    /// `K` in key pairs, chunk-major: `kp[(ch · KSUB + u) · BC / 2 + cp]` lane `x` holds dim
+    /// `64 ch + x` of keys `2cp`, `2cp + 1` of slot `u`, so that a chunk's pairs of all slots
+    /// follow each other.
     kp: Vec<Pairs>,
+    /// Keys of each slot.
+    cols: [usize; KSUB],
     /// Per slot (at `u * dm`): `dKᵀ` (unscaled) and `dVᵀ`, rows of key lanes.
     dkt: Vec<Lanes>,
     dvt: Vec<Lanes>,
@@ -74,9 +86,15 @@ pub(in super::super) struct Scratch16 {
     /// `P` and `dS` in pairs of query rows.
     pp: Vec<Pairs>,
     dsp: Vec<Pairs>,
-    /// `dS` rounded to bf16, row-major `QTM × BC`.
+    /// `dS` of the query tile being grouped, rounded to bf16: `QTM` rows of `DSW` (slot `u`'s
+    /// keys at `u · BC`); rows `[written[u].0, written[u].1)` of slot `u` hold its step.
     ds: Vec<u16>,
-    /// `dS K` of the step (unscaled): `dqt[ch * QTM + r]` holds dims `64 ch ..` of row `r`.
+    written: [(usize, usize); KSUB],
+    /// The grouped query tile: first row among the loaded ones, and rows.
+    dq_base: usize,
+    dq_rows: usize,
+    /// `dS K` of the query tile (unscaled): `dqt[ch * QTM + r]` holds dims `64 ch ..` of row
+    /// `r`.
     dqt: Vec<Lanes>,
     /// Per slot: every element of the key tile is finite.
     k_finite: [bool; KSUB],
@@ -98,6 +116,7 @@ impl Scratch16 {
             ktp: vec![Pairs::ZERO; KSUB * dk / 2],
             vtp: vec![Pairs::ZERO; KSUB * dk / 2],
             kp: vec![Pairs::ZERO; KSUB * nch * BC / 2],
+            cols: [0; KSUB],
             dkt: vec![z; KSUB * dm],
             dvt: vec![z; KSUB * dm],
             q: vec![0; QROWS * dk],
@@ -110,7 +129,10 @@ impl Scratch16 {
             dp: vec![z; QTM],
             pp: vec![Pairs::ZERO; QT / 2 + 16],
             dsp: vec![Pairs::ZERO; QT / 2 + 16],
-            ds: vec![0; QTM * BC],
+            ds: vec![0; QTM * DSW],
+            written: [(0, 0); KSUB],
+            dq_base: 0,
+            dq_rows: 0,
             dqt: vec![z; nch * QTM],
             k_finite: [true; KSUB],
         }
@@ -131,7 +153,14 @@ impl Scratch16 {
         )
     }
 
-    /// Adds row `r` of this step's dQ tile to `dst` (`d` elements).
+    /// Starts the dQ of the `rows` query rows from row `base` of the loaded ones.
+    pub fn dq_begin(&mut self, base: usize, rows: usize) {
+        self.dq_base = base;
+        self.dq_rows = rows;
+        self.written = [(0, 0); KSUB];
+    }
+
+    /// Adds row `r` of the query tile's dQ to `dst` (`d` elements).
     #[inline(always)]
     pub fn add_dq_row(&self, r: usize, dst: &mut [f32]) {
         for (ch, dst) in dst[..self.d].chunks_mut(CH).enumerate() {
@@ -182,11 +211,13 @@ pub(super) fn load_keys_tile(
     let half = dk / 2;
     load_keys(&mut sc.tile, dk, k, &p.k, keys, j0, cols, kvh, d);
     sc.k_finite[u] = super::super::bf16::all_finite(&sc.tile[..cols * dk]);
+    sc.cols[u] = cols;
     rows_to_lanes(&mut sc.ktp[u * half..(u + 1) * half], &sc.tile, dk, cols);
     if chunks {
-        let kp = &mut sc.kp[u * nch * BC / 2..(u + 1) * nch * BC / 2];
-        for (ch, kp) in kp.chunks_exact_mut(BC / 2).enumerate() {
+        for ch in 0..nch {
+            let at = (ch * KSUB + u) * BC / 2;
             let x0 = ch * CH;
+            let kp = &mut sc.kp[at..at + BC / 2];
             interleave_rows(kp, &sc.tile[x0..], dk, cols, CH.min(d - x0));
         }
     }
@@ -236,7 +267,7 @@ pub(super) fn load_queries(
 /// `dkdv`) and the dQ tile `dS K` (with `dq`, which needs the key pairs loaded).
 #[inline(always)]
 pub(super) fn step<E: Engine>(st: &Step, sc: &mut Scratch16, dkdv: bool, dq: bool) {
-    let (dk, dm, nch) = (sc.dk, sc.dm, sc.nch);
+    let (dk, dm) = (sc.dk, sc.dm);
     let half = dk / 2;
     let (rows, cols, u, ro) = (st.rows, st.cols, st.u, st.ro);
     let mrows = pad(rows, E::M_ALIGN);
@@ -263,16 +294,24 @@ pub(super) fn step<E: Engine>(st: &Step, sc: &mut Scratch16, dkdv: bool, dq: boo
         dk,
     );
     let (lse2, delta) = (&sc.lse2[ro..], &sc.delta[ro..]);
-    // P and dS, rounded to bf16 pairs of rows for dVᵀ and dKᵀ and to bf16 rows for dQ.
+    // P and dS, rounded to bf16 pairs of rows for dVᵀ and dKᵀ, and to bf16 rows for dQ (into
+    // slot u's columns of the grouped query tile's dS rows).
     let rp = pad(rows, E::K_ALIGN);
     let colsp = pad(cols, E::K_ALIGN);
+    let dr = ro.wrapping_sub(sc.dq_base);
+    if dq {
+        sc.written[u] = (dr, dr + rows);
+    }
+    let ds = dq.then(|| &mut sc.ds[dr * DSW + u * BC..]);
     let p = st.p;
     if p.score.softcap > 0.0 || st.slope != 0.0 {
         probabilities::<Avx512>(st, &mut sc.s[..rows], &mut sc.dp[..rows], lse2, delta);
         pack_pairs(&mut sc.pp[..rp / 2], &sc.s, rows);
         pack_pairs(&mut sc.dsp[..rp / 2], &sc.dp, rows);
-        for (r, dp) in sc.dp[..rows].iter().enumerate() {
-            round_row(&mut sc.ds[r * BC..r * BC + colsp], dp);
+        if let Some(ds) = ds {
+            for (r, dp) in sc.dp[..rows].iter().enumerate() {
+                round_row(&mut ds[r * DSW..r * DSW + colsp], dp);
+            }
         }
     } else {
         // Tiles the band cuts through (and the key tail) need a per-element mask.
@@ -288,10 +327,9 @@ pub(super) fn step<E: Engine>(st: &Step, sc: &mut Scratch16, dkdv: bool, dq: boo
             }
         }
         let qk2 = p.score.scale * LOG2_E;
-        let keep = dq && !sc.k_finite[u];
         probs_pairs(
             &sc.s,
-            &mut sc.dp,
+            &sc.dp,
             lse2,
             delta,
             qk2,
@@ -299,8 +337,7 @@ pub(super) fn step<E: Engine>(st: &Step, sc: &mut Scratch16, dkdv: bool, dq: boo
             rows,
             &mut sc.pp[..rp / 2],
             &mut sc.dsp[..rp / 2],
-            &mut sc.ds,
-            keep,
+            ds.map(|ds| (ds, DSW)),
         );
     }
     if dkdv {
@@ -310,23 +347,41 @@ pub(super) fn step<E: Engine>(st: &Step, sc: &mut Scratch16, dkdv: bool, dq: boo
         let dkt = &mut sc.dkt[u * dm..(u + 1) * dm];
         E::mm(dkt, Acc::Keep, 1.0, &sc.qt[ro..], QROWS, &sc.dsp, rp);
     }
-    if dq {
-        // dQ = dS K over key pairs, head dims in lanes.
-        let kp = &sc.kp[u * nch * BC / 2..(u + 1) * nch * BC / 2];
-        for (ch, kp) in kp.chunks_exact(BC / 2).enumerate() {
-            let out = &mut sc.dqt[ch * QTM..ch * QTM + mrows];
-            if sc.k_finite[u] {
-                E::mm(out, Acc::Zero, 1.0, &sc.ds, BC, kp, colsp);
-            } else {
-                // A masked key has dS = 0, but 0 · NaN = NaN: with a NaN or infinity in the
-                // tile, the terms of zero dS are left out, so it reaches only the rows that see
-                // its key (whose dS is then NaN already).
-                for (o, ds) in out[..rows].iter_mut().zip(sc.dp.iter()) {
-                    *o = Lanes::splat(0.0);
-                    for (c, &g) in ds.0[..cols].iter().enumerate() {
+}
+
+/// The grouped dQ of the query tile started by [`Scratch16::dq_begin`]: `dS K` over key tile
+/// slots `0 .. slots` in one product per head-dim chunk (the rows of `dS` that no step of a
+/// slot wrote are 0 for it).
+pub(super) fn dq_end<E: Engine>(sc: &mut Scratch16, slots: usize) {
+    let rows = sc.dq_rows;
+    let mrows = pad(rows, E::M_ALIGN);
+    for (u, &(a, b)) in sc.written[..slots].iter().enumerate() {
+        for r in (0..a.min(mrows)).chain(b.max(a)..mrows) {
+            sc.ds[r * DSW + u * BC..r * DSW + (u + 1) * BC].fill(0);
+        }
+    }
+    if slots == 0 {
+        return;
+    }
+    // The reduction: every slot's keys; only the last key tile of a sequence is partial.
+    let k = (slots - 1) * BC + pad(sc.cols[slots - 1], E::K_ALIGN);
+    let finite = sc.k_finite[..slots].iter().all(|&f| f);
+    for ch in 0..sc.nch {
+        let kp = &sc.kp[ch * KSUB * BC / 2..(ch + 1) * KSUB * BC / 2];
+        let out = &mut sc.dqt[ch * QTM..ch * QTM + mrows];
+        if finite {
+            E::mm(out, Acc::Zero, 1.0, &sc.ds, DSW, kp, k);
+        } else {
+            // A masked key has dS = 0, but 0 · NaN = NaN: with a NaN or infinity in a key
+            // tile, the terms of zero dS are left out, so it reaches only the rows that see
+            // its key (whose dS is then NaN already).
+            for (r, o) in out[..rows].iter_mut().enumerate() {
+                *o = Lanes::splat(0.0);
+                for u in 0..slots {
+                    for c in 0..sc.cols[u] {
+                        let g = super::super::bf16::to_f32(sc.ds[r * DSW + u * BC + c]);
                         if g != 0.0 {
-                            let g = super::super::bf16::to_f32(bf16::from_f32(g).to_bits());
-                            let kc = &kp[c / 2];
+                            let kc = &kp[u * BC / 2 + c / 2];
                             for (o, &k) in o.0.iter_mut().zip(&kc.0) {
                                 let k = if c % 2 == 0 {
                                     k as u16

@@ -454,17 +454,18 @@ pub(super) unsafe fn interleave_rows(
 /// or ALiBi: for rows `r < rows` (`s`, `dp`: `S = Q Kᵀ` unscaled and `dP = dO Vᵀ`, keys in
 /// lanes) `P = 2^(S · qk2 - lse2[r])` and `dS = P ∘ (dP - delta[r])`, both 0 in the lanes
 /// outside `lanes[r]` (a bit per key; `None`: every lane). Writes `P` and `dS` rounded to bf16
-/// pairs of rows (`pp`, `dsp`: `pp.len()` pairs, rows `>= rows` counting as 0), `dS` rounded to
-/// bf16 row-major (`ds`, row stride BR), and with `keep` `dS` in f32 back into `dp`.
+/// pairs of rows (`pp`, `dsp`: `pp.len()` pairs, rows `>= rows` counting as 0) and, with `ds`,
+/// `dS` rounded to bf16 row-major (BR values per row, rows `stride` apart).
 ///
 /// # Safety
-/// avx512f, avx512bw and avx512bf16 must be available; `ds` holds `rows` rows of BR, `s`, `dp`,
-/// `lse2`, `delta` (and `lanes`) at least `rows` entries, `dsp.len() == pp.len()`.
+/// avx512f, avx512bw and avx512bf16 must be available; `ds` holds `rows` rows of BR at its
+/// stride, `s`, `dp`, `lse2`, `delta` (and `lanes`) at least `rows` entries, and
+/// `dsp.len() == pp.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn probs_pairs(
     s: &[Lanes],
-    dp: &mut [Lanes],
+    dp: &[Lanes],
     lse2: &[f32],
     delta: &[f32],
     qk2: f32,
@@ -472,14 +473,11 @@ pub(super) unsafe fn probs_pairs(
     rows: usize,
     pp: &mut [Pairs],
     dsp: &mut [Pairs],
-    ds: &mut [u16],
-    keep: bool,
+    mut ds: Option<(&mut [u16], usize)>,
 ) {
     // SAFETY: 32 u16 are 64 bytes.
     let idx = unsafe { _mm512_loadu_si512(INTERLEAVE.as_ptr().cast()) };
     let q = _mm512_set1_ps(qk2);
-    // Read and written below through one pointer: each row is read before it is written.
-    let dpp = dp.as_mut_ptr();
     // P and dS of row r, vector v (0 past `rows`).
     let row = |r: usize, v: usize| -> (__m512, __m512) {
         if r >= rows {
@@ -490,7 +488,7 @@ pub(super) unsafe fn probs_pairs(
         let (x, g) = unsafe {
             (
                 _mm512_load_ps(s[r].0.as_ptr().add(16 * v)),
-                _mm512_load_ps((*dpp.add(r)).0.as_ptr().add(16 * v)),
+                _mm512_load_ps(dp[r].0.as_ptr().add(16 * v)),
             )
         };
         let p = exp2(_mm512_fmsub_ps(x, q, _mm512_set1_ps(lse2[r])));
@@ -522,12 +520,12 @@ pub(super) unsafe fn probs_pairs(
                     dr.0.as_mut_ptr().add(16 * v).cast(),
                     _mm512_permutexvar_epi16(idx, db),
                 );
-                for (r, d) in [(r0, d0), (r1, d1)] {
-                    if r < rows {
-                        let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(d));
-                        _mm256_storeu_si256(ds.as_mut_ptr().add(r * BR + 16 * v).cast(), h);
-                        if keep {
-                            _mm512_store_ps((*dpp.add(r)).0.as_mut_ptr().add(16 * v), d);
+                if let Some((ds, stride)) = ds.as_mut() {
+                    for (r, d) in [(r0, d0), (r1, d1)] {
+                        if r < rows {
+                            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(d));
+                            let at = ds.as_mut_ptr().add(r * *stride + 16 * v);
+                            _mm256_storeu_si256(at.cast(), h);
                         }
                     }
                 }

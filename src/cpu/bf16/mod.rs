@@ -190,13 +190,13 @@ pub(super) fn online_pairs(
 }
 
 /// [`avx512::probs_pairs`]: the backward's `P` and `dS` of rows `< rows` (no softcap, no
-/// ALiBi), masked to the key bits of `lanes`, into bf16 pairs of rows (`pp`, `dsp`), `dS`
-/// row-major bf16 into `ds` (row stride BR), and with `keep` `dS` in f32 into `dp`.
+/// ALiBi), masked to the key bits of `lanes`, into bf16 pairs of rows (`pp`, `dsp`) and, with
+/// `ds = (buffer, stride)`, `dS` row-major bf16 (BR values per row).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn probs_pairs(
     s: &[Lanes],
-    dp: &mut [Lanes],
+    dp: &[Lanes],
     lse2: &[f32],
     delta: &[f32],
     qk2: f32,
@@ -204,8 +204,7 @@ pub(super) fn probs_pairs(
     rows: usize,
     pp: &mut [Pairs],
     dsp: &mut [Pairs],
-    ds: &mut [u16],
-    keep: bool,
+    ds: Option<(&mut [u16], usize)>,
 ) {
     assert!(
         s.len() >= rows
@@ -213,12 +212,14 @@ pub(super) fn probs_pairs(
             && lse2.len() >= rows
             && delta.len() >= rows
             && lanes.is_none_or(|l| l.len() >= rows)
-            && ds.len() >= rows * BR
+            && ds
+                .as_ref()
+                .is_none_or(|(ds, stride)| rows == 0 || (rows - 1) * stride + BR <= ds.len())
             && dsp.len() == pp.len(),
         "cpu flash bf16 backward: tile indexing out of bounds"
     );
     // SAFETY: as for `pack_pairs`; bounds checked above.
-    unsafe { avx512::probs_pairs(s, dp, lse2, delta, qk2, lanes, rows, pp, dsp, ds, keep) }
+    unsafe { avx512::probs_pairs(s, dp, lse2, delta, qk2, lanes, rows, pp, dsp, ds) }
 }
 
 /// [`avx512::rows_to_lanes`]: `dst[t]` lane `c` = the pair of values `2t, 2t + 1` of row `c`
