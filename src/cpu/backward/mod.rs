@@ -43,7 +43,7 @@ use super::kernel::{Isa, Kernel, Portable};
 use super::{Lanes, SyncPtr, BC};
 use crate::problem::{KeyRows, Problem, Seq};
 use crate::semantics::{group_size, LOG2_E};
-use tile::{with_scratch, QuerySrc, Scratch, Step, QSUB, QT};
+use tile::{with_scratch, QuerySrc, Scratch, Step, QSUB};
 
 /// The most key tiles any path's [`Tiles::KSUB`] holds at once.
 const MAX_KSUB: usize = 8;
@@ -147,7 +147,7 @@ enum Item {
 fn backward_with<T: Elem>(path: Path, fused: bool, a: &Args<T>) -> (Vec<T>, Vec<T>, Vec<T>) {
     let d = a.p.head_dim;
     match path {
-        Path::F32(isa) => schedule(fused, a, |ctx, item| {
+        Path::F32(isa) => schedule(fused, tile::QT, a, |ctx, item| {
             with_scratch(d, |sc| match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the caller saw avx512f on this CPU.
@@ -185,7 +185,7 @@ fn backward_bf16<E: Engine>(
     a: &Args<half::bf16>,
 ) -> (Vec<half::bf16>, Vec<half::bf16>, Vec<half::bf16>) {
     let d = a.p.head_dim;
-    schedule(fused, a, |ctx, item| {
+    schedule(fused, tile16::QT, a, |ctx, item| {
         tile16::with_scratch16::<E>(d, |sc| {
             // SAFETY: the dispatcher chose a bf16 engine only after detecting avx512f/bw/vl,
             // avx512bf16, avx2 and fma (and for AMX, the tile unit and its permission).
@@ -212,10 +212,12 @@ impl<'a, T: Elem> Args<'a, T> {
 }
 
 /// The schedule of the module docs, each work item run by `item`: preprocess, the dK/dV items
-/// (with dQ when `fused`), else the dQ items; then dQ scaled and converted.
+/// (with dQ when `fused`), else the dQ items (`QSUB` query tiles of `qt` rows each); then dQ
+/// scaled and converted.
 #[allow(clippy::type_complexity)]
 fn schedule<T: Elem>(
     fused: bool,
+    qt: usize,
     a: &Args<T>,
     item: impl Fn(&Ctx<T>, Item) + Sync,
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
@@ -292,7 +294,7 @@ fn schedule<T: Elem>(
         // Last query tiles first: under a causal mask they see the most keys.
         let items = (0..p.batch)
             .flat_map(|b| {
-                let tiles = p.seq(b).seq_q.div_ceil(QSUB * QT);
+                let tiles = p.seq(b).seq_q.div_ceil(QSUB * qt);
                 (0..heads)
                     .flat_map(move |h| (0..tiles).rev().map(move |t| Item::Queries { b, h, t }))
             })
@@ -371,6 +373,9 @@ trait Tiles<T> {
     /// Key tiles held at once (at most [`MAX_KSUB`]): each query tile load (and each pass
     /// over its dQ rows) serves this many.
     const KSUB: usize;
+    /// Query rows per step, the grid of query tiles (the split schedule's dQ items are
+    /// [`QSUB`] of them).
+    const QT: usize;
     /// dQ of a query tile is one product over the key tiles of a group of `KSUB` (on the grid
     /// of groups from the sequence's first key tile), between [`dq_begin`](Self::dq_begin) and
     /// [`dq_end`](Self::dq_end), and added once; otherwise each step's product is added.
@@ -420,6 +425,7 @@ struct F32Tiles<'a, K>(&'a mut Scratch, PhantomData<K>);
 
 impl<T: Elem, K: Kernel> Tiles<T> for F32Tiles<'_, K> {
     const KSUB: usize = tile::KSUB;
+    const QT: usize = tile::QT;
     const GROUPED_DQ: bool = false;
     #[inline(always)]
     fn load_keys(
@@ -474,6 +480,7 @@ struct Bf16Tiles<'a, E>(&'a mut tile16::Scratch16, PhantomData<E>);
 #[cfg(target_arch = "x86_64")]
 impl<E: Engine> Tiles<half::bf16> for Bf16Tiles<'_, E> {
     const KSUB: usize = tile16::KSUB;
+    const QT: usize = tile16::QT;
     const GROUPED_DQ: bool = true;
     #[inline(always)]
     fn dq_begin(&mut self, base: usize, rows: usize) {
@@ -608,7 +615,7 @@ fn key_tiles<T: Elem, S: Tiles<T>>(
         let mut i0 = ia;
         while i0 < ib {
             // One query tile of the grid, loaded once for all key tiles.
-            let i1 = ((i0 / QT + 1) * QT).min(ib);
+            let i1 = ((i0 / S::QT + 1) * S::QT).min(ib);
             sc.load_queries(&ctx.src, b, seq.q_row, seq.out_row, i0, i1 - i0, h);
             let grouped = dq && S::GROUPED_DQ;
             if grouped {
@@ -688,16 +695,17 @@ fn query_tiles<T: Elem, S: Tiles<T>>(ctx: &Ctx<T>, sc: &mut S, b: usize, h: usiz
     let p = ctx.p;
     let seq = p.seq(b);
     let sk = seq.seq_k;
-    let i0 = t * QSUB * QT;
-    let rows = (QSUB * QT).min(seq.seq_q - i0);
+    let qt = S::QT;
+    let i0 = t * QSUB * qt;
+    let rows = (QSUB * qt).min(seq.seq_q - i0);
     let mask = p.mask(b, &seq);
     // Per query tile of the grid: its rows and the key tiles `[k0, k1)` its rows see.
     let mut tiles = [(0usize, 0usize, 0usize, 0usize); QSUB];
     let (mut k0, mut k1) = (usize::MAX, 0);
-    let n = rows.div_ceil(QT);
+    let n = rows.div_ceil(qt);
     for (s, tile) in tiles[..n].iter_mut().enumerate() {
-        let r0 = i0 + s * QT;
-        let r = QT.min(i0 + rows - r0);
+        let r0 = i0 + s * qt;
+        let r = qt.min(i0 + rows - r0);
         let (lo, hi) = mask.key_range_rows(r0..r0 + r);
         *tile = if lo < hi {
             (r0, r, lo / BC, hi.div_ceil(BC))

@@ -25,12 +25,17 @@ use super::super::bf16::{
 };
 use super::super::kernel::Avx512;
 use super::super::{Lanes, BC, BR};
-use super::tile::{probabilities, QuerySrc, Step, QSUB, QT};
+use super::tile::{probabilities, QuerySrc, Step, QSUB};
 use crate::problem::{KeyRows, Problem};
 use crate::semantics::LOG2_E;
 
 /// `dS` rows are BC keys long, stored BR apart.
 const _: () = assert!(BC == BR);
+
+/// Query rows per step: twice the f32 tiles', so that each pass of the dK/dV accumulators
+/// through the tile unit (loaded, products, stored) adds 128 query rows; with 64 their loads
+/// and stores took as long as the products.
+pub(super) const QT: usize = 128;
 
 /// Key tiles held at once: twice the f32 tiles', since on a bf16 engine the loads of a query
 /// tile (Q and dO, transposed) and the pass over its dQ rows cost as much as several steps'

@@ -194,7 +194,7 @@ fn exp2(x: __m512) -> __m512 {
 const LAG: f32 = 8.0;
 
 /// The online softmax update of the bf16 forward, on masked scores in base 2 (`s`, one row of
-/// lanes per key; multiplied by `scale` first): `m` moves to `rowmax(s)` where that exceeds it by
+/// lanes per key; multiplied by `scale > 0` first): `m` moves to `rowmax(s)` where that exceeds it by
 /// more than [`LAG`] (a NaN score is skipped here and propagates through its `P`),
 /// `P = 2^(s - m)` (0 for lanes that have seen only masked keys), `l = l · corr + rowsum(P)` with
 /// `corr = 2^(m_old - m)`. `P` goes to `pt` rounded to bf16 pairs of keys
@@ -218,20 +218,17 @@ pub(super) unsafe fn online_pairs(
     // SAFETY (every load and store of a row below): `Lanes` and `Pairs` hold BR = 16 V
     // elements of 4 bytes, aligned to 64; rows are indexed below `n` and `pt.len()`.
     let ld = |r: &Lanes, v: usize| unsafe { _mm512_load_ps(r.0.as_ptr().add(16 * v)) };
-    let lds = |r: &Lanes, v: usize| {
-        if scale == 1.0 {
-            ld(r, v)
-        } else {
-            _mm512_mul_ps(ld(r, v), sc)
-        }
-    };
     let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
     let mut mt = [neg_inf; V];
     for r in s.iter() {
         for (v, mt) in mt.iter_mut().enumerate() {
             // `max(x, m)` returns m when x is NaN.
-            *mt = _mm512_max_ps(lds(r, v), *mt);
+            *mt = _mm512_max_ps(ld(r, v), *mt);
         }
+    }
+    // Rounding is monotonic, so the max of the scaled scores is the scaled max (scale > 0).
+    for mt in mt.iter_mut() {
+        *mt = _mm512_mul_ps(*mt, sc);
     }
     let mut corr = Lanes::splat(0.0);
     let mut msub = [_mm512_setzero_ps(); V];
@@ -256,9 +253,9 @@ pub(super) unsafe fn online_pairs(
     let mut sum = [_mm512_setzero_ps(); V];
     for (i, pr) in pt.iter_mut().enumerate() {
         for v in 0..V {
-            let x0 = exp2(_mm512_sub_ps(lds(&s[2 * i], v), msub[v]));
+            let x0 = exp2(_mm512_fmsub_ps(ld(&s[2 * i], v), sc, msub[v]));
             let x1 = if 2 * i + 1 < n {
-                exp2(_mm512_sub_ps(lds(&s[2 * i + 1], v), msub[v]))
+                exp2(_mm512_fmsub_ps(ld(&s[2 * i + 1], v), sc, msub[v]))
             } else {
                 _mm512_setzero_ps()
             };

@@ -174,8 +174,8 @@ pub(super) fn round_row(dst: &mut [u16], src: &Lanes) {
 }
 
 /// [`avx512::online_pairs`]: the online softmax update on masked base-2 scores `s` (times
-/// `scale`), `P` into `pt` as bf16 pairs of keys (and with `keep` back into `s`); returns the
-/// correction of `O` and whether `O` needs it.
+/// `scale > 0`), `P` into `pt` as bf16 pairs of keys (and with `keep` back into `s`); returns
+/// the correction of `O` and whether `O` needs it.
 #[inline(always)]
 pub(super) fn online_pairs(
     m: &mut Lanes,
@@ -185,6 +185,10 @@ pub(super) fn online_pairs(
     keep: bool,
     scale: f32,
 ) -> (Lanes, bool) {
+    debug_assert!(
+        scale > 0.0,
+        "the max of scaled scores is the scaled max for scale > 0"
+    );
     // SAFETY: as for `pack_pairs`.
     unsafe { avx512::online_pairs(m, l, s, pt, keep, scale) }
 }
