@@ -186,13 +186,15 @@ impl Matmul {
 struct Variant {
     dtype: Dtype,
     forced: Option<CpuMatmul>,
+    /// Timed in the backward pass (whose own choice of path may differ).
+    backward: bool,
 }
 
 impl Variant {
     /// The path that runs (the forced one, or the CPU's own choice for the dtype).
     fn path(&self) -> CpuMatmul {
         self.forced
-            .unwrap_or_else(|| CpuMatmul::auto(self.dtype.dtype()))
+            .unwrap_or_else(|| CpuMatmul::auto(self.dtype.dtype(), self.backward))
     }
     fn label(&self) -> String {
         let path = format!("{:?}", self.path());
@@ -218,9 +220,11 @@ impl Variant {
 /// path asked for that the CPU has.
 fn variants(args: &Args) -> Vec<Variant> {
     let have = CpuMatmul::available();
+    let backward = args.backward;
     let mut v = vec![Variant {
         dtype: Dtype::F32,
         forced: None,
+        backward,
     }];
     for &dtype in &args.dtype {
         let paths: Vec<Option<CpuMatmul>> = if dtype == Dtype::Bf16 {
@@ -238,7 +242,11 @@ fn variants(args: &Args) -> Vec<Variant> {
                     continue;
                 }
             }
-            let new = Variant { dtype, forced };
+            let new = Variant {
+                dtype,
+                forced,
+                backward,
+            };
             let dup = v
                 .iter()
                 .any(|x| x.dtype == dtype && x.path() == new.path() && x.forced == forced);

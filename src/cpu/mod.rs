@@ -48,7 +48,7 @@ pub(crate) fn forward<T: elem::Elem>(
     k: &[T],
     v: &[T],
 ) -> candle::Result<(Vec<T>, Vec<f32>)> {
-    let path = dispatch::choose::<T>(p)?;
+    let path = dispatch::choose::<T>(p, false)?;
     if decode::is_decode(p) {
         return Ok(decode::forward(p, slopes, q, k, v));
     }

@@ -74,7 +74,7 @@ pub(crate) fn backward<T: Elem>(
     if lse.len() < p.total_q * p.heads {
         candle::bail!("flash-attn backward: the saved log-sum-exp is smaller than the output")
     }
-    let path = super::dispatch::choose::<T>(p)?;
+    let path = super::dispatch::choose::<T>(p, true)?;
     let fused = fused(p, rayon::current_num_threads());
     let args = Args {
         p,
