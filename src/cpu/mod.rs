@@ -16,7 +16,9 @@
 //!
 //! The micro-kernel is dispatched at run time: AVX-512 intrinsics, else AVX2+FMA intrinsics
 //! (the rest of the tile code compiled with AVX2+FMA enabled), else plain portable loops (any
-//! architecture).
+//! architecture). bf16 inputs may instead keep their tiles in bf16 and run both products on a
+//! bf16 engine (AMX tiles or AVX512-BF16 dot products, [`bf16`]); [`dispatch`] chooses, and
+//! [`CpuMatmul`] forces a choice.
 //!
 //! The backward pass (`backward/`) reuses the same micro-kernels with the *keys* in lanes (the
 //! key tile is what a dK/dV work item keeps); see its module docs.

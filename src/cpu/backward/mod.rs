@@ -22,7 +22,9 @@
 //!
 //! Extra memory: `D` and the lse (two f32 per row and head), an f32 dQ accumulator when the
 //! inputs are f16/bf16 (f32 accumulates in the output itself), and per thread a few tiles
-//! (about 0.5 MiB at head dim 64, 3.6 MiB at 512), independent of the sequence lengths.
+//! (about 0.5 MiB at head dim 64, 3.6 MiB at 512; on the bf16 engines, which hold twice the
+//! key tiles and query rows, 1.8 MiB at 128 and 6.4 MiB at 512), independent of the sequence
+//! lengths.
 
 mod tile;
 #[cfg(target_arch = "x86_64")]

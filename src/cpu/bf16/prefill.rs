@@ -2,14 +2,15 @@
 //! ([`super::super::prefill`]), with K and V kept in bf16 and both products on an [`Engine`].
 //!
 //! Per query sub-tile of 64 rows: `Qᵀ` in pair rows (`qtp[t]` lane `r` = `Q[r][2t], Q[r][2t+1]`,
-//! unscaled, as stored) and `Oᵀ` in f32 lanes. Per key tile of 64 keys: K row-major bf16 and
+//! unscaled, as stored) and `Oᵀ` in f32 lanes. Per key tile of [`BK`] keys: K row-major bf16 and
 //! `Vᵀ` (head dims × keys) bf16, both zero-padded to the engine's alignment. Then per sub-tile:
 //!
 //! 1. `Sᵀ = K Qᵀ · scale` (one `mm`: rows are keys, the reduction runs over head-dim pairs);
-//! 2. the online softmax of the f32 path on `Sᵀ`, giving `Pᵀ` in f32;
-//! 3. `Pᵀ` rounded to bf16 pairs of keys, then `Oᵀ = Oᵀ · corr + Vᵀ Pᵀ` (one `mm`: rows are head
-//!    dims, the reduction runs over key pairs). The row sums of the softmax use the unrounded
-//!    `P`, as the GPU kernels do.
+//! 2. the masks and score modifiers of the f32 path on `Sᵀ`, then the online softmax in
+//!    AVX-512 ([`super::online_pairs`]), which rounds `Pᵀ` to bf16 pairs of keys as it goes and
+//!    moves a row's max only when it jumps by more than 2^8, so `Oᵀ` is rarely rescaled;
+//! 3. `Oᵀ = Oᵀ · corr + Vᵀ Pᵀ` (one `mm`: rows are head dims, the reduction runs over key
+//!    pairs). The row sums of the softmax use the unrounded `P`, as the GPU kernels do.
 //!
 //! A sub-tile's keys are widened to the engine's alignment (2 keys for `VDPBF16PS`, 32 for AMX)
 //! on the tile grid; the extra keys are masked like any key its rows do not see.
