@@ -4,16 +4,26 @@ head dims 64 and 128, n = 1024 and 4096, causal or not, forward (and with --back
 backward of sum(out * g)), in bf16 and f32, on a fixed number of threads.
 
     python3 bench/torch_cpu.py --threads 2
-    python3 bench/torch_cpu.py --threads 2 --backward --csv torch-cpu.csv
+    python3 bench/torch_cpu.py --threads 2 --backward --append --csv bench/results/cpu-prefill.csv
 
 GF/s counts 4 * b * h * n^2 * d flops (halved under the causal mask; 2.5 times that for the
 backward pass), as cpu_bench does. Each timing is the median of --reps runs after one warm-up.
 Inputs are (b, h, n, d) contiguous, as SDPA takes them.
+
+--csv PATH writes the rows (impl torch-cpu) in the cpu-prefill schema that bench/report.py
+reads and `cpu_bench --csv` writes: date,commit,device,command, then
+impl,dtype,pass,mask,batch,seq,heads,head_dim,ms,gflops,kv_heads,path,x_f32 (path empty).
+--append adds them to such a file (cpu_bench's, of the same run) instead of replacing it. The
+commit is $BENCH_COMMIT when set, else `git rev-parse --short HEAD`; the device is the CPU's
+model name and thread count, as cpu_bench writes it.
 """
 
 import argparse
 import csv
+import datetime
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -31,6 +41,52 @@ def timed(fn, reps):
     return statistics.median(times)
 
 
+COLUMNS = ["impl", "dtype", "pass", "mask", "batch", "seq", "heads", "head_dim", "ms", "gflops",
+           "kv_heads", "path", "x_f32"]
+
+
+def provenance():
+    """date, commit, device and command of the rows, as examples/common/results.rs writes them."""
+    commit = os.environ.get("BENCH_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    command = " ".join(["python3", os.path.basename(sys.argv[0]), *sys.argv[1:]])
+    return [today, commit, f"{model} ({os.cpu_count()} threads)", command]
+
+
+def write_csv(path, append, rows):
+    header = ["date", "commit", "device", "command", *COLUMNS]
+    if append and os.path.exists(path) and os.path.getsize(path) > 0:
+        with open(path, newline="") as f:
+            found = next(csv.reader(f), None)
+        if found != header:
+            sys.exit(f"--append: {path} has the columns {found}, not {header}")
+        mode = "a"
+    else:
+        mode = "w"
+    with open(path, mode, newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        if mode == "w":
+            w.writerow(header)
+        prov = provenance()
+        for r in rows:
+            w.writerow(prov + [r[c] for c in COLUMNS])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -40,7 +96,8 @@ def main():
     ap.add_argument("--dtype", nargs="+", default=["f32", "bf16"], choices=["f32", "bf16", "f16"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backward", action="store_true")
-    ap.add_argument("--csv", help="also write one row per measurement")
+    ap.add_argument("--csv", help="also write one row per measurement (see the module docs)")
+    ap.add_argument("--append", action="store_true", help="add the rows to an existing --csv file")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -89,26 +146,23 @@ def main():
                     sys.stdout.flush()
                     rows.append(
                         {
-                            "impl": "torch-sdpa-cpu",
+                            "impl": "torch-cpu",
                             "dtype": name,
-                            "d": d,
-                            "seq": n,
-                            "batch": 1,
-                            "heads": h,
-                            "causal": str(causal).lower(),
-                            "ms": f"{t * 1e3:.4f}",
-                            "tflops": f"{gfs / 1e3:.6f}",
-                            "note": f"{args.threads} threads",
                             "pass": "backward" if args.backward else "forward",
+                            "mask": mask,
+                            "batch": 1,
+                            "seq": n,
+                            "heads": h,
+                            "head_dim": d,
+                            "ms": f"{t * 1e3:.4f}",
                             "gflops": f"{gfs:.2f}",
+                            "kv_heads": h,
+                            "path": "",
                             "x_f32": f"{ratio:.3f}",
                         }
                     )
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, args.append, rows)
         print(f"CSV written to {args.csv}")
 
 

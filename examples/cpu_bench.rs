@@ -196,6 +196,13 @@ impl Variant {
         self.forced
             .unwrap_or_else(|| CpuMatmul::auto(self.dtype.dtype(), self.backward))
     }
+    /// The `impl` column: `candle-flash` for the CPU's own path, else with the path forced.
+    fn imp(&self) -> String {
+        match self.forced {
+            None => "candle-flash".into(),
+            Some(m) => format!("candle-flash-{}", format!("{m:?}").to_lowercase()),
+        }
+    }
     fn label(&self) -> String {
         let path = format!("{:?}", self.path());
         match self.forced {
@@ -258,16 +265,18 @@ fn variants(args: &Args) -> Vec<Variant> {
     v
 }
 
-/// Columns of `--csv`: the prefill schema of scripts/plot.py, then the path, pass, K/V heads,
-/// GF/s and the ratio to this crate's f32 path on the same shape.
-const CSV_COLUMNS: [&str; 15] = [
-    "impl", "dtype", "d", "seq", "batch", "heads", "causal", "ms", "tflops", "note", "path",
-    "pass", "kv_heads", "gflops", "x_f32",
+/// Columns of `--csv` after the provenance ones: the cpu-prefill schema of bench/report.py
+/// (`impl` is `candle-flash` for the CPU's own path, `candle-flash-<path>` for a forced one),
+/// then the K/V heads, the product path and the ratio to this crate's f32 path on the same
+/// shape in the same run.
+const CSV_COLUMNS: [&str; 13] = [
+    "impl", "dtype", "pass", "mask", "batch", "seq", "heads", "head_dim", "ms", "gflops",
+    "kv_heads", "path", "x_f32",
 ];
 
 /// One measurement, printed as a table row and written as a CSV row.
 struct Row<'a> {
-    imp: &'a str,
+    imp: String,
     dtype: &'a str,
     path: String,
     pass: &'a str,
@@ -286,12 +295,13 @@ impl Row<'_> {
     fn emit(&self, csv: &mut Option<results::Csv>) -> Result<()> {
         let gfs = self.flops / self.secs / 1e9;
         let ratio = gfs / self.f32_gfs;
+        let mask = if self.causal { "causal" } else { "none" };
         println!(
-            "| {} | {} | {} | {} {} | {:.1} | {:.1} | {:.2}x |",
+            "| {} | {} | {mask} | {} {} {} | {:.1} | {:.1} | {:.2}x |",
             self.d,
             self.n,
-            if self.causal { "causal" } else { "none" },
             self.imp,
+            self.dtype,
             self.path,
             self.secs * 1e3,
             gfs,
@@ -299,20 +309,18 @@ impl Row<'_> {
         );
         if let Some(csv) = csv {
             csv.row(&[
-                self.imp.into(),
+                self.imp.clone(),
                 self.dtype.into(),
-                self.d.to_string(),
-                self.n.to_string(),
-                "1".into(),
-                self.heads.to_string(),
-                self.causal.to_string(),
-                format!("{:.4}", self.secs * 1e3),
-                format!("{:.6}", gfs / 1e3),
-                String::new(),
-                self.path.clone(),
                 self.pass.into(),
-                self.kv_heads.to_string(),
+                mask.into(),
+                "1".into(),
+                self.n.to_string(),
+                self.heads.to_string(),
+                self.d.to_string(),
+                format!("{:.4}", self.secs * 1e3),
                 format!("{gfs:.2}"),
+                self.kv_heads.to_string(),
+                self.path.clone(),
                 format!("{ratio:.3}"),
             ])?;
         }
@@ -487,7 +495,7 @@ fn forward_bench(args: &Args, csv: &mut Option<results::Csv>) -> Result<()> {
                         f32_gfs = flops / t / 1e9;
                     }
                     Row {
-                        imp: "candle-flash",
+                        imp: var.imp(),
                         dtype: var.dtype.name(),
                         path: format!("{:?}", var.path()),
                         pass: "forward",
@@ -538,7 +546,7 @@ fn forward_bench(args: &Args, csv: &mut Option<results::Csv>) -> Result<()> {
                 })?;
                 for (imp, t) in [("candle-naive", base), ("candle-nn-flash", nn)] {
                     Row {
-                        imp,
+                        imp: imp.into(),
                         dtype: "f32",
                         path: String::new(),
                         pass: "forward",
@@ -719,7 +727,7 @@ fn backward_bench(args: &Args, csv: &mut Option<results::Csv>) -> Result<()> {
                 // The FlashAttention convention: 2.5x the forward's 4·n²·d flops per head.
                 let flops = 2.5 * 4.0 * (h * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
                 let mut f32_gfs = f64::NAN;
-                let row = |imp, dtype, path: String, secs, f32_gfs| Row {
+                let row = |imp: String, dtype, path: String, secs, f32_gfs| Row {
                     imp,
                     dtype,
                     path,
@@ -759,7 +767,7 @@ fn backward_bench(args: &Args, csv: &mut Option<results::Csv>) -> Result<()> {
                         f32_gfs = flops / t / 1e9;
                     }
                     row(
-                        "candle-flash",
+                        var.imp(),
                         var.dtype.name(),
                         format!("{:?}", var.path()),
                         t,
@@ -796,14 +804,21 @@ fn backward_bench(args: &Args, csv: &mut Option<results::Csv>) -> Result<()> {
                     Ok(())
                 })?;
                 row(
-                    "candle-naive-attention",
+                    "candle-naive-attention".into(),
                     "f32",
                     String::new(),
                     base,
                     f32_gfs,
                 )
                 .emit(csv)?;
-                row("candle-naive-lean", "f32", String::new(), lean_t, f32_gfs).emit(csv)?;
+                row(
+                    "candle-naive-lean".into(),
+                    "f32",
+                    String::new(),
+                    lean_t,
+                    f32_gfs,
+                )
+                .emit(csv)?;
             }
         }
     }
