@@ -1,18 +1,23 @@
-//! CPU forward benchmark: this crate's flash attention against candle's naive attention
-//! (matmul, scale, mask, softmax, matmul) and candle-nn's own CPU flash attention, f32, batch 1,
-//! 8 heads, head_dim 64; plus the extra memory of one long (n = 16384) call.
+//! CPU benchmark: this crate's flash attention in f32, f16 and bf16 (each bf16 product path the
+//! CPU has, or the ones named), with the GF/s of each beside f32 in the same run; in f32 also
+//! candle's naive attention (matmul, scale, mask, softmax, matmul) and candle-nn's CPU flash
+//! attention. Batch 1, 8 heads; plus the extra memory of one long (n = 16384) call.
 //!
 //! ```text
 //! cargo run --release --example cpu_bench
 //! cargo run --release --example cpu_bench -- --quick
-//! cargo run --release --example cpu_bench -- --csv bench/cpu.csv   # also write CSV for scripts/plot.py
+//! cargo run --release --example cpu_bench -- --dtype f32,f16,bf16 --head-dim 64,128 --ours-only
+//! cargo run --release --example cpu_bench -- --dtype f32,bf16 --cpu-matmul auto,avx512bf16,f32
+//! cargo run --release --example cpu_bench -- --dtype f32,bf16 --backward
+//! cargo run --release --example cpu_bench -- --csv bench/results/cpu.csv   # one row per measurement
 //! ```
 //!
 //! Each timing is the median of `--reps` runs after one warm-up run (a warm-up over 2 s counts as
 //! one of the runs); inputs are created (and, for the naive path, the causal mask built) outside
 //! the clock. In `--ours-only` mode the GF/s per CPU-second of our kernel also goes to stderr, a
 //! steadier figure than wall time on a machine shared with other jobs. GF/s counts `4·b·h·sq·sk·d` flops,
-//! halved under the causal mask.
+//! halved under the causal mask (2.5 times that for the backward pass). The `× f32` column is
+//! the GF/s of a row over that of this crate's f32 path on the same shape in the same run.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,8 +25,12 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
+use candle_flash::{CpuMatmul, FlashAttn, PlanOverride};
 use candle_nn::attention::AttnMask;
 use clap::Parser;
+
+#[path = "common/results.rs"]
+mod results;
 
 /// Counts live heap bytes and their high-water mark, to measure the extra memory of one call.
 struct Counting;
@@ -70,7 +79,9 @@ unsafe impl GlobalAlloc for Counting {
 static ALLOC: Counting = Counting;
 
 #[derive(Parser)]
-#[command(about = "CPU flash attention vs candle naive attention vs candle-nn CPU flash (f32)")]
+#[command(
+    about = "CPU flash attention in f32/f16/bf16 vs candle naive attention vs candle-nn CPU flash"
+)]
 struct Args {
     /// Small smoke run: n = 256 only, 2 repetitions, memory line at n = 2048.
     #[arg(long)]
@@ -86,18 +97,33 @@ struct Args {
     /// repeat K/V per query head.
     #[arg(long)]
     kv_heads: Option<usize>,
-    #[arg(long, default_value_t = 64)]
-    head_dim: usize,
+    /// Head dims (several allowed: 64,128).
+    #[arg(long, value_delimiter = ',', default_value = "64")]
+    head_dim: Vec<usize>,
     /// Sequence lengths (sq = sk); default 1024,4096 (256 with --quick).
     #[arg(long, value_delimiter = ',')]
     n: Vec<usize>,
-    /// Sequence length of the memory measurement (1 head); default 16384 (2048 with --quick).
+    /// Element types of this crate's kernel (several allowed: f32,f16,bf16). f32 is always
+    /// timed too, as the yardstick of the `× f32` column.
+    #[arg(long, value_delimiter = ',', default_value = "f32")]
+    dtype: Vec<Dtype>,
+    /// Product paths of the bf16 rows (several allowed): `auto` (the CPU's own choice), `amx`,
+    /// `avx512bf16`, `f32`, `f32avx2`, `f32portable`. The f32 and f16 rows always run `auto`;
+    /// paths this CPU lacks are reported and skipped.
+    #[arg(long, value_delimiter = ',', default_value = "auto")]
+    cpu_matmul: Vec<Matmul>,
+    /// Causal mask only (default: both, unmasked first); `--causal false` for unmasked only.
+    #[arg(long)]
+    causal: Option<bool>,
+    /// Sequence length of the memory measurement (1 head); default 16384 (2048 with --quick);
+    /// 0 skips it.
     #[arg(long)]
     mem_n: Option<usize>,
-    /// Time only this crate's kernel (quick tuning runs); the ratio columns are left empty.
+    /// Time only this crate's kernel (quick tuning runs): no naive or candle-nn rows.
     #[arg(long)]
     ours_only: bool,
-    /// Also write the timings as CSV (the prefill schema of scripts/plot.py).
+    /// Also write every measurement as a row of CSV (examples/common/results.rs: date, commit,
+    /// device, command, then the prefill columns of scripts/plot.py and the path, pass and ratio).
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
     /// Time the backward pass instead: `loss.backward()` of `loss = Σ out ∘ g` through this
@@ -106,6 +132,200 @@ struct Args {
     /// extra memory of one long backward (`--mem-n`, 1 head).
     #[arg(long)]
     backward: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Dtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Dtype {
+    fn dtype(self) -> DType {
+        match self {
+            Dtype::F32 => DType::F32,
+            Dtype::F16 => DType::F16,
+            Dtype::Bf16 => DType::BF16,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Matmul {
+    Auto,
+    Amx,
+    Avx512bf16,
+    F32,
+    F32avx2,
+    F32portable,
+}
+
+impl Matmul {
+    fn forced(self) -> Option<CpuMatmul> {
+        match self {
+            Matmul::Auto => None,
+            Matmul::Amx => Some(CpuMatmul::Amx),
+            Matmul::Avx512bf16 => Some(CpuMatmul::Avx512Bf16),
+            Matmul::F32 => Some(CpuMatmul::F32),
+            Matmul::F32avx2 => Some(CpuMatmul::F32Avx2),
+            Matmul::F32portable => Some(CpuMatmul::F32Portable),
+        }
+    }
+}
+
+/// One timed configuration of this crate's kernel: element type and product path.
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    dtype: Dtype,
+    forced: Option<CpuMatmul>,
+    /// Timed in the backward pass (whose own choice of path may differ).
+    backward: bool,
+}
+
+impl Variant {
+    /// The path that runs (the forced one, or the CPU's own choice for the dtype).
+    fn path(&self) -> CpuMatmul {
+        self.forced
+            .unwrap_or_else(|| CpuMatmul::auto(self.dtype.dtype(), self.backward))
+    }
+    /// The `impl` column: `candle-flash` for the CPU's own path, else with the path forced.
+    fn imp(&self) -> String {
+        match self.forced {
+            None => "candle-flash".into(),
+            Some(m) => format!("candle-flash-{}", format!("{m:?}").to_lowercase()),
+        }
+    }
+    fn label(&self) -> String {
+        let path = format!("{:?}", self.path());
+        match self.forced {
+            None => format!("{} ({path})", self.dtype.name()),
+            Some(_) => format!("{} forced {path}", self.dtype.name()),
+        }
+    }
+    fn opts(&self, scale: f32, causal: bool) -> FlashAttn {
+        let o = FlashAttn::new(scale);
+        let o = if causal { o.causal() } else { o };
+        match self.forced {
+            None => o,
+            Some(m) => o.plan_override(PlanOverride {
+                cpu_matmul: Some(m),
+                ..PlanOverride::default()
+            }),
+        }
+    }
+}
+
+/// The variants to time: f32 first (the yardstick), then each dtype asked for; bf16 once per
+/// path asked for that the CPU has.
+fn variants(args: &Args) -> Vec<Variant> {
+    let have = CpuMatmul::available();
+    let backward = args.backward;
+    let mut v = vec![Variant {
+        dtype: Dtype::F32,
+        forced: None,
+        backward,
+    }];
+    for &dtype in &args.dtype {
+        let paths: Vec<Option<CpuMatmul>> = if dtype == Dtype::Bf16 {
+            args.cpu_matmul.iter().map(|m| m.forced()).collect()
+        } else {
+            vec![None]
+        };
+        for forced in paths {
+            if let Some(m) = forced {
+                if !have.contains(&m) {
+                    println!(
+                        "NOT RUN: {} with {m:?}: this CPU cannot run that path",
+                        dtype.name()
+                    );
+                    continue;
+                }
+            }
+            let new = Variant {
+                dtype,
+                forced,
+                backward,
+            };
+            let dup = v
+                .iter()
+                .any(|x| x.dtype == dtype && x.path() == new.path() && x.forced == forced);
+            if !dup {
+                v.push(new);
+            }
+        }
+    }
+    v
+}
+
+/// Columns of `--csv` after the provenance ones: the cpu-prefill schema of bench/report.py
+/// (`impl` is `candle-flash` for the CPU's own path, `candle-flash-<path>` for a forced one),
+/// then the K/V heads, the product path and the ratio to this crate's f32 path on the same
+/// shape in the same run.
+const CSV_COLUMNS: [&str; 13] = [
+    "impl", "dtype", "pass", "mask", "batch", "seq", "heads", "head_dim", "ms", "gflops",
+    "kv_heads", "path", "x_f32",
+];
+
+/// One measurement, printed as a table row and written as a CSV row.
+struct Row<'a> {
+    imp: String,
+    dtype: &'a str,
+    path: String,
+    pass: &'a str,
+    d: usize,
+    n: usize,
+    heads: usize,
+    kv_heads: usize,
+    causal: bool,
+    secs: f64,
+    flops: f64,
+    /// GF/s of this crate's f32 path on the same shape.
+    f32_gfs: f64,
+}
+
+impl Row<'_> {
+    fn emit(&self, csv: &mut Option<results::Csv>) -> Result<()> {
+        let gfs = self.flops / self.secs / 1e9;
+        let ratio = gfs / self.f32_gfs;
+        let mask = if self.causal { "causal" } else { "none" };
+        println!(
+            "| {} | {} | {mask} | {} {} {} | {:.1} | {:.1} | {:.2}x |",
+            self.d,
+            self.n,
+            self.imp,
+            self.dtype,
+            self.path,
+            self.secs * 1e3,
+            gfs,
+            ratio
+        );
+        if let Some(csv) = csv {
+            csv.row(&[
+                self.imp.clone(),
+                self.dtype.into(),
+                self.pass.into(),
+                mask.into(),
+                "1".into(),
+                self.n.to_string(),
+                self.heads.to_string(),
+                self.d.to_string(),
+                format!("{:.4}", self.secs * 1e3),
+                format!("{gfs:.2}"),
+                self.kv_heads.to_string(),
+                self.path.clone(),
+                format!("{ratio:.3}"),
+            ])?;
+        }
+        Ok(())
+    }
 }
 
 /// Median wall time of `reps` runs after one warm-up, in seconds. A warm-up longer than
@@ -128,21 +348,21 @@ fn time(reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     Ok(t[t.len() / 2])
 }
 
-/// Columns of `--csv` (one row per implementation and shape), as scripts/plot.py reads them.
-const CSV_HEADER: &str = "impl,dtype,d,seq,batch,heads,causal,ms,tflops,note\n";
-
 /// Seconds beyond which a warm-up run counts as a measurement.
 const LONG_RUN: f64 = 2.0;
 
-/// CPU seconds this process has used (all threads), from `/proc/self/stat`; `None` elsewhere.
-/// Tuning on a shared machine reads this, since wall time there depends on the neighbours.
+/// CPU seconds this process has used (all threads), summed over `/proc/self/task/*/schedstat`
+/// (nanoseconds on the CPU; `/proc/self/stat` counts 10 ms ticks, too coarse for one shape's
+/// runs); `None` elsewhere. Threads that exited since are not counted, so only differences
+/// over a stretch in which rayon's pool lives are meaningful. Tuning on a shared machine reads
+/// this, since wall time there depends on the neighbours.
 fn cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
-    let rest = stat.rsplit_once(')')?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
-    Some(ticks / 100.0)
+    let mut ns = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        ns += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 * 1e-9)
 }
 
 /// The 1-minute load average (`/proc/loadavg`), printed so that runs on a shared machine can be
@@ -175,41 +395,192 @@ fn causal_mask(n: usize, dev: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(mask, (n, n), dev)?)
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    if args.backward {
-        return backward_bench(&args);
-    }
-    let dev = Device::Cpu;
-    let reps_for = |n: usize| {
-        let default = match (args.quick, n > 2048) {
-            (true, _) => 2,
-            (false, false) => 5,
-            (false, true) => 3,
-        };
-        args.reps.unwrap_or(default).max(1)
-    };
+/// The sequence lengths and masks the arguments ask for.
+fn plan(args: &Args) -> (Vec<usize>, Vec<bool>) {
     let ns = match (&args.n[..], args.quick) {
         ([], true) => vec![256],
         ([], false) => vec![1024, 4096],
         (n, _) => n.to_vec(),
     };
+    let masks = match args.causal {
+        None => vec![false, true],
+        Some(c) => vec![c],
+    };
+    (ns, masks)
+}
+
+/// Forward repetitions at length `n`.
+fn forward_reps(args: &Args, n: usize) -> usize {
+    let default = match (args.quick, n > 2048) {
+        (true, _) => 2,
+        (false, false) => 5,
+        (false, true) => 3,
+    };
+    args.reps.unwrap_or(default).max(1)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = Device::Cpu;
+    let mut csv = match &args.csv {
+        Some(path) => Some(results::Csv::create(path, &dev, &CSV_COLUMNS)?),
+        None => None,
+    };
+    if args.backward {
+        backward_bench(&args, &mut csv)?;
+    } else {
+        forward_bench(&args, &mut csv)?;
+    }
+    if let Some(path) = &args.csv {
+        println!("CSV written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn forward_bench(args: &Args, csv: &mut Option<results::Csv>) -> Result<()> {
+    let dev = Device::Cpu;
+    let (ns, masks) = plan(args);
+    let reps_for = |n| forward_reps(args, n);
     let mem_n = args.mem_n.unwrap_or(if args.quick { 2048 } else { 16384 });
-    let (h, d) = (args.heads, args.head_dim);
-    let scale = 1.0 / (d as f64).sqrt();
+    let h = args.heads;
+    let variants = variants(args);
     println!(
-        "f32, batch 1, {h} heads, head_dim {d}, {} threads, median of {} after 1 warm-up \
-         (a warm-up over {LONG_RUN} s counts as a run)",
+        "forward, batch 1, {h} heads, head_dim {:?}, {} threads, median of {} after 1 warm-up \
+         (a warm-up over {LONG_RUN} s counts as a run); the machine may be shared",
+        args.head_dim,
         rayon::current_num_threads(),
         ns.iter()
             .map(|&n| format!("{} (n = {n})", reps_for(n)))
             .collect::<Vec<_>>()
             .join(", ")
     );
-    // Extra memory of one long call: heap high-water mark during the call minus what was live
-    // before it (the inputs). Measured first, so the per-thread scratch that the CPU path keeps
-    // between calls is allocated inside it and counted. The n × n f32 score matrix a naive path
-    // builds is the yardstick.
+    let memory_line = (mem_n > 0)
+        .then(|| forward_memory(mem_n, args.head_dim[0]))
+        .transpose()?;
+    if let Some(l) = load_average() {
+        println!("load average (1 min) at start: {l}");
+    }
+    println!();
+    println!("| d | n | mask | implementation | ms | GF/s | × f32 |");
+    println!("|---|---|---|---|---:|---:|---:|");
+    for &d in &args.head_dim {
+        let scale = 1.0 / (d as f64).sqrt();
+        for &n in &ns {
+            let reps = reps_for(n);
+            // (b, s, h, d) for ours and candle-nn; contiguous (b, h, s, d) copies for the naive
+            // path. Each dtype's inputs are the f32 ones rounded.
+            let q = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+            let k = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+            let v = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+            for &causal in &masks {
+                let flops = 4.0 * (h * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
+                let mut f32_gfs = f64::NAN;
+                for var in &variants {
+                    let dt = var.dtype.dtype();
+                    let (q, k, v) = (q.to_dtype(dt)?, k.to_dtype(dt)?, v.to_dtype(dt)?);
+                    let opts = var.opts(scale as f32, causal);
+                    let cpu0 = cpu_seconds();
+                    let t = time(reps, &mut || {
+                        opts.forward(&q, &k, &v)?;
+                        Ok(())
+                    })?;
+                    if let (true, Some(c0), Some(c1)) = (args.ours_only, cpu0, cpu_seconds()) {
+                        let per_core = flops * (reps + 1) as f64 / (c1 - c0) / 1e9;
+                        eprintln!(
+                            "d {d} n {n} causal {causal} {}: {per_core:.1} GF/s per CPU-second",
+                            var.label()
+                        );
+                    }
+                    if var.dtype == Dtype::F32 && var.forced.is_none() {
+                        f32_gfs = flops / t / 1e9;
+                    }
+                    Row {
+                        imp: var.imp(),
+                        dtype: var.dtype.name(),
+                        path: format!("{:?}", var.path()),
+                        pass: "forward",
+                        d,
+                        n,
+                        heads: h,
+                        kv_heads: h,
+                        causal,
+                        secs: t,
+                        flops,
+                        f32_gfs,
+                    }
+                    .emit(csv)?;
+                }
+                if args.ours_only {
+                    continue;
+                }
+                let (qt, kt, vt) = (
+                    q.transpose(1, 2)?.contiguous()?,
+                    k.transpose(1, 2)?.contiguous()?,
+                    v.transpose(1, 2)?.contiguous()?,
+                );
+                let mask = if causal {
+                    Some(causal_mask(n, &dev)?)
+                } else {
+                    None
+                };
+                let base = time(reps, &mut || {
+                    naive(&qt, &kt, &vt, scale, mask.as_ref())?;
+                    Ok(())
+                })?;
+                let nn_mask = if causal {
+                    AttnMask::causal()
+                } else {
+                    AttnMask::None
+                };
+                let nn = time(reps, &mut || {
+                    candle_nn::attention::flash_attn::<f32>(
+                        &q,
+                        &k,
+                        &v,
+                        scale as f32,
+                        nn_mask.clone(),
+                        None,
+                        None,
+                    )?;
+                    Ok(())
+                })?;
+                for (imp, t) in [("candle-naive", base), ("candle-nn-flash", nn)] {
+                    Row {
+                        imp: imp.into(),
+                        dtype: "f32",
+                        path: String::new(),
+                        pass: "forward",
+                        d,
+                        n,
+                        heads: h,
+                        kv_heads: h,
+                        causal,
+                        secs: t,
+                        flops,
+                        f32_gfs,
+                    }
+                    .emit(csv)?;
+                }
+            }
+        }
+    }
+    if let Some(line) = memory_line {
+        println!();
+        println!("{line}");
+    }
+    if let Some(l) = load_average() {
+        println!("load average (1 min) at end: {l}");
+    }
+    Ok(())
+}
+
+/// Extra memory of one long f32 call: heap high-water mark during the call minus what was live
+/// before it (the inputs). Measured first, so the per-thread scratch that the CPU path keeps
+/// between calls is allocated inside it and counted. The n × n f32 score matrix a naive path
+/// builds is the yardstick.
+fn forward_memory(mem_n: usize, d: usize) -> Result<String> {
+    let dev = Device::Cpu;
+    let scale = 1.0 / (d as f64).sqrt();
     let (q, k, v) = (
         Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?,
         Tensor::randn(0f32, 1., (1, mem_n, 1, d), &dev)?,
@@ -224,8 +595,8 @@ fn main() -> Result<()> {
     let out_bytes = out.elem_count() * DType::F32.size_in_bytes();
     let scores = mem_n * mem_n * 4;
     let mib = |x: usize| x as f64 / (1 << 20) as f64;
-    let memory_line = format!(
-        "memory, n = {mem_n}, 1 head, head_dim {d}, non-causal ({:.0} ms): extra heap {:.2} MiB \
+    Ok(format!(
+        "memory, n = {mem_n}, 1 head, head_dim {d}, f32, non-causal ({:.0} ms): extra heap {:.2} MiB \
          (of which the output {:.2} MiB) = 1/{:.0} of one n×n f32 matrix ({:.0} MiB); limit 1/16 = {:.0} MiB",
         secs * 1e3,
         mib(extra),
@@ -233,112 +604,7 @@ fn main() -> Result<()> {
         scores as f64 / extra.max(1) as f64,
         mib(scores),
         mib(scores / 16),
-    );
-    drop((q, k, v, out));
-
-    if let Some(l) = load_average() {
-        println!("load average (1 min) at start: {l}");
-    }
-    println!();
-    println!(
-        "| n | mask | ours ms | ours GF/s | naive ms | naive GF/s | candle-nn flash ms | candle-nn GF/s | naive / ours | candle-nn / ours |"
-    );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let mut csv = String::from(CSV_HEADER);
-    for &n in &ns {
-        let reps = reps_for(n);
-        // (b, s, h, d) for ours and candle-nn; contiguous (b, h, s, d) copies for the naive path.
-        let q = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
-        let k = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
-        let v = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
-        let (qt, kt, vt) = (
-            q.transpose(1, 2)?.contiguous()?,
-            k.transpose(1, 2)?.contiguous()?,
-            v.transpose(1, 2)?.contiguous()?,
-        );
-        for causal in [false, true] {
-            let flops = 4.0 * (h * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
-            let mask = if causal {
-                Some(causal_mask(n, &dev)?)
-            } else {
-                None
-            };
-            let cpu0 = cpu_seconds();
-            let ours = time(reps, &mut || {
-                candle_flash::flash_attn(&q, &k, &v, scale as f32, causal)?;
-                Ok(())
-            })?;
-            if let (true, Some(c0), Some(c1)) = (args.ours_only, cpu0, cpu_seconds()) {
-                let per_core = flops * (reps + 1) as f64 / (c1 - c0) / 1e9;
-                eprintln!("n {n} causal {causal}: ours {per_core:.1} GF/s per CPU-second");
-            }
-            let skip = |t: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
-                if args.ours_only {
-                    Ok(f64::NAN)
-                } else {
-                    time(reps, t)
-                }
-            };
-            let base = skip(&mut || {
-                naive(&qt, &kt, &vt, scale, mask.as_ref())?;
-                Ok(())
-            })?;
-            let nn_mask = if causal {
-                AttnMask::causal()
-            } else {
-                AttnMask::None
-            };
-            let nn = skip(&mut || {
-                candle_nn::attention::flash_attn::<f32>(
-                    &q,
-                    &k,
-                    &v,
-                    scale as f32,
-                    nn_mask.clone(),
-                    None,
-                    None,
-                )?;
-                Ok(())
-            })?;
-            let gfs = |t: f64| flops / t / 1e9;
-            for (name, t) in [
-                ("candle-flash", ours),
-                ("candle-naive", base),
-                ("candle-nn-flash", nn),
-            ] {
-                if t.is_finite() {
-                    csv.push_str(&format!(
-                        "{name},f32,{d},{n},1,{h},{causal},{:.4},{:.6},\n",
-                        t * 1e3,
-                        flops / t / 1e12
-                    ));
-                }
-            }
-            println!(
-                "| {n} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.2}x |",
-                if causal { "causal" } else { "none" },
-                ours * 1e3,
-                gfs(ours),
-                base * 1e3,
-                gfs(base),
-                nn * 1e3,
-                gfs(nn),
-                base / ours,
-                nn / ours,
-            );
-        }
-    }
-
-    if let Some(path) = &args.csv {
-        std::fs::write(path, csv)?;
-        println!("CSV written to {}", path.display());
-    }
-    println!();
-    println!("{memory_line}");
-    if let Some(l) = load_average() {
-        println!("load average (1 min) at end: {l}");
-    }
-    Ok(())
+    ))
 }
 
 /// Gradients of q, k and v through `loss = Σ f(q, k, v) ∘ g`: the graph is built once (forward
@@ -410,27 +676,24 @@ fn lean_naive(
     att.matmul(&v)?.transpose(1, 2)
 }
 
-/// `--backward`: backward timings (f32, batch 1, `heads` heads, `kv_heads` kv heads) and the extra memory
-/// of one long flash backward.
-fn backward_bench(args: &Args) -> Result<()> {
+/// `--backward`: backward timings (batch 1, `heads` heads, `kv_heads` kv heads) of each variant
+/// and, in f32, of the naive graphs; and the extra memory of one long flash backward.
+fn backward_bench(args: &Args, csv: &mut Option<results::Csv>) -> Result<()> {
     let dev = Device::Cpu;
+    let (ns, masks) = plan(args);
     let reps_for = |n: usize| {
         args.reps.unwrap_or(if args.quick { 2 } else { 3 }).max(1)
             + usize::from(n < 2048 && !args.quick) * 2
     };
-    let ns = match (&args.n[..], args.quick) {
-        ([], true) => vec![256],
-        ([], false) => vec![1024, 4096],
-        (n, _) => n.to_vec(),
-    };
     let mem_n = args.mem_n.unwrap_or(if args.quick { 2048 } else { 16384 });
-    let (h, d) = (args.heads, args.head_dim);
+    let h = args.heads;
     let hk = args.kv_heads.unwrap_or(h);
-    let scale = 1.0 / (d as f64).sqrt();
+    let variants = variants(args);
     println!(
         "backward only: loss.backward() of loss = sum(out * g) on a graph built (forward run) \
-         outside the clock, the same for every path; f32, batch 1, {h} heads ({hk} kv heads), \
-         head_dim {d}, {} threads, median of {} after 1 warm-up",
+         outside the clock, the same for every path; batch 1, {h} heads ({hk} kv heads), \
+         head_dim {:?}, {} threads, median of {} after 1 warm-up; the machine may be shared",
+        args.head_dim,
         rayon::current_num_threads(),
         ns.iter()
             .map(|&n| format!("{} (n = {n})", reps_for(n)))
@@ -440,42 +703,86 @@ fn backward_bench(args: &Args) -> Result<()> {
     if let Some(l) = load_average() {
         println!("load average (1 min) at start: {l}");
     }
-    let memory_line = backward_memory(mem_n, d, scale)?;
+    let memory_line = (mem_n > 0)
+        .then(|| {
+            backward_memory(
+                mem_n,
+                args.head_dim[0],
+                1.0 / (args.head_dim[0] as f64).sqrt(),
+            )
+        })
+        .transpose()?;
     println!();
-    println!(
-        "| n | mask | flash bwd ms | flash GF/s | naive_attention bwd ms | naive_attention / flash | lean naive bwd ms | lean / flash |"
-    );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|");
-    for &n in &ns {
-        let reps = reps_for(n);
-        let q = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
-        let k = Tensor::randn(0f32, 1., (1, n, hk, d), &dev)?;
-        let v = Tensor::randn(0f32, 1., (1, n, hk, d), &dev)?;
-        let g = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
-        for causal in [false, true] {
-            // The FlashAttention convention: 2.5x the forward's 4·n²·d flops per head.
-            let flops = 2.5 * 4.0 * (h * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
-            let opts = if causal {
-                candle_flash::FlashAttn::new(scale as f32).causal()
-            } else {
-                candle_flash::FlashAttn::new(scale as f32)
-            };
-            let flash = BackwardRun::new(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v))?;
-            let cpu0 = cpu_seconds();
-            let ours = time(reps, &mut || {
-                flash.backward()?;
-                Ok(())
-            })?;
-            if let (true, Some(c0), Some(c1)) = (args.ours_only, cpu0, cpu_seconds()) {
-                let per_core = flops * (reps + 1) as f64 / (c1 - c0) / 1e9;
-                eprintln!(
-                    "n {n} causal {causal}: flash backward {per_core:.1} GF/s per CPU-second"
-                );
-            }
-            drop(flash);
-            let (base, lean) = if args.ours_only {
-                (f64::NAN, f64::NAN)
-            } else {
+    println!("| d | n | mask | implementation | bwd ms | GF/s | × f32 |");
+    println!("|---|---|---|---|---:|---:|---:|");
+    for &d in &args.head_dim {
+        let scale = 1.0 / (d as f64).sqrt();
+        for &n in &ns {
+            let reps = reps_for(n);
+            let q = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+            let k = Tensor::randn(0f32, 1., (1, n, hk, d), &dev)?;
+            let v = Tensor::randn(0f32, 1., (1, n, hk, d), &dev)?;
+            let g = Tensor::randn(0f32, 1., (1, n, h, d), &dev)?;
+            for &causal in &masks {
+                // The FlashAttention convention: 2.5x the forward's 4·n²·d flops per head.
+                let flops = 2.5 * 4.0 * (h * n * n * d) as f64 * if causal { 0.5 } else { 1.0 };
+                let mut f32_gfs = f64::NAN;
+                let row = |imp: String, dtype, path: String, secs, f32_gfs| Row {
+                    imp,
+                    dtype,
+                    path,
+                    pass: "backward",
+                    d,
+                    n,
+                    heads: h,
+                    kv_heads: hk,
+                    causal,
+                    secs,
+                    flops,
+                    f32_gfs,
+                };
+                for var in &variants {
+                    let dt = var.dtype.dtype();
+                    let (q, k, v, g) = (
+                        q.to_dtype(dt)?,
+                        k.to_dtype(dt)?,
+                        v.to_dtype(dt)?,
+                        g.to_dtype(dt)?,
+                    );
+                    let opts = var.opts(scale as f32, causal);
+                    let flash = BackwardRun::new(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v))?;
+                    let cpu0 = cpu_seconds();
+                    let t = time(reps, &mut || {
+                        flash.backward()?;
+                        Ok(())
+                    })?;
+                    if let (true, Some(c0), Some(c1)) = (args.ours_only, cpu0, cpu_seconds()) {
+                        let per_core = flops * (reps + 1) as f64 / (c1 - c0) / 1e9;
+                        eprintln!(
+                            "d {d} n {n} causal {causal} {}: backward {per_core:.1} GF/s per CPU-second",
+                            var.label()
+                        );
+                    }
+                    if var.dtype == Dtype::F32 && var.forced.is_none() {
+                        f32_gfs = flops / t / 1e9;
+                    }
+                    row(
+                        var.imp(),
+                        var.dtype.name(),
+                        format!("{:?}", var.path()),
+                        t,
+                        f32_gfs,
+                    )
+                    .emit(csv)?;
+                }
+                if args.ours_only {
+                    continue;
+                }
+                let opts = if causal {
+                    FlashAttn::new(scale as f32).causal()
+                } else {
+                    FlashAttn::new(scale as f32)
+                };
                 let naive = BackwardRun::new(&q, &k, &v, &g, |q, k, v| {
                     candle_flash::naive_attention(q, k, v, &opts)
                 })?;
@@ -492,26 +799,33 @@ fn backward_bench(args: &Args) -> Result<()> {
                 let lean = BackwardRun::new(&q, &k, &v, &g, |q, k, v| {
                     lean_naive(q, k, v, scale, mask.as_ref())
                 })?;
-                let t = time(reps, &mut || {
+                let lean_t = time(reps, &mut || {
                     lean.backward()?;
                     Ok(())
                 })?;
-                (base, t)
-            };
-            println!(
-                "| {n} | {} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.1} | {:.2}x |",
-                if causal { "causal" } else { "none" },
-                ours * 1e3,
-                flops / ours / 1e9,
-                base * 1e3,
-                base / ours,
-                lean * 1e3,
-                lean / ours,
-            );
+                row(
+                    "candle-naive-attention".into(),
+                    "f32",
+                    String::new(),
+                    base,
+                    f32_gfs,
+                )
+                .emit(csv)?;
+                row(
+                    "candle-naive-lean".into(),
+                    "f32",
+                    String::new(),
+                    lean_t,
+                    f32_gfs,
+                )
+                .emit(csv)?;
+            }
         }
     }
-    println!();
-    println!("{memory_line}");
+    if let Some(line) = memory_line {
+        println!();
+        println!("{line}");
+    }
     if let Some(l) = load_average() {
         println!("load average (1 min) at end: {l}");
     }

@@ -75,6 +75,7 @@ mod op;
 mod problem;
 pub mod semantics;
 
+pub use cpu::CpuMatmul;
 pub use naive::naive_attention;
 pub use op::{FlashAttn, PlanOverride, MAX_HEAD_DIM};
 

@@ -204,7 +204,6 @@ pub(crate) struct Problem {
     /// slopes are per head only, or without ALiBi).
     pub alibi_batch_stride: usize,
     /// How the call may run: choices of speed, never of result.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub kernels: Kernels,
 }
 

@@ -22,8 +22,8 @@ impl Csv {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let file = std::fs::File::create(path)
-            .with_context(|| format!("creating {}", path.display()))?;
+        let file =
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
         let mut file = std::io::BufWriter::new(file);
         writeln!(file, "date,commit,device,command,{}", columns.join(","))?;
         let prefix = [today(), commit(), device_name(dev), command()]
@@ -109,7 +109,10 @@ pub fn command() -> String {
     let prog = Path::new(&prog)
         .file_name()
         .map_or(prog.clone(), |n| n.to_string_lossy().into_owned());
-    std::iter::once(prog).chain(args).collect::<Vec<_>>().join(" ")
+    std::iter::once(prog)
+        .chain(args)
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The GPU's name, or the CPU's model name and core count.

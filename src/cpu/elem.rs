@@ -8,6 +8,8 @@ use crate::problem::{KeyRows, Strides};
 
 /// Element types the CPU path reads and writes; all arithmetic is f32.
 pub(crate) trait Elem: Copy + Send + Sync + 'static {
+    /// bf16, which the bf16 tile engines read as stored.
+    const IS_BF16: bool = false;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
     /// Converts a contiguous run; overridden where a vectorised conversion exists.
@@ -86,6 +88,7 @@ unsafe fn f16c_load(dst: &mut [f32], src: &[f16]) {
 }
 
 impl Elem for bf16 {
+    const IS_BF16: bool = true;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
@@ -151,4 +154,22 @@ pub(super) fn load_keys<T: Elem>(
         load_rows(&mut dst[c * d..], src, s, b, row, run, head, d);
         c += run;
     }
+}
+
+/// `v` as a `Vec<B>` when `A` and `B` are the same type (no copy), else `v` back.
+pub(super) fn same_vec<A: 'static, B: 'static>(v: Vec<A>) -> Result<Vec<B>, Vec<A>> {
+    let mut slot = Some(v);
+    match (&mut slot as &mut dyn std::any::Any).downcast_mut::<Option<Vec<B>>>() {
+        Some(same) => Ok(same.take().unwrap_or_default()),
+        None => Err(slot.unwrap_or_default()),
+    }
+}
+
+/// `s` as a `&[B]` when `A` and `B` are the same type, else `None`.
+pub(super) fn same_slice<A: 'static, B: 'static>(s: &[A]) -> Option<&[B]> {
+    use std::any::TypeId;
+    (TypeId::of::<A>() == TypeId::of::<B>()).then(|| {
+        // SAFETY: A and B are the same type, so this is `s` itself.
+        unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<B>(), s.len()) }
+    })
 }

@@ -16,7 +16,9 @@
 //!
 //! The micro-kernel is dispatched at run time: AVX-512 intrinsics, else AVX2+FMA intrinsics
 //! (the rest of the tile code compiled with AVX2+FMA enabled), else plain portable loops (any
-//! architecture).
+//! architecture). bf16 inputs may instead keep their tiles in bf16 and run both products on a
+//! bf16 engine (AMX tiles or AVX512-BF16 dot products, [`bf16`]); [`dispatch`] chooses, and
+//! [`CpuMatmul`] forces a choice.
 //!
 //! The backward pass (`backward/`) reuses the same micro-kernels with the *keys* in lanes (the
 //! key tile is what a dK/dV work item keeps); see its module docs.
@@ -26,27 +28,49 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod backward;
+#[cfg(target_arch = "x86_64")]
+mod bf16;
 mod decode;
+mod dispatch;
 mod elem;
 mod exp2;
 mod kernel;
 mod prefill;
 mod scratch;
 
+pub use dispatch::CpuMatmul;
+
 /// Runs the whole problem with the kernel that suits it: [`decode`] when there are few query rows
-/// per KV head (one or a few new tokens against a cache), else [`prefill`].
+/// per KV head (one or a few new tokens against a cache), else [`prefill`] (or its bf16 version
+/// [`bf16::prefill`], see [`dispatch`]).
 pub(crate) fn forward<T: elem::Elem>(
     p: &crate::problem::Problem,
     slopes: Option<&[f32]>,
     q: &[T],
     k: &[T],
     v: &[T],
-) -> (Vec<T>, Vec<f32>) {
+) -> candle::Result<(Vec<T>, Vec<f32>)> {
+    let path = dispatch::choose::<T>(p, false)?;
     if decode::is_decode(p) {
-        decode::forward(p, slopes, q, k, v)
-    } else {
-        prefill::forward(p, slopes, q, k, v)
+        return Ok(decode::forward(p, slopes, q, k, v));
     }
+    Ok(match path {
+        dispatch::Path::F32(isa) => prefill::forward_with(isa, p, slopes, q, k, v),
+        #[cfg(target_arch = "x86_64")]
+        dispatch::Path::Bf16(engine) => {
+            let same = elem::same_slice::<T, half::bf16>;
+            match (same(q), same(k), same(v)) {
+                (Some(q), Some(k), Some(v)) => {
+                    let (out, lse) = bf16::prefill::forward(engine, p, slopes, q, k, v);
+                    (elem::same_vec(out).unwrap_or_default(), lse)
+                }
+                // `choose` picks an engine for bf16 inputs only.
+                _ => prefill::forward_with(kernel::Isa::detect(), p, slopes, q, k, v),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        dispatch::Path::Bf16(_) => prefill::forward_with(kernel::Isa::detect(), p, slopes, q, k, v),
+    })
 }
 
 pub(crate) use backward::backward;

@@ -26,7 +26,9 @@ struct Ctx<'a, T> {
     qsub: usize,
 }
 
-/// Runs the whole problem; returns the contiguous output and the log-sum-exp.
+/// Runs the whole problem with the f32 micro-kernels of the CPU; returns the contiguous output
+/// and the log-sum-exp.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn forward<T: Elem>(
     p: &Problem,
     slopes: Option<&[f32]>,
@@ -37,8 +39,9 @@ pub(crate) fn forward<T: Elem>(
     forward_with(Isa::detect(), p, slopes, q, k, v)
 }
 
-/// [`forward`] with a chosen instruction set (the caller checked that the CPU has it).
-fn forward_with<T: Elem>(
+/// Runs the whole problem with the micro-kernels of `isa` (the caller checked that the CPU has
+/// it); returns the contiguous output and the log-sum-exp.
+pub(super) fn forward_with<T: Elem>(
     isa: Isa,
     p: &Problem,
     slopes: Option<&[f32]>,
@@ -102,14 +105,14 @@ fn item_avx2<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: (usize, usize, usize
 }
 
 /// What every sub-tile update of one work item shares.
-struct ItemCtx<'a> {
-    p: &'a Problem,
-    mask: SeqMask<'a>,
-    d: usize,
-    sq: usize,
-    sk: usize,
-    slope: f32,
-    softcap: bool,
+pub(super) struct ItemCtx<'a> {
+    pub p: &'a Problem,
+    pub mask: SeqMask<'a>,
+    pub d: usize,
+    pub sq: usize,
+    pub sk: usize,
+    pub slope: f32,
+    pub softcap: bool,
 }
 
 /// One work item: query rows `t · BR · qsub ..` of head `h` in sequence `b`, as up to `qsub`
@@ -234,7 +237,7 @@ fn update<K: Kernel>(
     j0: usize,
     cols: usize,
 ) {
-    let (p, d, sq, sk, slope) = (it.p, it.d, it.sq, it.sk, it.slope);
+    let d = it.d;
     // Sᵀ = K Qᵀ, ROWS keys per micro-kernel call.
     let mut c = 0;
     while c < cols {
@@ -243,7 +246,43 @@ fn update<K: Kernel>(
         c += n;
     }
     let s = &mut s[..cols];
+    let (corr, bounds) = softmax::<K>(it, &mut st.m, &mut st.l, s, r0, rows, j0, false);
 
+    // Oᵀ = Oᵀ · corr + Vᵀ Pᵀ, ROWS head dims per micro-kernel call. A masked key has P = 0,
+    // but 0 · NaN = NaN: a NaN or infinity in the V of a key that some rows do not see would
+    // reach those rows, so such tiles take the per-row loop.
+    match bounds {
+        Some((lo, hi)) if !vt[..cols * d].iter().all(|x| x.is_finite()) => {
+            masked_pv::<K>(&mut st.ot, &corr, vt, s, d, rows, j0, (&lo, &hi));
+        }
+        _ => {
+            let mut x = 0;
+            while x < d {
+                let n = K::ROWS.min(d - x);
+                K::block(&mut st.ot[x..x + n], Some(&corr), &vt[x..], 1, d, s, cols);
+                x += n;
+            }
+        }
+    }
+}
+
+/// Per-lane key bounds of a tile the mask cuts: lane `r` sees keys `lo[r] <= j < hi[r]`.
+pub(super) type Bounds = ([usize; BR], [usize; BR]);
+
+/// The scores `s` of keys `j0 ..` for the query rows `r0 .. r0 + rows` (see [`softmax`]) in
+/// base 2 with the softcap and ALiBi applied and masked keys at `-inf`. Returns, for a tile that
+/// the mask cuts (or with `cut`: keys past the real ones to mask), the per-lane key bounds.
+#[inline(always)]
+pub(super) fn mask_scores(
+    it: &ItemCtx,
+    s: &mut [Lanes],
+    r0: usize,
+    rows: usize,
+    j0: usize,
+    cut: bool,
+) -> Option<Bounds> {
+    let (p, sq, sk, slope) = (it.p, it.sq, it.sk, it.slope);
+    let cols = s.len();
     if it.softcap || slope != 0.0 {
         for (c, s) in s.iter_mut().enumerate() {
             for (r, s) in s.0[..rows].iter_mut().enumerate() {
@@ -262,7 +301,7 @@ fn update<K: Kernel>(
         }
     }
     // Only tiles the band cuts through need a per-element mask.
-    let bounds = (!it.mask.covers(r0..r0 + rows, j0..j0 + cols)).then(|| {
+    (cut || !it.mask.covers(r0..r0 + rows, j0..j0 + cols)).then(|| {
         // Per-lane bounds (each row sees one interval, prefix ranges or not), then one
         // lane-wise compare per key: the loop over lanes vectorises, where a loop over keys per
         // row was a scalar store per score.
@@ -280,8 +319,27 @@ fn update<K: Kernel>(
             }
         }
         (lo, hi)
-    });
+    })
+}
 
+/// The online softmax of one tile: the scores `s` of keys `j0 ..` (one `Lanes` per key) for
+/// the query rows `r0 .. r0 + rows` (pre-scaled by `scale · log2 e`, or by `scale` alone under a
+/// softcap) become the probabilities `P` in place; the running max `m` and sum `l` are updated.
+/// Returns the correction `O` needs, and for a tile that the mask cuts (or with `cut`: keys
+/// past the real ones to mask) the per-lane key bounds.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn softmax<K: Kernel>(
+    it: &ItemCtx,
+    m: &mut Lanes,
+    l: &mut Lanes,
+    s: &mut [Lanes],
+    r0: usize,
+    rows: usize,
+    j0: usize,
+    cut: bool,
+) -> (Lanes, Option<Bounds>) {
+    let bounds = mask_scores(it, s, r0, rows, j0, cut);
     // Online softmax, per lane: m_new = max(m, rowmax(S)), P = 2^(S - m_new),
     // l = l · 2^(m - m_new) + rowsum(P); O gets the same correction inside the P·V kernel.
     //
@@ -293,8 +351,7 @@ fn update<K: Kernel>(
     // instead, so its P and correction are 0 rather than NaN.
     let mut m_sub = Lanes::splat(0.0);
     for (((m, &mt), ms), corr) in
-        st.m.0
-            .iter_mut()
+        m.0.iter_mut()
             .zip(&m_tile.0)
             .zip(m_sub.0.iter_mut())
             .zip(corr.0.iter_mut())
@@ -315,26 +372,10 @@ fn update<K: Kernel>(
             *sum += *x;
         }
     }
-    for ((l, &c), &s) in st.l.0.iter_mut().zip(&corr.0).zip(&row_sum.0) {
+    for ((l, &c), &s) in l.0.iter_mut().zip(&corr.0).zip(&row_sum.0) {
         *l = K::fma(*l, c, s);
     }
-
-    // Oᵀ = Oᵀ · corr + Vᵀ Pᵀ, ROWS head dims per micro-kernel call. A masked key has P = 0,
-    // but 0 · NaN = NaN: a NaN or infinity in the V of a key that some rows do not see would
-    // reach those rows, so such tiles take the per-row loop.
-    match bounds {
-        Some((lo, hi)) if !vt[..cols * d].iter().all(|x| x.is_finite()) => {
-            masked_pv::<K>(&mut st.ot, &corr, vt, s, d, rows, j0, (&lo, &hi));
-        }
-        _ => {
-            let mut x = 0;
-            while x < d {
-                let n = K::ROWS.min(d - x);
-                K::block(&mut st.ot[x..x + n], Some(&corr), &vt[x..], 1, d, s, cols);
-                x += n;
-            }
-        }
-    }
+    (corr, bounds)
 }
 
 /// `Oᵀ = Oᵀ · corr + Vᵀ Pᵀ` over the keys `j0 ..` that each of the first `rows` lanes sees
@@ -342,7 +383,7 @@ fn update<K: Kernel>(
 /// probabilities one `Lanes` per key in `p`. Slow, and only for cut tiles whose V holds a
 /// non-finite value.
 #[allow(clippy::too_many_arguments)]
-fn masked_pv<K: Kernel>(
+pub(super) fn masked_pv<K: Kernel>(
     ot: &mut [Lanes],
     corr: &Lanes,
     vt: &[f32],

@@ -60,17 +60,17 @@ impl candle::CustomOp3 for FlashAttnOp {
         let (out, lse) = match (q, k, v) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
                 p.check_bounds(q.len(), k.len(), v.len())?;
-                let (o, l) = crate::cpu::forward(p, slopes, q, k, v);
+                let (o, l) = crate::cpu::forward(p, slopes, q, k, v)?;
                 (CpuStorage::F32(o), l)
             }
             (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
                 p.check_bounds(q.len(), k.len(), v.len())?;
-                let (o, l) = crate::cpu::forward(p, slopes, q, k, v);
+                let (o, l) = crate::cpu::forward(p, slopes, q, k, v)?;
                 (CpuStorage::F16(o), l)
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
                 p.check_bounds(q.len(), k.len(), v.len())?;
-                let (o, l) = crate::cpu::forward(p, slopes, q, k, v);
+                let (o, l) = crate::cpu::forward(p, slopes, q, k, v)?;
                 (CpuStorage::BF16(o), l)
             }
             _ => bail!(

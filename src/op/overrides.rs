@@ -1,5 +1,7 @@
 //! [`PlanOverride`]: forcing a choice the planners make on their own.
 
+use crate::CpuMatmul;
+
 /// Choices the planners make on their own from the device and the problem, forced instead: for
 /// benchmarks that compare kernel variants in one process, and for tests that must reach every
 /// kernel on one machine. Results agree with the planner's own choice within rounding; only the
@@ -31,4 +33,7 @@ pub struct PlanOverride {
     /// Split-KV decode: at most this many key splits (whole key tiles each) instead of the
     /// planner's count.
     pub decode_splits: Option<usize>,
+    /// CPU prefill and backward: the arithmetic of the tile products (see [`CpuMatmul`]); one
+    /// the CPU does not have makes the call fail.
+    pub cpu_matmul: Option<CpuMatmul>,
 }

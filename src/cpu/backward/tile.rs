@@ -248,7 +248,8 @@ pub(super) fn step<K: Kernel>(st: &Step, sc: &mut Scratch, dkdv: bool, dq: bool)
         K::block(&mut sc.dp[r..r + n], None, &g[r * d..], d, 1, vt, d);
         r += n;
     }
-    probabilities::<K>(st, sc);
+    let (lse2, delta) = (&sc.lse2[st.ro..], &sc.delta[st.ro..]);
+    probabilities::<K>(st, &mut sc.s[..rows], &mut sc.dp[..rows], lse2, delta);
     let (q, g) = (&sc.q[st.ro * d..], &sc.g[st.ro * d..]);
     if dkdv {
         // dVᵀ += dOᵀ P and dKᵀ += Qᵀ dS, ROWS head dims per call.
@@ -296,9 +297,16 @@ pub(super) fn step<K: Kernel>(st: &Step, sc: &mut Scratch, dkdv: bool, dq: bool)
     }
 }
 
-/// `S` → `P` and `dP` → `dS` in place, lane-wise, for the rows of the step.
+/// `S` → `P` and `dP` → `dS` in place, lane-wise, for the rows of the step (`s`, `dp`, and
+/// the rows' `lse · log2 e` and `D` from their first).
 #[inline(always)]
-fn probabilities<K: Kernel>(st: &Step, sc: &mut Scratch) {
+pub(super) fn probabilities<K: Kernel>(
+    st: &Step,
+    s: &mut [Lanes],
+    dp: &mut [Lanes],
+    lse2: &[f32],
+    delta: &[f32],
+) {
     let p = st.p;
     let (sq, sk) = (st.mask.seq_q, st.mask.seq_k);
     let scale = p.score.scale;
@@ -309,11 +317,10 @@ fn probabilities<K: Kernel>(st: &Step, sc: &mut Scratch) {
         || !st
             .mask
             .covers(st.i0..st.i0 + st.rows, st.j0..st.j0 + st.cols);
-    for r in 0..st.rows {
+    for (r, (s, ds)) in s[..st.rows].iter_mut().zip(&mut dp[..st.rows]).enumerate() {
         let i = st.i0 + r;
-        let s = &mut sc.s[r].0;
-        let ds = &mut sc.dp[r].0;
-        let (l2, dd) = (sc.lse2[st.ro + r], sc.delta[st.ro + r]);
+        let (s, ds) = (&mut s.0, &mut ds.0);
+        let (l2, dd) = (lse2[r], delta[r]);
         if cap > 0.0 {
             // d cap(z) / dz = 1 - (cap(z) / c)²; the same `cap` as the forward pass.
             let mut dcap = [0f32; BC];
