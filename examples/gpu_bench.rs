@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --quick
-//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --csv bench/gpu.csv
+//! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --csv bench/results/gpu-prefill.csv
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --shape 256:8192 --no-f32
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --layout bhsd --no-f32
 //! cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --backward [--quick] [--shape 128:8192]
@@ -22,15 +22,14 @@
 //!
 //! TFLOP/s counts `4·b·h·s²·d`, halved under the causal mask. Each time is the median over
 //! batches of back-to-back calls (synchronised before and after each batch) after two warm-up
-//! calls; scripts/sdpa_bench.py times PyTorch the same way.
-//! Lines starting with `RESULT` are for scripts (scripts/gpu-run.sh builds its table from them).
+//! calls; bench/torch_prefill.py times PyTorch the same way (and appends its rows to the CSV).
 //!
 //! `--backward` times the backward pass instead (only): bf16 and f16, d 64 and 128, the same
 //! shapes, causal and not. The forward runs once outside the clock. Two timings per shape:
 //! * `FlashAttn::backward` from the saved output and log-sum-exp with a random dO, what
-//!   scripts/sdpa_bench.py times for PyTorch (`torch.autograd.grad` of SDPA's output with dO:
-//!   the attention backward, no accumulation into existing gradients); `RESULT_BWD candle`;
-//! * `out.backward()` on the same graph (`RESULT_BWD candle_autograd`), which adds candle's
+//!   bench/torch_prefill.py times for PyTorch (`torch.autograd.grad` of SDPA's output with dO:
+//!   the attention backward, no accumulation into existing gradients); impl `candle-flash`;
+//! * `out.backward()` on the same graph (impl `candle-flash-autograd`), which adds candle's
 //!   autograd bookkeeping: a ones dO, then a zeros tensor and an add for each of q, k and v
 //!   (about 1 GiB of memory traffic at these shapes); `--no-autograd` skips it.
 //!
@@ -54,9 +53,16 @@ struct Args {
     /// Time budget per shape, in seconds.
     #[arg(long, default_value_t = 0.4)]
     budget: f64,
-    /// Also write every timing as CSV (the prefill schema of scripts/plot.py).
+    /// Also write every timing as CSV (bench/results/gpu-prefill.csv's schema; gpu-backward.csv's
+    /// with --backward).
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
+    /// Run the portable kernels even on Hopper (`FlashAttn::portable`).
+    #[arg(long)]
+    portable: bool,
+    /// Force this sm_90a forward variant where it applies (`PlanOverride::sm90_variant`).
+    #[arg(long)]
+    sm90_variant: Option<String>,
     /// Time the backward pass (only) instead of the forward.
     #[arg(long)]
     backward: bool,
@@ -70,7 +76,7 @@ struct Args {
     /// Forward, part 1: where q, k and v lie in memory. `bshd`: (batch, seq, heads, d), the
     /// layout candle-transformers' models pass; `bhsd`: (batch, heads, seq, d), PyTorch SDPA's,
     /// passed as `transpose(1, 2)` views, which the kernels read in place
-    /// (scripts/sdpa_bench.py --layout times PyTorch on either).
+    /// (bench/torch_prefill.py --layout times PyTorch on either).
     #[arg(long, value_enum, default_value_t = Layout::Bshd)]
     layout: Layout,
 }
@@ -81,8 +87,37 @@ enum Layout {
     Bhsd,
 }
 
-/// Columns of `--csv` (one row per implementation and shape), as scripts/plot.py reads them.
-const CSV_HEADER: &str = "impl,dtype,d,seq,batch,heads,causal,ms,tflops,note\n";
+/// Columns of `--csv` after the common ones (one row per implementation and shape), as
+/// bench/report.py reads them.
+const COLUMNS: [&str; 10] = [
+    "impl", "dtype", "mask", "batch", "seq", "heads", "kv_heads", "head_dim", "ms", "tflops",
+];
+
+/// One CSV row: `ms` empty when the implementation could not run the shape.
+#[allow(clippy::too_many_arguments)]
+fn row(
+    imp: &str,
+    dtype: &str,
+    causal: bool,
+    b: usize,
+    s: usize,
+    h: usize,
+    d: usize,
+    ms: Option<f64>,
+    tflops: Option<f64>,
+) -> Vec<String> {
+    let mask = if causal { "causal" } else { "none" };
+    let f = |x: Option<f64>, p: usize| x.map_or(String::new(), |x| format!("{x:.p$}"));
+    [imp, dtype, mask]
+        .map(str::to_string)
+        .into_iter()
+        .chain([b, s, h, h, d].map(|x| x.to_string()))
+        .chain([f(ms, 4), f(tflops, 3)])
+        .collect()
+}
+
+#[path = "common/results.rs"]
+mod results;
 
 const HIDDEN: usize = 2048;
 const TOKENS: usize = 16384;
@@ -175,8 +210,20 @@ fn main() -> Result<()> {
             Some((d.parse::<usize>()?, s.parse::<usize>()?))
         }
     };
+    let mut csv = match &args.csv {
+        Some(path) => Some(results::Csv::create(path, &dev, &COLUMNS)?),
+        None => None,
+    };
+    let mut base = FlashAttn::new(1.0).portable(args.portable);
+    if let Some(v) = &args.sm90_variant {
+        base = base.plan_override(candle_flash::PlanOverride {
+            sm90_variant: Some(v.clone()),
+            ..Default::default()
+        });
+    }
     if args.backward {
-        return backward_section(&dev, seqs, budget, args.quick, shape, !args.no_autograd);
+        let opts = (budget, args.quick, shape, !args.no_autograd);
+        return backward_section(&dev, &base, seqs, opts, csv.as_mut());
     }
     let (dims, seqs): (Vec<usize>, Vec<usize>) = match shape {
         Some((d, s)) if HIDDEN.is_multiple_of(d) && s > 0 => (vec![d], vec![s]),
@@ -184,7 +231,6 @@ fn main() -> Result<()> {
         None => (vec![64, 128], seqs.to_vec()),
     };
 
-    let mut csv = String::from(CSV_HEADER);
     println!(
         "candle-flash CUDA forward, hidden {HIDDEN}, {TOKENS} tokens per batch, q/k/v in {} memory",
         match args.layout {
@@ -212,7 +258,8 @@ fn main() -> Result<()> {
                         }
                     };
                     let (q, k, v) = (operand()?, operand()?, operand()?);
-                    let mut op = FlashAttn::new(1.0 / (d as f32).sqrt());
+                    let mut op = base.clone();
+                    op.softmax_scale = 1.0 / (d as f32).sqrt();
                     if causal {
                         op = op.causal();
                     }
@@ -224,33 +271,41 @@ fn main() -> Result<()> {
                         t * 1e3
                     );
                     let dname = format!("{dtype:?}").to_lowercase();
-                    println!("RESULT candle {dname} {d} {s} {causal} {tf:.2}");
-                    csv.push_str(&format!(
-                        "candle-flash{},{dname},{d},{s},{b},{h},{causal},{:.4},{tf:.3},\n",
-                        if args.layout == Layout::Bhsd {
-                            "-bhsd"
-                        } else {
-                            ""
-                        },
-                        t * 1e3
-                    ));
+                    let imp = match args.layout {
+                        Layout::Bhsd => "candle-flash-bhsd",
+                        Layout::Bshd => "candle-flash",
+                    };
+                    if let Some(c) = csv.as_mut() {
+                        c.row(&row(
+                            imp,
+                            &dname,
+                            causal,
+                            b,
+                            s,
+                            h,
+                            d,
+                            Some(t * 1e3),
+                            Some(tf),
+                        ))?;
+                    }
                 }
             }
         }
     }
 
     if !args.no_f32 {
-        f32_section(&args, &dev, budget, &mut csv)?;
-    }
-    if let Some(path) = &args.csv {
-        std::fs::write(path, csv)?;
-        println!("CSV written to {}", path.display());
+        f32_section(&args, &dev, budget, csv.as_mut())?;
     }
     Ok(())
 }
 
 /// Part 2: the f32 path against candle's naive f32 attention; CSV rows go to `csv`.
-fn f32_section(args: &Args, dev: &Device, budget: f64, csv: &mut String) -> Result<()> {
+fn f32_section(
+    args: &Args,
+    dev: &Device,
+    budget: f64,
+    mut csv: Option<&mut results::Csv>,
+) -> Result<()> {
     let dev = dev.clone();
     let seqs32: &[usize] = if args.quick {
         &[2048, 8192]
@@ -278,10 +333,10 @@ fn f32_section(args: &Args, dev: &Device, budget: f64, csv: &mut String) -> Resu
                 let f = flops(b, h, s, d, causal);
                 let t_flash = time(&dev, budget, || op.forward(&q, &k, &v))?;
                 let tf_flash = f / t_flash / 1e12;
-                csv.push_str(&format!(
-                    "candle-flash,f32,{d},{s},{b},{h},{causal},{:.4},{tf_flash:.3},\n",
-                    t_flash * 1e3
-                ));
+                let (ms, tf) = (Some(t_flash * 1e3), Some(tf_flash));
+                if let Some(c) = csv.as_deref_mut() {
+                    c.row(&row("candle-flash", "f32", causal, b, s, h, d, ms, tf))?;
+                }
                 // Naive: (b, h, s, d) layout prepared outside the clock, like a model would keep it.
                 let naive_t = (|| -> candle::Result<f64> {
                     let qt = q.transpose(1, 2)?.contiguous()?;
@@ -301,10 +356,10 @@ fn f32_section(args: &Args, dev: &Device, budget: f64, csv: &mut String) -> Resu
                 let (naive_s, ratio_s) = match naive_t {
                     Ok(t) => {
                         let n = f / t / 1e12;
-                        csv.push_str(&format!(
-                            "candle-naive,f32,{d},{s},{b},{h},{causal},{:.4},{n:.3},\n",
-                            t * 1e3
-                        ));
+                        if let Some(c) = csv.as_deref_mut() {
+                            let (ms, tf) = (Some(t * 1e3), Some(n));
+                            c.row(&row("candle-naive", "f32", causal, b, s, h, d, ms, tf))?;
+                        }
                         (format!("{n:.2}"), format!("{:.1}x", tf_flash / n))
                     }
                     Err(e) => {
@@ -315,17 +370,15 @@ fn f32_section(args: &Args, dev: &Device, budget: f64, csv: &mut String) -> Resu
                         } else {
                             format!("error: {}", msg.lines().next().unwrap_or(""))
                         };
-                        csv.push_str(&format!(
-                            "candle-naive,f32,{d},{s},{b},{h},{causal},,,{}\n",
-                            why.replace(',', ";")
-                        ));
+                        if let Some(c) = csv.as_deref_mut() {
+                            c.row(&row("candle-naive", "f32", causal, b, s, h, d, None, None))?;
+                        }
                         (why, "-".to_string())
                     }
                 };
                 println!(
                     "{d:>4} {s:>6} {b:>6} {causal:>7} {tf_flash:>12.2} {naive_s:>12} {ratio_s:>8}"
                 );
-                println!("RESULT32 {d} {s} {causal} {tf_flash:.2} {naive_s}");
                 dev.synchronize()?;
             }
         }
@@ -334,14 +387,14 @@ fn f32_section(args: &Args, dev: &Device, budget: f64, csv: &mut String) -> Resu
 }
 
 /// `--backward`: seconds per backward pass on the forward shapes, 2.5x the forward's flops.
-/// `quick` keeps bf16 only.
+/// `opts`: the time budget per shape, `quick` (bf16 only), one `D:SEQ` shape, whether to time
+/// `out.backward()` too.
 fn backward_section(
     dev: &Device,
+    base: &FlashAttn,
     seqs: &[usize],
-    budget: f64,
-    quick: bool,
-    shape: Option<(usize, usize)>,
-    autograd: bool,
+    (budget, quick, shape, autograd): (f64, bool, Option<(usize, usize)>, bool),
+    mut csv: Option<&mut results::Csv>,
 ) -> Result<()> {
     println!("candle-flash CUDA backward, hidden {HIDDEN}, {TOKENS} tokens per batch");
     println!(
@@ -367,7 +420,8 @@ fn backward_section(
                         )
                     };
                     let (q, k, v) = (var()?, var()?, var()?);
-                    let mut op = FlashAttn::new(1.0 / (d as f32).sqrt());
+                    let mut op = base.clone();
+                    op.softmax_scale = 1.0 / (d as f32).sqrt();
                     if causal {
                         op = op.causal();
                     }
@@ -397,13 +451,14 @@ fn backward_section(
                         t * 1e3,
                         tflops(t)
                     );
-                    println!(
-                        "RESULT_BWD candle {dname} {d} {s} {causal} {:.2}",
-                        tflops(t)
-                    );
-                    if let Some(t) = t_autograd {
-                        let tf = tflops(t);
-                        println!("RESULT_BWD candle_autograd {dname} {d} {s} {causal} {tf:.2}");
+                    if let Some(c) = csv.as_deref_mut() {
+                        let (ms, tf) = (Some(t * 1e3), Some(tflops(t)));
+                        c.row(&row("candle-flash", &dname, causal, b, s, h, d, ms, tf))?;
+                        if let Some(t) = t_autograd {
+                            let (ms, tf) = (Some(t * 1e3), Some(tflops(t)));
+                            let imp = "candle-flash-autograd";
+                            c.row(&row(imp, &dname, causal, b, s, h, d, ms, tf))?;
+                        }
                     }
                 }
             }

@@ -276,10 +276,15 @@ mod tests {
         .unwrap()
     }
 
-    /// Residency from shared memory and threads, registers at 128 a thread: what the tests
-    /// assume of a compiled kernel.
+    /// Residency as the tests assume it of a compiled kernel: shared memory (the SM holds the
+    /// per-block opt-in plus the driver's 1 KB per block; each block takes its static shared
+    /// memory and that 1 KB), at most 16 blocks of 128 threads' registers (128 each).
     fn by_smem(caps: DeviceCaps) -> impl Fn(&Launch) -> Result<usize> {
-        move |l: &Launch| Ok(caps.blocks_per_sm(l.smem, l.threads as usize, 128))
+        move |l: &Launch| {
+            let per_block = l.smem + crate::cuda::device::STATIC_SMEM_RESERVE + 1024;
+            let by_regs = 65_536 / (128 * l.threads as usize);
+            Ok(((caps.smem_optin + 1024) / per_block).min(by_regs))
+        }
     }
 
     /// Packed rows per K/V head up to 128 take the decode kernel (f16/bf16, heads up to 256),

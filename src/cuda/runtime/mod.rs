@@ -103,10 +103,6 @@ fn read_caps(stream: &CudaStream) -> Result<DeviceCaps> {
         minor,
         sms: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
         smem_optin: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
-        smem_per_sm: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
-        regs_per_sm: attr(A::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR)?,
-        threads_per_sm: attr(A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?,
-        l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
         dram_bytes_per_us: mem_khz * bus_bits * 2 / 8 / 1000,
         hopper: major == 9 && minor == 0,
     })
@@ -127,7 +123,8 @@ fn portable_from_env() -> bool {
 pub(crate) fn residency(dev: &CudaDevice, l: &Launch) -> Result<usize> {
     use std::collections::HashMap;
     use std::sync::Mutex;
-    static CACHE: Mutex<Option<HashMap<(usize, String, usize), usize>>> = Mutex::new(None);
+    type Key = (usize, String, usize);
+    static CACHE: Mutex<Option<HashMap<Key, usize>>> = Mutex::new(None);
     let key = (
         dev.cuda_stream().context().ordinal(),
         l.function.clone(),
