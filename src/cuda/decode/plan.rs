@@ -4,10 +4,11 @@
 //! Decode streams K and V once and does little arithmetic per byte, so its time is the time to
 //! move those bytes. The plan models that directly: a block streams its slice of one K/V head's
 //! keys with `stages - 1` tiles in flight, so alone it moves at most (bytes in flight) /
-//! [`LATENCY_US`]; the blocks resident at once share the DRAM bandwidth; the grid runs in waves of
-//! (SMs x blocks per SM) blocks, blocks per SM as the device reports them for the compiled kernel
-//! (shared memory, registers, threads); each wave pays a round trip to start and drain; splitting the
-//! keys adds a combine pass that writes and reads the partial results. Among the instances for
+//! [`LATENCY_US`]; an SM moves at most its even share of the DRAM bandwidth, so a wave lasts as
+//! long as its busiest SM; the grid runs in waves of (SMs x blocks per SM) blocks, blocks per SM
+//! as the device reports them for the compiled kernel (shared memory, registers, threads); each
+//! wave pays a round trip to start and drain; splitting the keys adds a combine pass that writes
+//! and reads the partial results. Among the instances for
 //! the problem's packed rows and every split count, the plan takes the cheapest, the fewest
 //! splits among equals. One rule for contiguous and paged caches, every head dim the instances
 //! cover, GQA groups and MHA alike; the result depends only on the shape and the device, so
@@ -63,6 +64,10 @@ const COMBINE_US: f64 = 6.0;
 /// How many blocks of a launch one SM holds at once (the device's occupancy of the compiled
 /// kernel at that block size and shared memory).
 pub(crate) type Residency<'a> = &'a dyn Fn(&Launch) -> Result<usize>;
+
+/// Splits whose partials one combine block loads per round trip: four warps, four splits each
+/// (kernels/decode/combine.cuh).
+const COMBINE_SPLITS_PER_TRIP: usize = 16;
 
 /// The decode plan of `p`, or `None` when `p` is not decode-shaped (f32, too many packed rows
 /// per K/V head, or a head wider than every instance): the prefill kernels take it then.
@@ -209,15 +214,26 @@ fn cost(
     // four-warp d 128 blocks with as many bytes in flight.
     let issue = (i.threads() as f64 / 128.0).min(1.0);
     let block_bw = ((i.stages - 1) * i.tile_bytes(d_load)) as f64 * issue / LATENCY_US;
-    let wave = |n: usize| LATENCY_US + block_bytes / block_bw.min(dram / n as f64);
+    // A wave of n blocks: the block scheduler deals them out over the SMs, so the busiest SM
+    // holds ceil(n / SMs) of them, and an SM streams at most its even share of the DRAM
+    // bandwidth (one H100 SM pulled 23 GB/s of its 25: spreading the bytes evenly over every SM
+    // is what saturates the memory). The wave lasts as long as its busiest SM.
+    let sms = caps.sms as usize;
+    let sm_share = dram / sms as f64;
+    let wave = |n: usize| {
+        let load = n.div_ceil(sms);
+        LATENCY_US + load as f64 * block_bytes / sm_share.min(load as f64 * block_bw)
+    };
     let full = blocks / slots;
     let rest = blocks % slots;
     let mut t = full as f64 * wave(slots) + if rest > 0 { wave(rest) } else { 0.0 };
     if splits > 1 {
-        // Partial outputs (f32) and base-2 lse of every split, written then read.
+        // Partial outputs (f32) and base-2 lse of every split, written then read; a combine
+        // block reads the partials of COMBINE_SPLITS_PER_TRIP splits per round trip.
         let rows = p.total_q * p.heads;
         let part = (splits * rows * (d_load + 1) * 4) as f64;
-        t += COMBINE_US + 2.0 * part / dram;
+        let trips = splits.div_ceil(COMBINE_SPLITS_PER_TRIP) as f64;
+        t += COMBINE_US + trips * LATENCY_US + 2.0 * part / dram;
     }
     t
 }
