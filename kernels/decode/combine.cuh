@@ -2,7 +2,7 @@
 // decode/partial.cuh): one block per (query row, head) merges the splits' partial results.
 // lse = log2-sum-exp2 over the splits, O = sum_s 2^(lse_s - lse) O_s, written in the output
 // dtype with the natural-log lse. Thread s reads split s's lse (one load round for all splits);
-// warp w sums splits w, w + 4, ... (four at a time, so their loads are in flight together) and the
+// warp w sums splits w, w + 4, ... (eight at a time, so their loads are in flight together) and the
 // warps' sums are added in warp order: bitwise deterministic. Splits that saw no key carry lse
 // -inf and weigh 0; a row no split saw outputs 0, lse -inf.
 #pragma once
@@ -17,6 +17,8 @@ namespace decode {
 constexpr int COMBINE_MAX_D = 256;
 constexpr int COMBINE_MAX_SPLITS = 256;
 constexpr int COMBINE_THREADS = 128;
+// Splits a warp loads per step.
+constexpr int COMBINE_UNROLL = 8;
 
 // One block of COMBINE_THREADS per (output row, head): merges the splits' partials.
 template <typename T>
@@ -84,19 +86,20 @@ __device__ __forceinline__ void combine(const FlashParams& p) {
     }
     __syncthreads();
 
-    // Warp w sums splits w, w + WARPS, ... for columns lane + 32 c; four splits per step, so
-    // their loads are in flight together. A split that saw no key has weight 0 and O = 0: it is
+    // Warp w sums splits w, w + WARPS, ... for columns lane + 32 c; COMBINE_UNROLL splits per
+    // step, so their loads are in flight together (the planner counts a round trip per
+    // WARPS x COMBINE_UNROLL splits). A split that saw no key has weight 0 and O = 0: it is
     // not read (unless the row is NaN, which every split then carries into the sum).
     float acc[CPL];
 #pragma unroll
     for (int c = 0; c < CPL; ++c) acc[c] = 0.f;
     const float* part = p.o_part + row_g * p.o_seq + (int64_t)h * p.o_head;
     const int64_t split_stride = (int64_t)p.total_q * p.o_seq;
-    for (int s0 = warp; s0 < ns; s0 += 4 * WARPS) {
-        float x[4][CPL];
-        float w[4];
+    for (int s0 = warp; s0 < ns; s0 += COMBINE_UNROLL * WARPS) {
+        float x[COMBINE_UNROLL][CPL];
+        float w[COMBINE_UNROLL];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < COMBINE_UNROLL; ++u) {
             const int s = s0 + u * WARPS;
             w[u] = s < ns ? sh_w[s] : 0.f;
             const bool read = s < ns && (w[u] != 0.f || nan);
@@ -107,7 +110,7 @@ __device__ __forceinline__ void combine(const FlashParams& p) {
             }
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
+        for (int u = 0; u < COMBINE_UNROLL; ++u)
 #pragma unroll
             for (int c = 0; c < CPL; ++c) acc[c] += w[u] * x[u][c];
     }

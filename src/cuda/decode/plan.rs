@@ -65,9 +65,9 @@ const COMBINE_US: f64 = 6.0;
 /// kernel at that block size and shared memory).
 pub(crate) type Residency<'a> = &'a dyn Fn(&Launch) -> Result<usize>;
 
-/// Splits whose partials one combine block loads per round trip: four warps, four splits each
-/// (kernels/decode/combine.cuh).
-const COMBINE_SPLITS_PER_TRIP: usize = 16;
+/// Splits whose partials one combine block loads per round trip: four warps, eight splits each
+/// (`COMBINE_UNROLL` in kernels/decode/combine.cuh).
+const COMBINE_SPLITS_PER_TRIP: usize = 32;
 
 /// The decode plan of `p`, or `None` when `p` is not decode-shaped (f32, too many packed rows
 /// per K/V head, or a head wider than every instance): the prefill kernels take it then.
