@@ -1,10 +1,10 @@
 // Decode attention, combine pass (flash-decoding's second pass; the partial pass is
 // decode/partial.cuh): one block per (query row, head) merges the splits' partial results.
 // lse = log2-sum-exp2 over the splits, O = sum_s 2^(lse_s - lse) O_s, written in the output
-// dtype with the natural-log lse. Thread s reads split s's lse (one load round for all splits);
-// warp w sums splits w, w + 4, ... (eight at a time, so their loads are in flight together) and the
-// warps' sums are added in warp order: bitwise deterministic. Splits that saw no key carry lse
-// -inf and weigh 0; a row no split saw outputs 0, lse -inf.
+// dtype with the natural-log lse. Thread t reads the lse of splits t and t + 128 (one load round
+// for all splits); warp w sums splits w, w + 4, ... eight at a time, so their loads are in flight
+// together, and the warps' sums are added in warp order: bitwise deterministic. Splits that saw
+// no key carry lse -inf and weigh 0; a row no split saw outputs 0, lse -inf.
 #pragma once
 #include "common/math.cuh"
 #include "common/params.cuh"
