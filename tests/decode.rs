@@ -1,21 +1,22 @@
 //! Decode shapes (a few query rows per sequence against a long KV cache) against the f64 golden
-//! reference: the CPU path sends them to its split-KV decode kernel (see `src/cpu/decode.rs`,
-//! whose unit tests check which shapes go there, every instruction set and many split counts).
+//! reference. Both backends send them to a split-KV decode kernel (CPU: `src/cpu/decode`, whose
+//! unit tests check which shapes go there, every instruction set and many split counts; CUDA:
+//! the partial pass and its combine). On the GPU every property also runs with the split count
+//! forced to one and to one key tile per split (tests/common/device.rs).
 
+#[macro_use]
 mod common;
 
-use candle::{DType, Device, IndexOp, Tensor};
-use candle_flash::{naive_attention, FlashAttn};
+use candle::{DType, Device, IndexOp, Result, Tensor};
+use candle_flash::FlashAttn;
 use common::*;
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
-fn scale(d: usize) -> f32 {
-    1.0 / (d as f32).sqrt()
-}
-
+/// q, k, v of a dense case on the target, seeded.
 #[allow(clippy::too_many_arguments)]
 fn inputs(
+    t: &Target,
     b: usize,
     sq: usize,
     sk: usize,
@@ -24,74 +25,13 @@ fn inputs(
     d: usize,
     dtype: DType,
     seed: u64,
-) -> (Tensor, Tensor, Tensor) {
-    let dev = Device::Cpu;
-    (
-        randn(&[b, sq, h, d], dtype, seed, &dev).unwrap(),
-        randn(&[b, sk, hk, d], dtype, seed + 1, &dev).unwrap(),
-        randn(&[b, sk, hk, d], dtype, seed + 2, &dev).unwrap(),
-    )
+) -> Result<(Tensor, Tensor, Tensor)> {
+    Case::new(b, sq, sk, h, hk, d, dtype).inputs(t, seed)
 }
 
-/// Checks the lse of every row against the reference: `-inf` exactly where no key is seen.
-fn check_lse(what: &str, lse: &[f32], ref_lse: &[f64], dtype: DType) {
-    assert_eq!(lse.len(), ref_lse.len(), "{what}: lse length");
-    for (i, (&a, &r)) in lse.iter().zip(ref_lse).enumerate() {
-        if r == f64::NEG_INFINITY {
-            assert_eq!(
-                a,
-                f32::NEG_INFINITY,
-                "{what}: lse[{i}] of a row that sees no key"
-            );
-        } else {
-            let tol = 1e-4 * r.abs().max(1.0) + if dtype == DType::F32 { 1e-5 } else { 1e-3 };
-            assert!(
-                (a as f64 - r).abs() <= tol,
-                "{what}: lse[{i}] = {a}, reference {r}"
-            );
-        }
-    }
-}
-
-/// Runs flash (with lse) and naive on the inputs, checks both against the reference and returns
-/// the flash output.
-fn check(what: &str, q: &Tensor, k: &Tensor, v: &Tensor, opts: &FlashAttn) -> Tensor {
-    let (out, lse) = opts.forward_with_lse(q, k, v).unwrap();
-    assert_eq!(out.dims(), q.dims(), "{what}: output shape");
-    assert_eq!(out.dtype(), q.dtype(), "{what}: output dtype");
-    let naive = naive_attention(q, k, v, opts).unwrap();
-    let (ref_out, ref_lse) = reference(q, k, v, opts).unwrap();
-    assert_close(what, &out, &naive, &ref_out, true);
-    let lse = lse.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    check_lse(what, &lse, &ref_lse, q.dtype());
-    out
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_bits())
-        .collect()
-}
-
-fn f32s(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-}
-
-#[test]
-fn decode_shapes_and_gqa() {
-    // (heads, kv_heads, head_dim): GQA 32/8, MQA 8/1, MHA 6/6 and 6/2 (MQA alone cannot catch a
-    // wrong GQA mapping).
+/// One to sixteen queries against caches from 1 to 3001 keys, batch 1 (many splits) and 3, GQA
+/// 32/8, MQA 8/1, MHA 6/6 and 6/2 (MQA alone cannot catch a wrong GQA mapping), causal or not.
+fn decode_shapes_and_gqa(t: &Target) -> Result<()> {
     let heads = [(32, 8, 128), (8, 1, 64), (6, 6, 40), (6, 2, 80)];
     let sks = [1usize, 2, 31, 255, 257, 600, 2049, 3001];
     let mut seed = 1;
@@ -107,49 +47,67 @@ fn decode_shapes_and_gqa() {
                         continue;
                     }
                     seed += 3;
-                    let (q, k, v) = inputs(b, sq, sk, h, hk, d, DType::F32, seed);
+                    let (q, k, v) = inputs(t, b, sq, sk, h, hk, d, DType::F32, seed)?;
                     for opts in [FlashAttn::new(scale(d)).causal(), FlashAttn::new(scale(d))] {
-                        check(
-                            &format!("b {b} sq {sq} sk {sk} heads {h}/{hk} d {d} {opts:?}"),
-                            &q,
-                            &k,
-                            &v,
-                            &opts,
-                        );
+                        let what = format!("b {b} sq {sq} sk {sk} heads {h}/{hk} d {d} {opts:?}");
+                        check_forward(t, &what, &q, &k, &v, &opts)?;
                     }
                 }
             }
         }
     }
+    Ok(())
 }
+test_device!(decode_shapes_and_gqa, Decode);
 
-#[test]
-fn head_dims_and_dtypes() {
-    for d in [8, 40, 80, 96, 128, 256, 320, 512] {
+/// One query, batch 4, against caches around the tile sizes and one long one: GQA 6/2 at d 64
+/// (causal and a 16-key window), and 6/2, 6/1, 8/8 at d 128 against 777 keys.
+fn single_query_gqa(t: &Target) -> Result<()> {
+    for sk in [1, 2, 63, 64, 65, 239, 1000] {
         for dtype in DTYPES {
-            let (q, k, v) = inputs(2, 1, 700, 8, 2, d, dtype, 100 + d as u64);
-            let opts = FlashAttn::new(scale(d)).causal();
-            check(&format!("d {d} {dtype:?}"), &q, &k, &v, &opts);
-            let (q, k, v) = inputs(1, 3, 1100, 6, 2, d, dtype, 200 + d as u64);
-            let opts = FlashAttn::new(scale(d)).window(Some(300), Some(0));
-            check(&format!("d {d} {dtype:?} windowed"), &q, &k, &v, &opts);
+            let c = Case::new(4, 1, sk, 6, 2, 64, dtype);
+            c.clone().causal().check(t, sk as u64)?;
+            c.window(Some(16), Some(0)).check(t, sk as u64)?;
         }
     }
-    let (q, k, v) = inputs(1, 1, 8, 2, 1, 520, DType::F32, 7);
-    assert!(FlashAttn::new(0.1).forward(&q, &k, &v).is_err());
+    for (i, (h, hk)) in [(6, 2), (6, 1), (8, 8)].into_iter().enumerate() {
+        for &dtype in t.sweep(&DTYPES, i) {
+            Case::new(4, 1, 777, h, hk, 128, dtype)
+                .causal()
+                .check(t, 7)?;
+        }
+    }
+    Ok(())
 }
+test_device!(single_query_gqa, Decode);
 
-#[test]
-fn every_option() {
-    let dev = Device::Cpu;
+/// Head dims from 8 to 512 in every dtype, causal and with a window; 520 is refused.
+fn head_dims_and_dtypes(t: &Target) -> Result<()> {
+    for d in [8, 40, 80, 96, 128, 256, 320, 512] {
+        for dtype in DTYPES {
+            let (q, k, v) = inputs(t, 2, 1, 700, 8, 2, d, dtype, 100 + d as u64)?;
+            let opts = FlashAttn::new(scale(d)).causal();
+            check_forward(t, &format!("d {d} {dtype:?}"), &q, &k, &v, &opts)?;
+            let (q, k, v) = inputs(t, 1, 3, 1100, 6, 2, d, dtype, 200 + d as u64)?;
+            let opts = FlashAttn::new(scale(d)).window(Some(300), Some(0));
+            check_forward(t, &format!("d {d} {dtype:?} windowed"), &q, &k, &v, &opts)?;
+        }
+    }
+    let (q, k, v) = inputs(t, 1, 1, 8, 2, 1, 520, DType::F32, 7)?;
+    assert!(t.op(&FlashAttn::new(0.1)).forward(&q, &k, &v).is_err());
+    Ok(())
+}
+test_device!(head_dims_and_dtypes, Decode);
+
+/// Every option on decode shapes: windows of every kind, ALiBi per head and per sequence,
+/// softcap, and all of them together.
+fn every_option(t: &Target) -> Result<()> {
     let d = 64;
-    let per_head = Tensor::new(&[0.5f32, 0.25, 0.125, 0.0625, 0.03, 0.0, 0.01, 0.2], &dev).unwrap();
-    let per_batch = randn(&[2, 8], DType::F32, 5, &dev)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .affine(0.05, 0.0)
-        .unwrap();
+    let per_head = Tensor::new(
+        &[0.5f32, 0.25, 0.125, 0.0625, 0.03, 0.0, 0.01, 0.2],
+        &Device::Cpu,
+    )?;
+    let per_batch = batch_slopes(2, 8, 5, 0.05);
     let s = scale(d);
     let options = [
         FlashAttn::new(s),
@@ -169,133 +127,167 @@ fn every_option() {
     ];
     for dtype in DTYPES {
         for (sq, sk) in [(1, 1500), (4, 1500), (2, 1), (4, 2), (3, 513)] {
-            let (q, k, v) = inputs(2, sq, sk, 8, 2, d, dtype, 300 + (sq * sk) as u64);
+            let (q, k, v) = inputs(t, 2, sq, sk, 8, 2, d, dtype, 300 + (sq * sk) as u64)?;
             for opts in &options {
-                check(
-                    &format!("{dtype:?} sq {sq} sk {sk} {opts:?}"),
-                    &q,
-                    &k,
-                    &v,
-                    opts,
-                );
+                let what = format!("{dtype:?} sq {sq} sk {sk} {opts:?}");
+                check_forward(t, &what, &q, &k, &v, opts)?;
             }
         }
     }
+    Ok(())
 }
+test_device!(every_option, Decode);
 
-#[test]
-fn causal_with_more_queries_than_keys_gives_exact_zero_rows() {
-    let (q, k, v) = inputs(2, 4, 2, 8, 2, 32, DType::BF16, 11);
-    let (out, lse) = FlashAttn::new(0.2)
-        .causal()
-        .forward_with_lse(&q, &k, &v)
-        .unwrap();
-    let out = f32s(&out);
-    let lse = lse.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+/// Split-KV shapes of the CUDA decode kernel: one to sixteen queries per K/V head against caches
+/// from 1 to 5000 keys, batch 1 (many splits) and 3, GQA 32/8, 8/1, 6/6, 6/2, head dims 40 to
+/// 256, every mask, softcap and ALiBi, in f16 and bf16.
+fn split_kv_against_reference(t: &Target) -> Result<()> {
+    let mut n = 0;
+    for &(b, sq, sk) in &[
+        (1, 1, 5000),
+        (3, 1, 777),
+        (1, 2, 1),
+        (3, 4, 63),
+        (1, 16, 1500),
+        (2, 3, 2049),
+    ] {
+        for (i, &(h, hk)) in [(32, 8), (8, 1), (6, 6), (6, 2)].iter().enumerate() {
+            if sq * h / hk > 64 {
+                continue;
+            }
+            for &dtype in t.sweep(&[DType::BF16, DType::F16], sk + i) {
+                let d = [128, 64, 40, 256][n % 4];
+                let c = Case::new(b, sq, sk, h, hk, d, dtype);
+                let c = match n % 4 {
+                    0 => c.causal(),
+                    1 => c,
+                    2 => c.window(Some(300), Some(0)),
+                    _ => c.window(Some(77), None),
+                };
+                let c = if n % 3 == 1 { c.softcap(4.0) } else { c };
+                let c = if n % 5 == 2 { c.alibi() } else { c };
+                c.check(t, 500 + n as u64)?;
+                n += 1;
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(split_kv_against_reference, Decode);
+
+/// Small split-KV decode shapes for compute-sanitizer: many splits, ragged tails, GQA.
+fn sanitizer_decode_split_kv(t: &Target) -> Result<()> {
+    for (n, &(dtype, sq, sk, d)) in [
+        (DType::BF16, 1, 1500, 128),
+        (DType::F16, 3, 333, 40),
+        (DType::BF16, 2, 1, 64),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let c = Case::new(2, sq, sk, 8, 2, d, dtype);
+        let c = match n {
+            0 => c.causal(),
+            1 => c.window(Some(50), Some(0)).softcap(3.0),
+            _ => c.alibi(),
+        };
+        c.check(t, 900 + n as u64)?;
+    }
+    Ok(())
+}
+test_device!(sanitizer_decode_split_kv, Decode);
+
+/// Causal with more queries than keys: the leading rows are exactly +0 with lse `-inf`.
+fn causal_with_more_queries_than_keys_gives_exact_zero_rows(t: &Target) -> Result<()> {
+    let (q, k, v) = inputs(t, 2, 4, 2, 8, 2, 32, DType::BF16, 11)?;
+    let (out, lse) = t
+        .op(&FlashAttn::new(0.2).causal())
+        .forward_with_lse(&q, &k, &v)?;
+    let out = bits(&out)?;
+    let lse = values(&lse)?;
     for b in 0..2 {
         for i in 0..2 {
             for h in 0..8 {
                 let row = &out[((b * 4 + i) * 8 + h) * 32..][..32];
-                assert!(row.iter().all(|&x| x.to_bits() == 0), "row {i} must be +0");
-                assert_eq!(lse[(b * 8 + h) * 4 + i], f32::NEG_INFINITY);
+                assert!(row.iter().all(|&x| x == 0), "row {i} must be +0");
+                assert_eq!(lse[(b * 8 + h) * 4 + i], f64::NEG_INFINITY);
             }
         }
     }
+    Ok(())
 }
+test_device!(
+    causal_with_more_queries_than_keys_gives_exact_zero_rows,
+    Decode
+);
 
-#[test]
-fn non_contiguous_layouts_are_bitwise_equal() {
+/// The usual cache layout `(b, h, s, d)` seen as `(b, s, h, d)`, K and V laid out differently, a
+/// strided head dim, views inside NaN guard bands with non-zero start offsets: bitwise the
+/// contiguous result. A narrowed cache (the valid prefix of a preallocated one) matches the
+/// reference.
+fn non_contiguous_layouts_are_bitwise_equal(t: &Target) -> Result<()> {
     for dtype in DTYPES {
-        let (q, k, v) = inputs(2, 2, 1300, 8, 2, 80, dtype, 400);
+        let (q, k, v) = inputs(t, 2, 2, 1300, 8, 2, 80, dtype, 400)?;
         let opts = FlashAttn::new(scale(80)).causal().softcap(4.0);
-        let want = bits(&opts.forward(&q, &k, &v).unwrap());
-        // The usual cache layout (b, h, s, d) seen as (b, s, h, d); K and V laid out differently;
-        // a strided head dim; views inside NaN guard bands with non-zero start offsets.
-        let head_dim_strided = |t: &Tensor| -> Tensor {
-            t.transpose(2, 3)
-                .unwrap()
-                .contiguous()
-                .unwrap()
-                .transpose(2, 3)
-                .unwrap()
-        };
+        let op = t.op(&opts);
+        let want = op.forward(&q, &k, &v)?;
         let layouts: [(&str, Tensor, Tensor, Tensor); 4] = [
             (
                 "(b, h, s, d) cache",
                 q.clone(),
-                transposed_view(&k).unwrap(),
-                transposed_view(&v).unwrap(),
+                transposed_view(&k)?,
+                transposed_view(&v)?,
             ),
             (
                 "k and v differ",
                 q.clone(),
-                transposed_view(&k).unwrap(),
-                view_in_nan_buffer(&v).unwrap(),
+                transposed_view(&k)?,
+                view_in_nan_buffer(&v)?,
             ),
             (
                 "strided head dim",
-                transposed_view(&q).unwrap(),
-                head_dim_strided(&k),
-                head_dim_strided(&v),
+                transposed_view(&q)?,
+                head_dim_strided(&k)?,
+                head_dim_strided(&v)?,
             ),
             (
                 "NaN guard bands",
-                view_in_nan_buffer(&q).unwrap(),
-                view_in_nan_buffer(&k).unwrap(),
-                view_in_nan_buffer(&v).unwrap(),
+                view_in_nan_buffer(&q)?,
+                view_in_nan_buffer(&k)?,
+                view_in_nan_buffer(&v)?,
             ),
         ];
         for (what, q2, k2, v2) in layouts {
             assert!(!k2.is_contiguous() || !q2.is_contiguous(), "{what}: a view");
-            let got = bits(&opts.forward(&q2, &k2, &v2).unwrap());
-            assert!(
-                got == want,
-                "{dtype:?} {what}: not bitwise equal to the contiguous run"
-            );
+            let got = op.forward(&q2, &k2, &v2)?;
+            assert_bitwise_eq(&format!("{dtype:?} {what}"), &got, &want);
         }
-        // A narrowed cache (the valid prefix of a preallocated one): the reference agrees.
-        let big = randn(&[2, 2000, 2, 80], dtype, 401, &Device::Cpu).unwrap();
-        let (kn, vn) = (
-            big.narrow(1, 3, 1300).unwrap(),
-            big.narrow(1, 600, 1300).unwrap(),
-        );
-        check(&format!("{dtype:?} narrowed cache"), &q, &kn, &vn, &opts);
+        let big = randn(&[2, 2000, 2, 80], dtype, 401, &t.dev)?;
+        let (kn, vn) = (big.narrow(1, 3, 1300)?, big.narrow(1, 600, 1300)?);
+        check_forward(t, &format!("{dtype:?} narrowed cache"), &q, &kn, &vn, &opts)?;
     }
+    Ok(())
 }
+test_device!(non_contiguous_layouts_are_bitwise_equal, Decode);
 
-fn cum(l: &[usize]) -> Vec<u32> {
-    std::iter::once(0)
-        .chain(l.iter().scan(0u32, |s, &x| {
-            *s += x as u32;
-            Some(*s)
-        }))
-        .collect()
-}
-
-#[test]
-fn varlen_decode() {
-    let dev = Device::Cpu;
-    // Sequences of 0 and 1 keys, one with no query, one with more queries than keys.
-    let lens_q = [1usize, 1, 2, 1, 0, 3, 1];
-    let lens_k = [1000usize, 0, 1, 2500, 7, 600, 1];
-    let (cu_q, cu_k) = (cum(&lens_q), cum(&lens_k));
-    let (tq, tk) = (
-        *cu_q.last().unwrap() as usize,
-        *cu_k.last().unwrap() as usize,
-    );
+/// Packed decode batches: sequences of 0 and 1 keys, one with no query, one with more queries
+/// than keys; the sequence without keys gives exact zeros.
+fn varlen_decode(t: &Target) -> Result<()> {
+    let r = Ragged::new(&[
+        (1, 1000),
+        (1, 0),
+        (2, 1),
+        (1, 2500),
+        (0, 7),
+        (3, 600),
+        (1, 1),
+    ]);
     let (h, hk, d) = (8, 2, 48);
-    let slopes_bh = randn(&[lens_q.len(), h], DType::F32, 44, &dev)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .affine(0.02, 0.0)
-        .unwrap();
-    let sq_t = Tensor::new(cu_q.as_slice(), &dev).unwrap();
-    let sk_t = Tensor::new(cu_k.as_slice(), &dev).unwrap();
+    let slopes_bh = batch_slopes(7, h, 44, 0.02);
     for dtype in DTYPES {
-        let q = randn(&[tq, h, d], dtype, 41, &dev).unwrap();
-        let k = randn(&[tk, hk, d], dtype, 42, &dev).unwrap();
-        let v = randn(&[tk, hk, d], dtype, 43, &dev).unwrap();
+        let q = randn(&[r.total_q, h, d], dtype, 41, &t.dev)?;
+        let k = randn(&[r.total_k, hk, d], dtype, 42, &t.dev)?;
+        let v = randn(&[r.total_k, hk, d], dtype, 43, &t.dev)?;
         for opts in [
             FlashAttn::new(scale(d)),
             FlashAttn::new(scale(d)).causal(),
@@ -305,79 +297,61 @@ fn varlen_decode() {
                 .softcap(3.0),
         ] {
             let what = format!("varlen {dtype:?} {opts:?}");
-            let (out, lse) = opts
-                .forward_varlen_with_lse(&q, &k, &v, &sq_t, &sk_t, 3, 2500)
-                .unwrap();
-            let (r, rl) = reference_varlen(&q, &k, &v, &cu_q, &cu_k, &opts).unwrap();
-            let naive = naive_varlen(&q, &k, &v, &cu_q, &cu_k, &opts).unwrap();
-            assert_close(&what, &out, &naive, &r, true);
-            let lse = lse.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            check_lse(&what, &lse, &rl, dtype);
-            // The sequence with no key: exact zeros.
-            let row = f32s(&out.i(cu_q[1] as usize).unwrap());
-            assert!(row.iter().all(|&x| x.to_bits() == 0), "{what}: no-key row");
+            let out = check_varlen(t, &what, &r, &q, &k, &v, &opts)?;
+            let row = bits(&out.i(r.cu_q[1] as usize)?)?;
+            assert!(row.iter().all(|&x| x == 0), "{what}: no-key row");
         }
     }
+    Ok(())
 }
+test_device!(varlen_decode, Decode);
 
-#[test]
-fn sequence_lengths_zero_and_one() {
-    let dev = Device::Cpu;
+/// No key at all: zeros and lse `-inf`; one key: the output is that V row, bitwise; no query:
+/// an empty output.
+fn sequence_lengths_zero_and_one(t: &Target) -> Result<()> {
     for dtype in DTYPES {
-        // No key at all: zeros and lse -inf.
-        let q = randn(&[2, 1, 8, 16], dtype, 61, &dev).unwrap();
-        let kv = Tensor::zeros((2, 0, 2, 16), dtype, &dev).unwrap();
-        let (out, lse) = FlashAttn::new(0.25)
-            .causal()
-            .forward_with_lse(&q, &kv, &kv)
-            .unwrap();
-        assert!(f32s(&out).iter().all(|&x| x.to_bits() == 0));
-        let lse = lse.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        assert!(lse.iter().all(|&x| x == f32::NEG_INFINITY));
-        // One key: the output is that V row.
-        let (q, k, v) = inputs(2, 1, 1, 8, 2, 16, dtype, 62);
-        let out = check(
+        let q = randn(&[2, 1, 8, 16], dtype, 61, &t.dev)?;
+        let kv = empty(&[2, 0, 2, 16], dtype, &t.dev)?;
+        let (out, lse) = t
+            .op(&FlashAttn::new(0.25).causal())
+            .forward_with_lse(&q, &kv, &kv)?;
+        assert!(bits(&out)?.iter().all(|&x| x == 0));
+        assert!(values(&lse)?.iter().all(|&x| x == f64::NEG_INFINITY));
+        let (q, k, v) = inputs(t, 2, 1, 1, 8, 2, 16, dtype, 62)?;
+        let out = check_forward(
+            t,
             &format!("sk 1 {dtype:?}"),
             &q,
             &k,
             &v,
             &FlashAttn::new(0.25).causal(),
-        );
+        )?;
+        // Each K/V head's one row, repeated over its four query heads.
         let want = v
-            .repeat((1, 1, 1, 1))
-            .unwrap()
-            .unsqueeze(3)
-            .unwrap()
-            .broadcast_as((2, 1, 2, 4, 16))
-            .unwrap()
-            .reshape((2, 1, 8, 16))
-            .unwrap();
-        assert_eq!(
-            bits(&out),
-            bits(&want),
-            "{dtype:?}: one key gives its V row"
-        );
+            .unsqueeze(3)?
+            .broadcast_as((2, 1, 2, 4, 16))?
+            .reshape((2, 1, 8, 16))?;
+        assert_bitwise_eq(&format!("{dtype:?}: one key gives its V row"), &out, &want);
     }
-    // No query: empty output.
-    let (q, k, v) = inputs(2, 0, 50, 8, 2, 16, DType::F32, 63);
-    let out = FlashAttn::new(0.25).forward(&q, &k, &v).unwrap();
+    let (q, k, v) = inputs(t, 2, 0, 50, 8, 2, 16, DType::F32, 63)?;
+    let out = t.op(&FlashAttn::new(0.25)).forward(&q, &k, &v)?;
     assert_eq!(out.dims(), &[2, 0, 8, 16]);
+    Ok(())
 }
+test_device!(sequence_lengths_zero_and_one, Decode);
 
-#[test]
-fn nan_in_one_query_row_poisons_only_that_row() {
+/// NaN in one query row of one head makes exactly that row and its lse NaN, across splits.
+fn nan_in_one_query_row_poisons_only_that_row(t: &Target) -> Result<()> {
     let (h, hk, d, sq, sk) = (32, 8, 64, 2, 2000);
-    let (q, k, v) = inputs(2, sq, sk, h, hk, d, DType::F32, 71);
-    let mut qd = f32s(&q);
+    let (q, k, v) = inputs(t, 2, sq, sk, h, hk, d, DType::F32, 71)?;
+    let mut qd = values(&q)?;
     let (bb, row, head) = (1, 1, 13);
-    qd[((bb * sq + row) * h + head) * d + 5] = f32::NAN;
-    let q = Tensor::from_vec(qd, (2, sq, h, d), &Device::Cpu).unwrap();
-    let (out, lse) = FlashAttn::new(scale(d))
-        .causal()
-        .forward_with_lse(&q, &k, &v)
-        .unwrap();
-    let vals = f32s(&out);
-    let lse = lse.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    qd[((bb * sq + row) * h + head) * d + 5] = f64::NAN;
+    let q = t.put(&Tensor::from_vec(qd, (2, sq, h, d), &Device::Cpu)?.to_dtype(DType::F32)?)?;
+    let (out, lse) = t
+        .op(&FlashAttn::new(scale(d)).causal())
+        .forward_with_lse(&q, &k, &v)?;
+    let (vals, lse) = (values(&out)?, values(&lse)?);
     for b in 0..2 {
         for i in 0..sq {
             for hh in 0..h {
@@ -395,73 +369,88 @@ fn nan_in_one_query_row_poisons_only_that_row() {
             }
         }
     }
+    Ok(())
 }
+test_device!(nan_in_one_query_row_poisons_only_that_row, Decode);
 
-#[test]
-fn nan_in_keys_outside_the_window_is_never_read() {
-    // Keys left of the window are NaN in both K and V: a kernel that loads them and only masks
-    // the score still gets 0 · NaN = NaN from V.
+/// Keys left of the window are NaN in both K and V: a kernel that loads them and only masks the
+/// score still gets 0 · NaN = NaN from V.
+fn nan_in_keys_outside_the_window_is_never_read(t: &Target) -> Result<()> {
     let (b, sq, sk, h, hk, d) = (2, 2, 1500, 8, 2, 32);
-    let (q, k, v) = inputs(b, sq, sk, h, hk, d, DType::F32, 81);
+    let (q, k, v) = inputs(t, b, sq, sk, h, hk, d, DType::F32, 81)?;
     let left = 300;
     let first_seen = sk - sq - left; // row 0's first visible key
-    let poison = |t: &Tensor| -> Tensor {
-        let mut x = f32s(t);
+    let poison = |x: &Tensor| -> Result<Tensor> {
+        let mut x = values(x)?;
         for bi in 0..b {
-            for j in 0..first_seen {
-                let at = (bi * sk + j) * hk * d;
-                x[at..at + hk * d].iter_mut().for_each(|x| *x = f32::NAN);
-            }
+            let at = bi * sk * hk * d;
+            x[at..at + first_seen * hk * d].fill(f64::NAN);
         }
-        Tensor::from_vec(x, (b, sk, hk, d), &Device::Cpu).unwrap()
+        t.put(&Tensor::from_vec(x, (b, sk, hk, d), &Device::Cpu)?.to_dtype(DType::F32)?)
     };
-    let (kp, vp) = (poison(&k), poison(&v));
+    let (kp, vp) = (poison(&k)?, poison(&v)?);
     let opts = FlashAttn::new(scale(d)).window(Some(left), Some(0));
-    let (ref_out, _) = reference(&q, &k, &v, &opts).unwrap();
-    let out = opts.forward(&q, &kp, &vp).unwrap();
-    let naive = naive_attention(&q, &k, &v, &opts).unwrap();
+    let (ref_out, _) = reference(&q, &k, &v, &opts)?;
+    let out = t.op(&opts).forward(&q, &kp, &vp)?;
+    let naive = candle_flash::naive_attention(&q, &k, &v, &t.op(&opts))?;
     assert_close("NaN outside the window", &out, &naive, &ref_out, true);
+    Ok(())
 }
+test_device!(nan_in_keys_outside_the_window_is_never_read, Decode);
 
-#[test]
-fn one_winning_key_in_one_split() {
-    // Scores around 1e4 with a single winner far from the other splits' maxima: the combine must
-    // weight the other splits by exactly 0 and return the winner's V row.
+/// Scores around 1e4 with a single winner far from the other splits' maxima: the combine must
+/// weight the other splits by exactly 0 and return the winner's V row.
+fn one_winning_key_in_one_split(t: &Target) -> Result<()> {
     let (sq, sk, h, hk, d) = (1, 4000, 4, 1, 16);
-    let (q, k, v) = inputs(1, sq, sk, h, hk, d, DType::F32, 91);
-    let mut kd = f32s(&k);
-    let qd = f32s(&q);
+    let (q, k, v) = inputs(t, 1, sq, sk, h, hk, d, DType::F32, 91)?;
+    let mut kd = values(&k)?;
+    let qd = values(&q)?;
     let winner = 2777;
     for x in 0..d {
         // Every query head is aligned with the winner; the others score around +-1e3.
-        let s: f32 = (0..h).map(|hh| qd[hh * d + x]).sum();
+        let s: f64 = (0..h).map(|hh| qd[hh * d + x]).sum();
         kd[winner * d + x] = 50.0 * s;
     }
-    let k = Tensor::from_vec(kd, (1, sk, hk, d), &Device::Cpu).unwrap();
-    let out = check("one winner", &q, &k, &v, &FlashAttn::new(10.0).causal());
-    let vals = f32s(&out);
-    let vrow = &f32s(&v)[winner * d..][..d];
+    let k = t.put(&Tensor::from_vec(kd, (1, sk, hk, d), &Device::Cpu)?.to_dtype(DType::F32)?)?;
+    let out = check_forward(t, "one winner", &q, &k, &v, &FlashAttn::new(10.0).causal())?;
+    let vals = values(&out)?;
+    let vrow = &values(&v)?[winner * d..][..d];
     for hh in 0..h {
         let o = &vals[hh * d..][..d];
         for (a, b) in o.iter().zip(vrow) {
             assert!((a - b).abs() < 1e-5, "head {hh}: {a} vs winner's {b}");
         }
     }
+    Ok(())
 }
+test_device!(one_winning_key_in_one_split, Decode);
 
-#[test]
-fn repeated_runs_are_bitwise_identical() {
-    for dtype in [DType::F32, DType::BF16] {
-        let (q, k, v) = inputs(1, 1, 4000, 32, 8, 128, dtype, 101);
-        let opts = FlashAttn::new(scale(128)).causal();
-        let (o0, l0) = opts.forward_with_lse(&q, &k, &v).unwrap();
-        let (o0, l0) = (bits(&o0), bits(&l0));
-        for run in 0..30 {
-            let (o, l) = opts.forward_with_lse(&q, &k, &v).unwrap();
+/// A split-KV call gives the same bits every time (fixed splits, fixed merge order): output and
+/// lse up to 20,000 keys, over 50 runs on a GPU (3 under compute-sanitizer) and 20 on the CPU
+/// (where they take ten times as long).
+fn repeated_runs_are_bitwise_identical(t: &Target) -> Result<()> {
+    let runs = match (t.is_cuda(), t.small()) {
+        (true, false) => 50,
+        (true, true) => 3,
+        (false, _) => 20,
+    };
+    for (dtype, sk) in [
+        (DType::F32, 4000),
+        (DType::BF16, 4000),
+        (DType::BF16, 20000),
+    ] {
+        let (q, k, v) = inputs(t, 1, 1, sk, 32, 8, 128, dtype, 101)?;
+        let op = t.op(&FlashAttn::new(scale(128)).causal());
+        let (o0, l0) = op.forward_with_lse(&q, &k, &v)?;
+        let (o0, l0) = (bits(&o0)?, bits(&l0)?);
+        for run in 1..runs {
+            let (o, l) = op.forward_with_lse(&q, &k, &v)?;
             assert!(
-                bits(&o) == o0 && bits(&l) == l0,
-                "{dtype:?}: run {run} differs"
+                bits(&o)? == o0 && bits(&l)? == l0,
+                "{dtype:?} sk {sk}: run {run} differs"
             );
         }
     }
+    Ok(())
 }
+test_device!(repeated_runs_are_bitwise_identical, Decode);

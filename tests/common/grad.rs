@@ -1,6 +1,6 @@
 //! Golden gradients: the analytic backward pass of attention in f64 on the host, written from
 //! the spec (the mask is [`super::visible`], not `candle_flash::semantics`), for the loss
-//! `L = Σ out ∘ grad_out`.
+//! `L = Σ out ∘ grad_out`; and the gradient check.
 //!
 //! Per query row `i` of head `h` (K/V head `h / (h / hk)`), with `z_j = scale · q_i·k_j`:
 //!
@@ -14,14 +14,14 @@
 //!
 //! Rows that see no key contribute nothing (their gradients are exactly 0). GQA gradients of
 //! k and v are sums over the query heads of their group.
-#![allow(dead_code)]
 
-use candle::{DType, Result, Tensor, Var};
+use candle::{DType, Device, Result, Tensor, Var};
 use candle_flash::FlashAttn;
+use rayon::prelude::*;
 
 use super::{
-    max_abs_err_slice, max_err_beyond, scale_of, sequences, tolerances, values, visible,
-    SCALE_FLOOR,
+    dot, host_slopes, max_abs_err_slice, max_err_beyond, scale_of, sequences, tolerances, values,
+    visible_keys, SCALE_FLOOR,
 };
 
 /// f64 gradients of q, k and v, each flattened in the *contiguous* layout of its tensor:
@@ -41,9 +41,8 @@ pub struct RefGrads {
 /// * any dtype (values are taken exactly as stored, so pass the tensors the fast path saw),
 ///   any device, any layout (non-contiguous views are fine): everything is pulled to the host
 ///   as f64;
-/// * returns dq, dk, dv flattened in the contiguous layouts of q, k and v.
-///
-/// Compare with `assert_close`-style rules against [`super::values`] of the fast gradients.
+/// * returns dq, dk, dv flattened in the contiguous layouts of q, k and v. Each (batch, K/V
+///   head) group runs in parallel.
 pub fn reference_grads(
     q: &Tensor,
     k: &Tensor,
@@ -59,19 +58,6 @@ pub fn reference_grads(
             grad_out.dims()
         )
     }
-    let slopes: Option<Vec<f64>> = match &opts.alibi_slopes {
-        None => None,
-        Some(s) => {
-            let s = s.to_device(&candle::Device::Cpu)?.to_dtype(DType::F64)?;
-            let s = if s.rank() == 1 {
-                s.unsqueeze(0)?.broadcast_as((b, h))?.contiguous()?
-            } else {
-                s
-            };
-            Some(s.flatten_all()?.to_vec1::<f64>()?)
-        }
-    };
-    let host = |t: &Tensor| values(&t.to_device(&candle::Device::Cpu)?);
     let g = Geometry {
         b,
         sq,
@@ -85,11 +71,11 @@ pub fn reference_grads(
         right: opts.window_size_right,
     };
     Ok(g.grads(
-        &host(q)?,
-        &host(k)?,
-        &host(v)?,
-        &host(grad_out)?,
-        slopes.as_deref(),
+        &values(q)?,
+        &values(k)?,
+        &values(v)?,
+        &values(grad_out)?,
+        host_slopes(opts, b, h)?.as_deref(),
     ))
 }
 
@@ -109,13 +95,11 @@ pub fn reference_grads_varlen(
 ) -> Result<RefGrads> {
     let (total_q, h, d) = q.dims3()?;
     let (total_k, hk, _) = k.dims3()?;
-    let cpu = candle::Device::Cpu;
-    let (q, k, v) = (q.to_device(&cpu)?, k.to_device(&cpu)?, v.to_device(&cpu)?);
-    let grad_out = grad_out.to_device(&cpu)?;
+    let cpu = Device::Cpu;
+    let host = |t: &Tensor| super::device::to_device(t, &cpu);
+    let (q, k, v, grad_out) = (host(q)?, host(k)?, host(v)?, host(grad_out)?);
     let mut opts = opts.clone();
-    if let Some(s) = &opts.alibi_slopes {
-        opts.alibi_slopes = Some(s.to_device(&cpu)?);
-    }
+    opts.alibi_slopes = opts.alibi_slopes.as_ref().map(host).transpose()?;
     let mut out = RefGrads {
         dq: vec![0.0; total_q * h * d],
         dk: vec![0.0; total_k * hk * d],
@@ -147,6 +131,14 @@ struct Geometry {
     right: Option<usize>,
 }
 
+/// The gradients one (batch, K/V head) group owns: dq of its query heads `(group, sq, d)`, and
+/// dk, dv of its K/V head `(sk, d)`.
+struct GroupGrads {
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+}
+
 impl Geometry {
     fn grads(
         &self,
@@ -163,83 +155,126 @@ impl Geometry {
             h,
             hk,
             d,
-            scale,
-            cap,
             ..
         } = *self;
+        let group = h / hk.max(1);
+        let groups: Vec<GroupGrads> = (0..b * hk)
+            .into_par_iter()
+            .map(|bk| self.group(bk / hk, bk % hk, q, k, v, go, slopes))
+            .collect();
         let mut dq = vec![0f64; b * sq * h * d];
         let mut dk = vec![0f64; b * sk * hk * d];
         let mut dv = vec![0f64; b * sk * hk * d];
-        let group = h / hk;
-        let qi = |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * d;
-        let kj = |bi: usize, j: usize, kh: usize| ((bi * sk + j) * hk + kh) * d;
-        // Per key of the current row: score (None = masked) and d s / d z.
-        let mut s: Vec<Option<(f64, f64)>> = vec![None; sk];
-        let mut o = vec![0f64; d];
-        for bi in 0..b {
-            for hi in 0..h {
-                let kh = hi / group;
-                let slope = slopes.map_or(0.0, |s| s[bi * h + hi]);
+        for (bk, gg) in groups.into_iter().enumerate() {
+            let (bi, kh) = (bk / hk, bk % hk);
+            for n in 0..group {
+                let hi = kh * group + n;
                 for i in 0..sq {
-                    let diag = i as i64 + sk as i64 - sq as i64;
-                    let qr = &q[qi(bi, i, hi)..][..d];
-                    let mut m = f64::NEG_INFINITY;
-                    for (j, sj) in s.iter_mut().enumerate() {
-                        *sj = None;
-                        if !visible(i, j, sq, sk, self.left, self.right) {
-                            continue;
-                        }
-                        let kr = &k[kj(bi, j, kh)..][..d];
-                        let z = scale * qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f64>();
-                        let (mut sc, dsdz) = if cap > 0.0 {
-                            let t = (z / cap).tanh();
-                            (cap * t, 1.0 - t * t)
-                        } else {
-                            (z, 1.0)
-                        };
-                        sc -= slope * (diag - j as i64).abs() as f64;
-                        if sc > m || sc.is_nan() {
-                            m = sc;
-                        }
-                        *sj = Some((sc, dsdz));
-                    }
-                    if m == f64::NEG_INFINITY {
-                        continue; // no key seen: zero gradients
-                    }
-                    let l: f64 = s.iter().flatten().map(|&(sc, _)| (sc - m).exp()).sum();
-                    let lse = m + l.ln();
-                    let gr = &go[qi(bi, i, hi)..][..d];
-                    o.iter_mut().for_each(|x| *x = 0.0);
-                    for (j, sj) in s.iter().enumerate() {
-                        if let Some((sc, _)) = sj {
-                            let p = (sc - lse).exp();
-                            let vr = &v[kj(bi, j, kh)..][..d];
-                            o.iter_mut().zip(vr).for_each(|(o, v)| *o += p * v);
-                        }
-                    }
-                    let big_d: f64 = gr.iter().zip(&o).map(|(a, b)| a * b).sum();
-                    for (j, sj) in s.iter().enumerate() {
-                        let Some((sc, dsdz)) = *sj else { continue };
-                        let p = (sc - lse).exp();
-                        let base = kj(bi, j, kh);
-                        let vr = &v[base..][..d];
-                        let dp: f64 = gr.iter().zip(vr).map(|(a, b)| a * b).sum();
-                        let dz = p * (dp - big_d) * dsdz;
-                        for x in 0..d {
-                            dv[base + x] += p * gr[x];
-                            dk[base + x] += scale * dz * qr[x];
-                            dq[qi(bi, i, hi) + x] += scale * dz * k[base + x];
-                        }
-                    }
+                    dq[((bi * sq + i) * h + hi) * d..][..d]
+                        .copy_from_slice(&gg.dq[(n * sq + i) * d..][..d]);
                 }
+            }
+            for j in 0..sk {
+                let at = ((bi * sk + j) * hk + kh) * d;
+                dk[at..at + d].copy_from_slice(&gg.dk[j * d..][..d]);
+                dv[at..at + d].copy_from_slice(&gg.dv[j * d..][..d]);
             }
         }
         RefGrads { dq, dk, dv }
     }
+
+    #[allow(clippy::too_many_arguments)]
+    fn group(
+        &self,
+        bi: usize,
+        kh: usize,
+        q: &[f64],
+        k: &[f64],
+        v: &[f64],
+        go: &[f64],
+        slopes: Option<&[f64]>,
+    ) -> GroupGrads {
+        let Geometry {
+            sq,
+            sk,
+            h,
+            hk,
+            d,
+            scale,
+            cap,
+            ..
+        } = *self;
+        let group = h / hk;
+        let mut out = GroupGrads {
+            dq: vec![0f64; group * sq * d],
+            dk: vec![0f64; sk * d],
+            dv: vec![0f64; sk * d],
+        };
+        let qi = |i: usize, hi: usize| ((bi * sq + i) * h + hi) * d;
+        let kj = |j: usize| ((bi * sk + j) * hk + kh) * d;
+        // Per key of the current row: score and d s / d z.
+        let mut s: Vec<(f64, f64)> = vec![(0.0, 0.0); sk];
+        let mut o = vec![0f64; d];
+        for n in 0..group {
+            let hi = kh * group + n;
+            let slope = slopes.map_or(0.0, |s| s[bi * h + hi]);
+            for i in 0..sq {
+                let diag = i as i64 + sk as i64 - sq as i64;
+                let keys = visible_keys(i, sq, sk, self.left, self.right);
+                if keys.is_empty() {
+                    continue; // no key seen: zero gradients
+                }
+                let qr = &q[qi(i, hi)..][..d];
+                let mut m = f64::NEG_INFINITY;
+                for j in keys.clone() {
+                    let z = scale * dot(qr, &k[kj(j)..][..d]);
+                    let (mut sc, dsdz) = if cap > 0.0 {
+                        let t = (z / cap).tanh();
+                        (cap * t, 1.0 - t * t)
+                    } else {
+                        (z, 1.0)
+                    };
+                    sc -= slope * (diag - j as i64).abs() as f64;
+                    if sc > m || sc.is_nan() {
+                        m = sc;
+                    }
+                    s[j] = (sc, dsdz);
+                }
+                if m == f64::NEG_INFINITY {
+                    continue; // every score -inf: nothing flows
+                }
+                let l: f64 = keys.clone().map(|j| (s[j].0 - m).exp()).sum();
+                let lse = m + l.ln();
+                let gr = &go[qi(i, hi)..][..d];
+                o.iter_mut().for_each(|x| *x = 0.0);
+                for j in keys.clone() {
+                    let p = (s[j].0 - lse).exp();
+                    o.iter_mut()
+                        .zip(&v[kj(j)..][..d])
+                        .for_each(|(o, v)| *o += p * v);
+                }
+                let big_d = dot(gr, &o);
+                let dqr = &mut out.dq[(n * sq + i) * d..][..d];
+                for j in keys {
+                    let (sc, dsdz) = s[j];
+                    let p = (sc - lse).exp();
+                    let (kr, vr) = (&k[kj(j)..][..d], &v[kj(j)..][..d]);
+                    let dz = p * (dot(gr, vr) - big_d) * dsdz;
+                    let (dkr, dvr) = (&mut out.dk[j * d..][..d], &mut out.dv[j * d..][..d]);
+                    for x in 0..d {
+                        dvr[x] += p * gr[x];
+                        dkr[x] += scale * dz * qr[x];
+                        dqr[x] += scale * dz * kr[x];
+                    }
+                }
+            }
+        }
+        out
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Autograd and the comparison rule, for the CPU and GPU backward tests.
+// Autograd and the comparison rule.
 
 /// Gradients of q, k and v.
 pub type Grads = (Tensor, Tensor, Tensor);
@@ -270,17 +305,33 @@ pub fn autograd(
     Ok((get(&qv, "q")?, get(&kv, "k")?, get(&vv, "v")?))
 }
 
-/// Checks flash gradients against the f64 reference with the rule of `common::assert_close`
-/// (`|fast - ref| <= 2 · naive_err + u · |ref| + SCALE_FLOOR · scale` per element), the naive
-/// autograd gradients (same dtype) being the yardstick, with two changes for gradients:
+/// Byte counts of dq, dk and dv for q `(.., h, d)` over `q_rows` rows and k/v over `k_rows`:
+/// what `Target::poison` poisons before a backward call.
+pub fn grad_bytes(
+    dtype: DType,
+    q_rows: usize,
+    h: usize,
+    k_rows: usize,
+    hk: usize,
+    d: usize,
+) -> [usize; 3] {
+    let e = dtype.size_in_bytes();
+    [q_rows * h * d * e, k_rows * hk * d * e, k_rows * hk * d * e]
+}
+
+/// Checks flash gradients against the f64 reference with FlashAttention's rule, per element:
+/// `|fast - ref| <= 2 · naive_err + u · |ref| + SCALE_FLOOR · scale` (see
+/// `compare::assert_close`), the naive autograd gradients (same dtype, same device) being the
+/// yardstick, with two changes for gradients:
 ///
 /// * `scale` is the largest |reference| over dq, dk *and* dv, since a gradient can be exactly
 ///   0 (one key: `P = 1`, `dP = D`) while the rounding of its terms is not;
-/// * candle autograd through `naive_attention` gives NaN in rows that see no key (its
-///   backward goes through the `-inf` mask), so `naive_err` is taken over its finite
-///   elements; the flash gradients must be finite everywhere the reference is.
+/// * the naive gradients must be finite wherever the reference is (`naive_attention` keeps
+///   rows that see no key finite, gradients included); where the naive error is exactly 0 (no
+///   yardstick), the dtype's relative backstop times `scale` stands in.
 ///
-/// Shapes and dtypes must be those of q, k, v.
+/// NaN or Inf in the flash gradients where the reference is finite always fails. Shapes and
+/// dtypes must be those of q, k, v (`like`).
 pub fn check_grads(what: &str, fast: &Grads, naive: &Grads, r: &RefGrads, like: [&Tensor; 3]) {
     let parts = [
         ("dq", &fast.0, &naive.0, &r.dq),
@@ -295,17 +346,21 @@ pub fn check_grads(what: &str, fast: &Grads, naive: &Grads, r: &RefGrads, like: 
         let what = format!("{what} {name}");
         assert_eq!(f.dims(), t.dims(), "{what}: shape");
         assert_eq!(f.dtype(), t.dtype(), "{what}: dtype");
-        let (floor, _, _) = tolerances(f.dtype());
+        let (floor, rel_backstop, _) = tolerances(f.dtype());
         let actual = values(f).unwrap();
         let err = max_abs_err_slice(&actual, r)
             .unwrap_or_else(|| panic!("{what}: non-finite gradient where the reference is finite"));
         let beyond = max_err_beyond(&actual, r, floor).unwrap();
-        let naive = values(n).unwrap();
-        let naive_err = naive
-            .iter()
-            .zip(r.iter())
-            .filter(|(n, _)| n.is_finite())
-            .fold(0f64, |m, (n, r)| m.max((n - r).abs()));
+        let naive_err = max_abs_err_slice(&values(n).unwrap(), r).unwrap_or_else(|| {
+            panic!(
+                "{what}: the naive autograd gradient is non-finite where the reference is finite"
+            )
+        });
+        let allowed = if naive_err > 0.0 {
+            2.0 * naive_err + SCALE_FLOOR * scale
+        } else {
+            rel_backstop * scale
+        };
         if std::env::var_os("CANDLE_FLASH_TOL_REPORT").is_some() {
             let s = scale.max(f64::MIN_POSITIVE);
             eprintln!(
@@ -316,97 +371,10 @@ pub fn check_grads(what: &str, fast: &Grads, naive: &Grads, r: &RefGrads, like: 
             );
         }
         assert!(
-            beyond <= 2.0 * naive_err + SCALE_FLOOR * scale,
-            "{what}: max abs err {err:.3e} ({beyond:.3e} beyond the floor of {floor:.2e} |ref|) > 2 x naive err {naive_err:.3e} + {SCALE_FLOOR:.2e} x scale {scale:.3e}"
+            beyond <= allowed,
+            "{what}: max abs err {err:.3e} ({beyond:.3e} beyond the floor of {floor:.2e} |ref|) > \
+             allowed {allowed:.3e} (2 x naive err {naive_err:.3e} + {SCALE_FLOOR:.2e} x scale \
+             {scale:.3e})"
         );
-    }
-}
-
-/// Whether every gradient is finite where the reference is.
-pub fn finite_where(g: &Grads, r: &RefGrads) -> bool {
-    [(&g.0, &r.dq), (&g.1, &r.dk), (&g.2, &r.dv)]
-        .iter()
-        .all(|(t, r)| max_abs_err_slice(&values(t).unwrap(), r).is_some())
-}
-
-// ---------------------------------------------------------------------------------------------
-// The explicit backward (`FlashAttn::backward`), for the CPU and GPU backward tests.
-
-/// `FlashAttn::backward` and `backward_varlen` on `dev` give bitwise the gradients that
-/// `loss.backward()` gives through the op (dense with GQA, a causal window, softcap and ALiBi,
-/// q transposed in storage; varlen with an empty sequence), in each of `dtypes`; and refuse
-/// saved results that do not belong to the call, naming the argument.
-pub fn explicit_backward_matches_autograd(dev: &candle::Device, dtypes: &[DType]) {
-    use super::{assert_bitwise_eq, randn, transposed_view};
-    let slopes = Tensor::new(&[0.3f32, 0.1, 0.5, 0.05, 0.2, 0.0], dev).unwrap();
-    let cases = [
-        FlashAttn::new(0.125),
-        FlashAttn::new(0.125)
-            .window(Some(30), Some(0))
-            .softcap(4.0)
-            .alibi(&slopes),
-    ];
-    for &dtype in dtypes {
-        for (n, opts) in cases.iter().enumerate() {
-            let what = format!("{dtype:?} case {n}");
-            let (b, sq, sk, h, hk, d) = (2, 77, 91, 6, 2, 64);
-            let q = randn(&[b, sq, h, d], dtype, 10 + n as u64, dev).unwrap();
-            let k = randn(&[b, sk, hk, d], dtype, 20, dev).unwrap();
-            let v = randn(&[b, sk, hk, d], dtype, 30, dev).unwrap();
-            let g = randn(&[b, sq, h, d], dtype, 40, dev).unwrap();
-            let q = transposed_view(&q).unwrap();
-            let want = autograd(&q, &k, &v, &g, |q, k, v| opts.forward(q, k, v)).unwrap();
-            let (out, lse) = opts.forward_with_lse(&q, &k, &v).unwrap();
-            let got = opts.backward(&q, &k, &v, &out, &g, &lse).unwrap();
-            assert_bitwise_eq(&format!("{what} dq"), &got.0, &want.0);
-            assert_bitwise_eq(&format!("{what} dk"), &got.1, &want.1);
-            assert_bitwise_eq(&format!("{what} dv"), &got.2, &want.2);
-
-            // Saved results of another call, or of the wrong kind: errors naming them.
-            let expect_err = |r: Result<(Tensor, Tensor, Tensor)>, name: &str| {
-                let e = r.expect_err(name).to_string();
-                assert!(e.contains(name), "{what}: {e:?} does not name {name}");
-            };
-            let short = out.narrow(1, 0, sq - 1).unwrap();
-            expect_err(opts.backward(&q, &k, &v, &short, &g, &lse), "out");
-            expect_err(opts.backward(&q, &k, &v, &out, &short, &lse), "grad_out");
-            let lse16 = lse.to_dtype(DType::F16).unwrap();
-            expect_err(opts.backward(&q, &k, &v, &out, &g, &lse16), "lse");
-            let lse_t = lse.narrow(2, 1, sq - 1).unwrap();
-            expect_err(opts.backward(&q, &k, &v, &out, &g, &lse_t), "lse");
-            let other = if dtype == DType::F32 {
-                DType::BF16
-            } else {
-                DType::F32
-            };
-            let out_x = out.to_dtype(other).unwrap();
-            expect_err(opts.backward(&q, &k, &v, &out_x, &g, &lse), "out");
-            let g_int = g.to_dtype(DType::U32).unwrap();
-            expect_err(opts.backward(&q, &k, &v, &out, &g_int, &lse), "grad_out");
-        }
-        // Varlen: three sequences, the middle one without queries.
-        let cu_q = [0u32, 37, 37, 120];
-        let cu_k = [0u32, 50, 61, 140];
-        let (h, hk, d) = (4, 2, 64);
-        let opts = FlashAttn::new(0.125).causal();
-        let q = randn(&[120, h, d], dtype, 50, dev).unwrap();
-        let k = randn(&[140, hk, d], dtype, 51, dev).unwrap();
-        let v = randn(&[140, hk, d], dtype, 52, dev).unwrap();
-        let g = randn(&[120, h, d], dtype, 53, dev).unwrap();
-        let cq = Tensor::new(&cu_q, dev).unwrap();
-        let ck = Tensor::new(&cu_k, dev).unwrap();
-        let want = autograd(&q, &k, &v, &g, |q, k, v| {
-            opts.forward_varlen(q, k, v, &cq, &ck, 83, 79)
-        })
-        .unwrap();
-        let (out, lse) = opts
-            .forward_varlen_with_lse(&q, &k, &v, &cq, &ck, 83, 79)
-            .unwrap();
-        let got = opts
-            .backward_varlen(&q, &k, &v, &out, &g, &lse, &cq, &ck, 83, 79)
-            .unwrap();
-        assert_bitwise_eq(&format!("{dtype:?} varlen dq"), &got.0, &want.0);
-        assert_bitwise_eq(&format!("{dtype:?} varlen dk"), &got.1, &want.1);
-        assert_bitwise_eq(&format!("{dtype:?} varlen dv"), &got.2, &want.2);
     }
 }
