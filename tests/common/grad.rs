@@ -20,8 +20,8 @@ use candle_flash::FlashAttn;
 use rayon::prelude::*;
 
 use super::{
-    dot, host_slopes, max_abs_err_slice, max_err_beyond, scale_of, sequences, tolerances, values,
-    visible_keys, SCALE_FLOOR,
+    axpy, dot, host_slopes, max_abs_err_slice, max_err_beyond, scale_of, sequences, tolerances,
+    values, visible_keys, SCALE_FLOOR,
 };
 
 /// f64 gradients of q, k and v, each flattened in the *contiguous* layout of its tensor:
@@ -248,10 +248,7 @@ impl Geometry {
                 let gr = &go[qi(i, hi)..][..d];
                 o.iter_mut().for_each(|x| *x = 0.0);
                 for j in keys.clone() {
-                    let p = (s[j].0 - lse).exp();
-                    o.iter_mut()
-                        .zip(&v[kj(j)..][..d])
-                        .for_each(|(o, v)| *o += p * v);
+                    axpy(&mut o, (s[j].0 - lse).exp(), &v[kj(j)..][..d]);
                 }
                 let big_d = dot(gr, &o);
                 let dqr = &mut out.dq[(n * sq + i) * d..][..d];
@@ -260,12 +257,9 @@ impl Geometry {
                     let p = (sc - lse).exp();
                     let (kr, vr) = (&k[kj(j)..][..d], &v[kj(j)..][..d]);
                     let dz = p * (dot(gr, vr) - big_d) * dsdz;
-                    let (dkr, dvr) = (&mut out.dk[j * d..][..d], &mut out.dv[j * d..][..d]);
-                    for x in 0..d {
-                        dvr[x] += p * gr[x];
-                        dkr[x] += scale * dz * qr[x];
-                        dqr[x] += scale * dz * kr[x];
-                    }
+                    axpy(&mut out.dv[j * d..][..d], p, gr);
+                    axpy(&mut out.dk[j * d..][..d], scale * dz, qr);
+                    axpy(dqr, scale * dz, kr);
                 }
             }
         }
