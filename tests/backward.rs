@@ -617,7 +617,8 @@ test_device!(
     Backward
 );
 
-/// Repeated backward passes give the same bits. On a GPU, 20 runs each of long calls on the
+/// Repeated backward passes give the same bits, with `deterministic(false)` and `(true)` as
+/// without. On a GPU, 20 runs each of long calls on the
 /// tensor-core kernels (causal and not, GQA, a window over several key tiles) and on the exact
 /// ones; the CPU's schedule depends on the shape and the thread count only
 /// (`same_bits_on_any_thread_count`), so two runs of one call there.
@@ -645,7 +646,10 @@ fn deterministic_across_runs(t: &Target) -> Result<()> {
         let (q, k, v, g) = c.grad_inputs(t, 60)?;
         let op = t.op(&c.opts);
         let first = autograd(&q, &k, &v, &g, |q, k, v| op.forward(q, k, v))?;
-        for run in 1..runs {
+        // FlashAttention's `deterministic` argument changes nothing: every backward is.
+        let flags = [false, true].map(|on| op.clone().deterministic(on));
+        for run in 1..runs.max(3) {
+            let op = if run < 3 { &flags[run - 1] } else { &op };
             let again = autograd(&q, &k, &v, &g, |q, k, v| op.forward(q, k, v))?;
             let what = format!("{c:?} run {run}");
             assert_bitwise_eq(&format!("{what} dq"), &first.0, &again.0);

@@ -12,7 +12,7 @@
 mod common;
 
 use candle::{DType, Device, IndexOp, Result, Tensor};
-use candle_flash::{naive_attention, FlashAttn};
+use candle_flash::{naive_attention, FlashAttn, PlanOverride};
 use common::*;
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
@@ -598,6 +598,86 @@ fn same_bits_on_any_thread_count() {
         }
     }
 }
+
+/// The kernel options are CUDA choices: on the CPU `portable`, every plan override and
+/// `deterministic` leave the forward output, its lse and the gradients bitwise as they are.
+/// (CPU only: on a GPU they pick other kernels, which agree within rounding, and the matrix
+/// of tests/common/device.rs checks each against the reference.)
+#[test]
+fn kernel_options_change_nothing_on_the_cpu() {
+    let t = Target::cpu();
+    let c = Case::new(2, 70, 90, 6, 2, 64, DType::BF16)
+        .causal()
+        .softcap(5.0);
+    let (q, k, v, g) = c.grad_inputs(&t, 3).unwrap();
+    let run = |opts: &FlashAttn| {
+        let (out, lse) = opts.forward_with_lse(&q, &k, &v).unwrap();
+        let grads = opts.backward(&q, &k, &v, &out, &g, &lse).unwrap();
+        [out, lse, grads.0, grads.1, grads.2]
+    };
+    let want = run(&c.opts);
+    let overrides = [
+        PlanOverride {
+            sm90_variant: Some("wg2p".into()),
+            persistent_blocks: Some(3),
+            ..PlanOverride::default()
+        },
+        PlanOverride {
+            thread_stores: true,
+            decode_splits: Some(1),
+            bwd_sm90_variants: vec!["nopp".into(), "pp".into()],
+            ..PlanOverride::default()
+        },
+    ];
+    let mut options = vec![
+        c.opts.clone().portable(true),
+        c.opts.clone().deterministic(false),
+        c.opts.clone().deterministic(true),
+    ];
+    options.extend(
+        overrides
+            .into_iter()
+            .map(|o| c.opts.clone().plan_override(o)),
+    );
+    for opts in &options {
+        let got = run(opts);
+        for (name, a, b) in ["out", "lse", "dq", "dk", "dv"]
+            .iter()
+            .zip(&got)
+            .zip(&want)
+            .map(|((n, a), b)| (n, a, b))
+        {
+            assert_bitwise_eq(&format!("{opts:?}: {name}"), a, b);
+        }
+    }
+}
+
+/// Variant names that no kernel has are errors naming them, forward and backward, on every GPU
+/// (names that exist but do not apply to a call leave its plan as it is).
+#[cfg(feature = "cuda")]
+fn unknown_variant_names_are_errors(t: &Target) -> Result<()> {
+    let c = Case::new(1, 130, 130, 4, 2, 64, DType::BF16).causal();
+    let (q, k, v, g) = c.grad_inputs(t, 5)?;
+    let fwd = c.opts.clone().plan_override(PlanOverride {
+        sm90_variant: Some("no-such-variant".into()),
+        ..PlanOverride::default()
+    });
+    let e = fwd
+        .forward(&q, &k, &v)
+        .expect_err("unknown forward variant");
+    assert!(e.to_string().contains("no-such-variant"), "{e}");
+    let bwd = c.opts.clone().plan_override(PlanOverride {
+        bwd_sm90_variants: vec!["no-such-variant".into()],
+        ..PlanOverride::default()
+    });
+    let (out, lse) = bwd.forward_with_lse(&q, &k, &v)?;
+    let e = bwd
+        .backward(&q, &k, &v, &out, &g, &lse)
+        .expect_err("unknown backward variant");
+    assert!(e.to_string().contains("no-such-variant"), "{e}");
+    Ok(())
+}
+test_cuda!(unknown_variant_names_are_errors, Once);
 
 /// Every (row, key) visibility for many windows against `semantics::Window::key_range`, through
 /// the mask probe (q = 0, one-hot V: output = 1/count on visible keys, exactly 0 elsewhere).

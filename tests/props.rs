@@ -143,10 +143,10 @@ fn strategy_covers_its_ranges() {
     for _ in 0..500 {
         let r = random().new_tree(&mut runner).unwrap().current();
         empty_k |= r.sk == 0;
-        odd_d |= r.d % 8 != 0;
+        odd_d |= !r.d.is_multiple_of(8);
         alibi |= r.alibi;
         capped |= r.softcap > 0.0;
-        assert!(r.heads.0 % r.heads.1 == 0 && r.sq >= 1 && r.d >= 1);
+        assert!(r.heads.0.is_multiple_of(r.heads.1) && r.sq >= 1 && r.d >= 1);
     }
     assert!(empty_k && odd_d && alibi && capped);
 }

@@ -45,6 +45,23 @@
 //! Variables the tests or the library once read (`CANDLE_FLASH_GPU_SMALL`,
 //! `CANDLE_FLASH_SM90_VARIANT`, `CANDLE_FLASH_BWD_DETERMINISTIC`, ...) fail every test when set,
 //! naming what replaced them, so that a stale script cannot run a narrower matrix than it thinks.
+//!
+//! # Running on a GPU
+//!
+//! The test targets with GPU tests are the files under `tests/` that use `test_device!` or
+//! `test_cuda!`; a script lists them with
+//!
+//! ```text
+//! grep -l -E 'test_(device|cuda)!' tests/*.rs | xargs -n1 basename -s .rs
+//! ```
+//!
+//! and builds each with `cargo test --release --features cuda,candle-nn/cuda --test NAME
+//! --no-run`. In a binary, `-- ::cuda` runs the GPU tests only (`--skip ::cpu` likewise); the
+//! subsets for compute-sanitizer are the tests named `sanitizer_` (forward, decode, backward),
+//! run with `CANDLE_FLASH_TEST_SMALL=1 ... -- sanitizer_ --skip ::cpu`; memcheck also covers the
+//! paged caches with `-- paged_ kvcache --skip ::cpu` (paged), and initcheck wants
+//! `CANDLE_FLASH_TEST_THREAD_STORES=1`. CUDA tests of one binary run one at a time whatever
+//! `--test-threads` says.
 
 use candle::{Device, Result, Tensor};
 use candle_flash::{FlashAttn, PlanOverride};
