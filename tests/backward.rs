@@ -508,10 +508,13 @@ fn public_functions(t: &Target) -> Result<()> {
 }
 test_device!(public_functions, Once);
 
-/// Non-contiguous q, k, v give bitwise the gradients of the contiguous call, and the gradients
-/// flow back through the views to their buffers: q and v through transposed storage, k inside a
-/// NaN-padded buffer (whose padding gets exactly 0, never reading the NaN); k at an odd element
-/// offset (not 16-byte aligned: on the GPU the exact kernels) still matches the reference.
+/// Non-contiguous q, k, v: gradients flow back through the views to their buffers.
+/// * q, k and v through transposed storage: bitwise the gradients of the contiguous call (on a
+///   GPU too: the same kernels read the strides).
+/// * k inside a NaN-padded buffer: the padding gets exactly 0 (the NaN is never read); bitwise
+///   the contiguous gradients on the CPU, on a GPU within the rule of the reference, since its
+///   rows are not 16-byte aligned there and the exact kernels run instead of the tensor cores.
+/// * k at an odd element offset (likewise misaligned) matches the reference.
 fn non_contiguous_inputs_are_bitwise_equal(t: &Target) -> Result<()> {
     let all = [
         (40, DType::F32),
@@ -524,39 +527,82 @@ fn non_contiguous_inputs_are_bitwise_equal(t: &Target) -> Result<()> {
     let n = if t.is_cuda() { all.len() } else { 3 };
     for &(d, dtype) in &all[..n] {
         let c = Case::new(2, 77, 91, 6, 2, d, dtype).causal().softcap(4.0);
+        let what = format!("{c:?}");
         let (q, k, v, g) = c.grad_inputs(t, 70)?;
         let op = t.op(&c.opts);
         let want = autograd(&q, &k, &v, &g, |q, k, v| op.forward(q, k, v))?;
+        // Gradients of the loss through a call on views of three Vars.
+        let loss_grads = |views: [Tensor; 3]| -> Result<candle::backprop::GradStore> {
+            assert!(views.iter().all(|v| !v.is_contiguous()));
+            let out = op.forward(&views[0], &views[1], &views[2])?;
+            (out.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?
+                .sum_all()?
+                .backward()
+        };
+
+        // Transposed storage, all three.
+        let (qvar, kvar, vvar) = (
+            Var::from_tensor(&q)?,
+            Var::from_tensor(&k)?,
+            Var::from_tensor(&v)?,
+        );
+        let views = [
+            transposed_view(qvar.as_tensor())?,
+            transposed_view(kvar.as_tensor())?,
+            transposed_view(vvar.as_tensor())?,
+        ];
+        let grads = loss_grads(views)?;
+        for (name, x, w) in [
+            ("dq", &qvar, &want.0),
+            ("dk", &kvar, &want.1),
+            ("dv", &vvar, &want.2),
+        ] {
+            let dx = grads.get(x.as_tensor()).expect(name);
+            assert_bitwise_eq(&format!("{what} transposed {name}"), dx, w);
+        }
+
+        // k inside a NaN-padded buffer (q and v transposed as well).
         let dims: Vec<usize> = k.dims().iter().map(|&n| n + 3).collect();
         let ranges: Vec<_> = k.dims().iter().map(|&n| 1..1 + n).collect();
         let kbuf = Tensor::full(f32::NAN, dims.as_slice(), &t.dev)?
             .to_dtype(dtype)?
             .slice_assign(&ranges, &k)?;
-        let (kvar, qvar, vvar) = (
-            Var::from_tensor(&kbuf)?,
+        let (qvar, kvar, vvar) = (
             Var::from_tensor(&q)?,
+            Var::from_tensor(&kbuf)?,
             Var::from_tensor(&v)?,
         );
-        let kview = (0..4).try_fold(kvar.as_tensor().clone(), |x, axis| {
-            x.narrow(axis, 1, k.dim(axis)?)
-        })?;
-        let qview = transposed_view(qvar.as_tensor())?;
-        let vview = transposed_view(vvar.as_tensor())?;
-        assert!(!qview.is_contiguous() && !kview.is_contiguous() && !vview.is_contiguous());
-        let out = op.forward(&qview, &kview, &vview)?;
-        let loss = (out.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?;
-        let grads = loss.backward()?;
-        let dq = grads.get(qvar.as_tensor()).expect("dq");
+        let inner =
+            |x: &Tensor| (0..4).try_fold(x.clone(), |x, axis| x.narrow(axis, 1, k.dim(axis)?));
+        let views = [
+            transposed_view(qvar.as_tensor())?,
+            inner(kvar.as_tensor())?,
+            transposed_view(vvar.as_tensor())?,
+        ];
+        let grads = loss_grads(views)?;
+        let dq = grads.get(qvar.as_tensor()).expect("dq").clone();
         let dkbuf = grads.get(kvar.as_tensor()).expect("dk");
-        let dv = grads.get(vvar.as_tensor()).expect("dv");
-        let dk = (0..4).try_fold(dkbuf.clone(), |x, axis| x.narrow(axis, 1, k.dim(axis)?))?;
-        let what = format!("{c:?}");
-        assert_bitwise_eq(&format!("{what} dq"), dq, &want.0);
-        assert_bitwise_eq(&format!("{what} dk"), &dk, &want.1);
-        assert_bitwise_eq(&format!("{what} dv"), dv, &want.2);
+        let dv = grads.get(vvar.as_tensor()).expect("dv").clone();
+        let dk = inner(dkbuf)?;
         let total: f64 = values(dkbuf)?.iter().map(|x| x.abs()).sum();
-        let inner: f64 = values(&dk)?.iter().map(|x| x.abs()).sum();
-        assert_eq!(total, inner, "{what}: gradient leaked into the padding");
+        let interior: f64 = values(&dk)?.iter().map(|x| x.abs()).sum();
+        assert_eq!(total, interior, "{what}: gradient leaked into the padding");
+        let got = (dq, dk, dv);
+        if t.is_cuda() {
+            let naive = autograd(&q, &k, &v, &g, |q, k, v| naive_attention(q, k, v, &op))?;
+            let r = reference_grads(&q, &k, &v, &g, &c.opts)?;
+            check_grads(
+                &format!("{what} k in a NaN buffer"),
+                &got,
+                &naive,
+                &r,
+                [&q, &k, &v],
+            );
+        } else {
+            assert_bitwise_eq(&format!("{what} k in a NaN buffer dq"), &got.0, &want.0);
+            assert_bitwise_eq(&format!("{what} k in a NaN buffer dk"), &got.1, &want.1);
+            assert_bitwise_eq(&format!("{what} k in a NaN buffer dv"), &got.2, &want.2);
+        }
 
         // k at element offset 1 of a larger buffer.
         let n = c.b * c.sk * c.hk * d;
@@ -604,8 +650,12 @@ fn non_finite_keys_reach_only_the_gradients_that_see_them(t: &Target) -> Result<
             "{opts:?}: the planted keys should poison some dq rows and spare others"
         );
         for (name, fast, want) in [("dq", &dq, &r.dq), ("dk", &dk, &r.dk), ("dv", &dv, &r.dv)] {
-            let err = max_abs_err_slice(&values(fast)?, want).unwrap_or_else(|| {
-                panic!("{opts:?} {name}: non-finite where the reference is not, or back")
+            let got = values(fast)?;
+            let err = max_abs_err_slice(&got, want).unwrap_or_else(|| {
+                panic!(
+                    "{opts:?} {name}: non-finite where the reference is not, or back ({})",
+                    first_non_finite_disagreement(&got, want)
+                )
             });
             assert!(err <= 1e-4, "{opts:?} {name}: max abs err {err:.3e}");
         }

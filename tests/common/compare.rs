@@ -37,6 +37,28 @@ pub fn max_err_beyond(actual: &[f64], reference: &[f64], rel: f64) -> Option<f64
     Some(err)
 }
 
+/// The first element where `actual` and `reference` disagree on being finite (NaN or Inf on one
+/// side only, or different non-finite values), for failure messages: `"element i: actual x,
+/// reference r"`.
+pub fn first_non_finite_disagreement(actual: &[f64], reference: &[f64]) -> String {
+    actual
+        .iter()
+        .zip(reference)
+        .position(|(&x, &r)| {
+            if r.is_finite() {
+                !x.is_finite()
+            } else {
+                !(x == r || (x.is_nan() && r.is_nan()))
+            }
+        })
+        .map_or("none".into(), |i| {
+            format!(
+                "element {i}: actual {}, reference {}",
+                actual[i], reference[i]
+            )
+        })
+}
+
 /// [`max_abs_err_slice`] of a tensor (any dtype, any device) against a host reference.
 pub fn max_abs_err(actual: &Tensor, reference: &[f64]) -> Result<Option<f64>> {
     Ok(max_abs_err_slice(&values(actual)?, reference))
@@ -106,7 +128,12 @@ pub fn assert_close(what: &str, fast: &Tensor, naive: &Tensor, reference: &[f64]
     let dtype = fast.dtype();
     let (floor, rel_backstop, abs_backstop) = tolerances(dtype);
     let actual = values(fast).unwrap();
-    let non_finite = || panic!("{what}: non-finite output where the reference is finite");
+    let non_finite = || {
+        panic!(
+            "{what}: non-finite output where the reference is finite, or back ({})",
+            first_non_finite_disagreement(&actual, reference)
+        )
+    };
     let err = max_abs_err_slice(&actual, reference).unwrap_or_else(non_finite);
     let beyond = max_err_beyond(&actual, reference, floor).unwrap_or_else(non_finite);
     let naive_err = naive_err(what, naive, reference);

@@ -391,6 +391,12 @@ pub fn run_cuda(name: &str, suite: Suite, body: fn(&Target) -> Result<()>) {
             return;
         }
     }
+    super::reference::with_memo(|| run_configs(name, &dev, run, body))
+}
+
+/// The configurations loop of [`run_cuda`].
+#[cfg(feature = "cuda")]
+fn run_configs(name: &str, dev: &Device, run: Vec<Config>, body: fn(&Target) -> Result<()>) {
     for config in run {
         let what = config.name();
         let t = Target {

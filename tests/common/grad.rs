@@ -20,8 +20,8 @@ use candle_flash::FlashAttn;
 use rayon::prelude::*;
 
 use super::{
-    axpy, dot, host_slopes, max_abs_err_slice, max_err_beyond, scale_of, sequences, tolerances,
-    values, visible_keys, SCALE_FLOOR,
+    axpy, dot, first_non_finite_disagreement, host_slopes, input_key, max_abs_err_slice,
+    max_err_beyond, memoized, scale_of, sequences, tolerances, values, visible_keys, SCALE_FLOOR,
 };
 
 /// f64 gradients of q, k and v, each flattened in the *contiguous* layout of its tensor:
@@ -70,13 +70,17 @@ pub fn reference_grads(
         left: opts.window_size_left,
         right: opts.window_size_right,
     };
-    Ok(g.grads(
-        &values(q)?,
-        &values(k)?,
-        &values(v)?,
-        &values(grad_out)?,
-        host_slopes(opts, b, h)?.as_deref(),
-    ))
+    let (qv, kv, vv, gv) = (values(q)?, values(k)?, values(v)?, values(grad_out)?);
+    let slopes = host_slopes(opts, b, h)?;
+    let dims = [q.dims(), k.dims(), v.dims()];
+    let key = input_key(
+        "grads",
+        &dims,
+        &[&qv, &kv, &vv, &gv],
+        opts,
+        slopes.as_deref(),
+    );
+    memoized(key, || Ok(g.grads(&qv, &kv, &vv, &gv, slopes.as_deref())))
 }
 
 /// [`reference_grads`] of a packed varlen call (`FlashAttn::forward_varlen`): q and `grad_out`
@@ -342,8 +346,12 @@ pub fn check_grads(what: &str, fast: &Grads, naive: &Grads, r: &RefGrads, like: 
         assert_eq!(f.dtype(), t.dtype(), "{what}: dtype");
         let (floor, rel_backstop, _) = tolerances(f.dtype());
         let actual = values(f).unwrap();
-        let err = max_abs_err_slice(&actual, r)
-            .unwrap_or_else(|| panic!("{what}: non-finite gradient where the reference is finite"));
+        let err = max_abs_err_slice(&actual, r).unwrap_or_else(|| {
+            panic!(
+                "{what}: non-finite gradient where the reference is finite, or back ({})",
+                first_non_finite_disagreement(&actual, r)
+            )
+        });
         let beyond = max_err_beyond(&actual, r, floor).unwrap();
         let naive_err = max_abs_err_slice(&values(n).unwrap(), r).unwrap_or_else(|| {
             panic!(

@@ -7,6 +7,12 @@
 //! (consecutive GQA groups); a row that sees no key outputs exactly 0 with lse `-inf`. Written
 //! here from that rule, not from `candle_flash::semantics`, so a bug there cannot hide in both.
 
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::rc::Rc;
+
 use candle::{DType, Device, IndexOp, Result, Tensor};
 use candle_flash::semantics::Window;
 use candle_flash::{naive_attention, FlashAttn};
@@ -132,6 +138,63 @@ pub fn host_slopes(opts: &FlashAttn, b: usize, h: usize) -> Result<Option<Vec<f6
     }))
 }
 
+thread_local! {
+    /// While a CUDA test runs its configurations ([`with_memo`]): the references it computed,
+    /// by a hash of their inputs, since every configuration asks for the same ones.
+    static MEMO: RefCell<Option<HashMap<u64, Rc<dyn Any>>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with the references of this thread memoized, then forgets them: a CUDA test runs its
+/// body once per kernel configuration on identical inputs, and the f64 references on the host
+/// are most of its time.
+pub fn with_memo<R>(f: impl FnOnce() -> R) -> R {
+    MEMO.with(|m| *m.borrow_mut() = Some(HashMap::new()));
+    let r = f();
+    MEMO.with(|m| *m.borrow_mut() = None);
+    r
+}
+
+/// A hash of everything a reference depends on: a tag, the shapes, every input value (bits)
+/// and the options.
+pub fn input_key(
+    tag: &str,
+    dims: &[&[usize]],
+    inputs: &[&[f64]],
+    opts: &FlashAttn,
+    slopes: Option<&[f64]>,
+) -> u64 {
+    let mut h = DefaultHasher::new();
+    tag.hash(&mut h);
+    dims.hash(&mut h);
+    for x in inputs.iter().copied().chain(slopes) {
+        x.len().hash(&mut h);
+        x.iter().for_each(|v| v.to_bits().hash(&mut h));
+    }
+    opts.softmax_scale.to_bits().hash(&mut h);
+    opts.softcap.map(f32::to_bits).hash(&mut h);
+    (opts.window_size_left, opts.window_size_right).hash(&mut h);
+    h.finish()
+}
+
+/// `compute()`, or its result from earlier under [`with_memo`] for the same `key`.
+pub fn memoized<T: Clone + 'static>(key: u64, compute: impl FnOnce() -> Result<T>) -> Result<T> {
+    let hit = MEMO.with(|m| {
+        m.borrow()
+            .as_ref()
+            .and_then(|m| m.get(&key).and_then(|v| v.downcast_ref::<T>().cloned()))
+    });
+    if let Some(v) = hit {
+        return Ok(v);
+    }
+    let v = compute()?;
+    MEMO.with(|m| {
+        if let Some(m) = m.borrow_mut().as_mut() {
+            m.insert(key, Rc::new(v.clone()));
+        }
+    });
+    Ok(v)
+}
+
 /// Golden attention in f64 on the host. q `(b, sq, h, d)`, k/v `(b, sk, hk, d)` of any dtype, on
 /// any device, in any layout (values are taken exactly as stored). Returns the output
 /// `(b, sq, h, d)` and the natural-log log-sum-exp `(b, h, sq)` (`-inf` for rows that see no
@@ -146,6 +209,29 @@ pub fn reference(
     let (_, sk, hk, _) = k.dims4()?;
     let (qv, kv, vv) = (values(q)?, values(k)?, values(v)?);
     let slopes = host_slopes(opts, b, h)?;
+    let dims = [q.dims(), k.dims(), v.dims()];
+    let key = input_key("forward", &dims, &[&qv, &kv, &vv], opts, slopes.as_deref());
+    memoized(key, || {
+        Ok(reference_host(
+            &qv,
+            &kv,
+            &vv,
+            (b, sq, sk, h, hk, d),
+            opts,
+            slopes.as_deref(),
+        ))
+    })
+}
+
+/// [`reference`] on host values.
+fn reference_host(
+    qv: &[f64],
+    kv: &[f64],
+    vv: &[f64],
+    (b, sq, sk, h, hk, d): (usize, usize, usize, usize, usize, usize),
+    opts: &FlashAttn,
+    slopes: Option<&[f64]>,
+) -> (Vec<f64>, Vec<f64>) {
     let scale = opts.softmax_scale as f64;
     let cap = opts.softcap.unwrap_or(0.0) as f64;
     let group = h / hk.max(1);
@@ -155,7 +241,7 @@ pub fn reference(
         .map(|bh| {
             let (bi, hi) = (bh / h, bh % h);
             let kh = hi / group.max(1);
-            let slope = slopes.as_ref().map_or(0.0, |s| s[bi * h + hi]);
+            let slope = slopes.map_or(0.0, |s| s[bi * h + hi]);
             let mut out = vec![0f64; sq * d];
             let mut lse = vec![f64::NEG_INFINITY; sq];
             let mut s = vec![0f64; sk];
@@ -204,7 +290,7 @@ pub fn reference(
         }
         lse[bh * sq..][..sq].copy_from_slice(&l);
     }
-    Ok((out, lse))
+    (out, lse)
 }
 
 /// One sequence pair of a packed varlen batch as a dense batch of 1, with its options (per-batch
