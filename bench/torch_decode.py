@@ -7,8 +7,8 @@ and cuDNN backends' rows to it, in the same columns (impl `torch-flash`, `torch-
     python3 bench/torch_decode.py bench/results/gpu-decode.csv
 
 Timing as decode_bench times candle-flash: CUDA events around a batch of back-to-back calls,
-median of several batches after a warm-up, alternating between two input sets when K and V are
-small enough for the L2 to flatter them. q, k, v are (batch, heads, seq, head_dim) contiguous
+median of several batches after a warm-up, rotating over as many input sets as cover twice the
+L2 (at most 512), so no call finds its K and V already cached. q, k, v are (batch, heads, seq, head_dim) contiguous
 (PyTorch's native layout) with native GQA (`enable_gqa=True`, K/V not repeated). PyTorch has no
 paged KV cache: `paged16` rows are timed on the contiguous cache, the alternative a PyTorch user
 has. The mask: none (a decode query, the last of its sequence, sees every key; with several query
@@ -25,13 +25,16 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SHAPE = ("heads", "kv_heads", "head_dim", "batch", "seq_q", "kv", "dtype", "layout")
-L2_BYTES = 50 << 20
+# decode_bench's GPU_CACHE_BYTES and MAX_SETS: the input sets of a row cover twice this.
+L2_BYTES = 50_000_000
+MAX_SETS = 512
 
 
 def timed(fns, reps=7, inner=20):
     """Median microseconds per call of `inner` back-to-back calls cycling through `fns`."""
     for f in fns:
         f()
+    inner = max(inner, len(fns))
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
@@ -85,7 +88,7 @@ def main():
         t = dtypes[dt]
         kv_bytes = 2 * b * hk * kv * d * 2
         nbytes = kv_bytes + 2 * b * h * sq * d * 2
-        sets = 2 if kv_bytes < 2 * L2_BYTES else 1
+        sets = min(MAX_SETS, -(-2 * L2_BYTES // (kv_bytes + 2 * b * h * sq * d * 2)))
         inputs = [(torch.randn(b, h, sq, d, dtype=t, device="cuda"),
                    torch.randn(b, hk, kv, d, dtype=t, device="cuda"),
                    torch.randn(b, hk, kv, d, dtype=t, device="cuda")) for _ in range(sets)]

@@ -55,7 +55,7 @@ for part in "${parts[@]}"; do
                 cp "$exe" ".gpu/$name"
                 bins+=(".gpu/$name")
             done < <(built build --example gpu_bench --example decode_bench --example train)
-            cp bench/torch_prefill.py bench/torch_decode.py .gpu/
+            cp bench/torch_prefill.py bench/torch_decode.py bench/decode-grid.csv .gpu/
             ;;
         *) echo "unknown part $part (tests, bench)" >&2; exit 1 ;;
     esac

@@ -15,8 +15,9 @@
 #              the tensor copy engine's writes)
 #   prefill    gpu_bench beside bench/torch_prefill.py (PyTorch SDPA, flash and cuDNN)
 #   backward   gpu_bench --backward beside bench/torch_prefill.py --backward
-#   decode     decode_bench --sweep beside bench/torch_decode.py (DECODE_ARGS adds arguments,
-#              e.g. DECODE_ARGS=--quick)
+#   decode     decode_bench over the shapes of bench/decode-grid.csv (every head configuration,
+#              cache length, batch and seq_q axis of the sweep) beside bench/torch_decode.py on
+#              the same shapes (DECODE_ARGS replaces the shape arguments, e.g. --quick or --sweep)
 #   train      examples/train on the GPU (naive and flash in lockstep)
 # Exits non-zero when a test, a sanitizer run or a benchmark fails.
 set -uo pipefail
@@ -86,7 +87,8 @@ for part in "${parts[@]}"; do
         decode)
             step "decode: candle-flash sweep, then PyTorch SDPA on the same shapes"
             # shellcheck disable=SC2086  # DECODE_ARGS is a list of words
-            run decode "$G/decode_bench" --device cuda --sweep ${DECODE_ARGS:-} --csv "$LOG/gpu-decode.csv"
+            run decode "$G/decode_bench" --device cuda ${DECODE_ARGS:---shapes-csv $G/decode-grid.csv} \
+                --csv "$LOG/gpu-decode.csv"
             run decode-torch python3 "$G/torch_decode.py" "$LOG/gpu-decode.csv"
             tail -5 "$LOG/decode.log" ;;
         train)

@@ -401,7 +401,7 @@ fn nan_in_keys_outside_the_window_is_never_read(t: &Target) -> Result<()> {
     assert_close("NaN outside the window", &out, &naive, &ref_out, true);
     Ok(())
 }
-test_device!(nan_in_keys_outside_the_window_is_never_read, Decode);
+test_cpu!(nan_in_keys_outside_the_window_is_never_read);
 
 /// Scores around 1e4 with a single winner far from the other splits' maxima: the combine must
 /// weight the other splits by exactly 0 and return the winner's V row.

@@ -146,6 +146,14 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
                 make_float4(s[0][j], s[1][j], s[2][j], s[3][j]);
         __syncthreads();
 
+        // The tile's P V is summed on its own and then added: long rows sum their keys in two
+        // levels (within a tile, then over tiles), so the rounding error grows with the tile
+        // size plus the tile count instead of with the row length.
+        float tile[4][CPT];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) tile[r][c] = 0.f;
 #pragma unroll 4
         for (int j = 0; j < BC; ++j) {
             const float4 pv = *reinterpret_cast<const float4*>(sPt + j * LQ + 4 * rg);
@@ -157,9 +165,14 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
 #pragma unroll
                 for (int r = 0; r < 4; ++r)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) acc[r][4 * q + c] = fmaf(p4[r], v4[c], acc[r][4 * q + c]);
+                    for (int c = 0; c < 4; ++c)
+                        tile[r][4 * q + c] = fmaf(p4[r], v4[c], tile[r][4 * q + c]);
             }
         }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) acc[r][c] += tile[r][c];
     }
 
     float* og = static_cast<float*>(p.o) + (g.out_row0 + g.m0) * p.o_seq + (int64_t)h * p.o_head;
@@ -171,7 +184,9 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const int row = 4 * rg + r;
         if (row >= g.rows) continue;
-        if (cg == 0) p.lse[g.lse0 + row] = l > 0.f ? (row_m[r] + __log2f(l)) * LN2_F : -INFINITY;
+        // A NaN l (a NaN score) keeps NaN in the lse, as O keeps it.
+        if (cg == 0)
+            p.lse[g.lse0 + row] = l > 0.f || l != l ? (row_m[r] + __log2f(l)) * LN2_F : -INFINITY;
 #pragma unroll
         for (int q = 0; q < CPT / 4; ++q)
 #pragma unroll

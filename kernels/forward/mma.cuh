@@ -292,7 +292,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             const float inv = l > 0.f ? 1.f / l : 0.f;
             const int r = row_base + mt * 16 + hf * 8;
             if (lane % 4 == 0 && r < g.rows && v_col0 == 0)
-                p.lse[g.lse0 + r] = l > 0.f ? (row_m[mt][hf] * unit + __log2f(l)) * LN2_F : -INFINITY;
+                p.lse[g.lse0 + r] =
+                    l > 0.f || l != l ? (row_m[mt][hf] * unit + __log2f(l)) * LN2_F : -INFINITY;
 #pragma unroll
             for (int j = 0; j < DT; ++j) {
                 const int c = j * 8 + 2 * (lane % 4);

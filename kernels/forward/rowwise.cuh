@@ -94,7 +94,7 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
     }
 
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (lane == 0) p.lse[g.lse0 + warp] = l > 0.f ? (m + __log2f(l)) * LN2_F : -INFINITY;
+    if (lane == 0) p.lse[g.lse0 + warp] = l > 0.f || l != l ? (m + __log2f(l)) * LN2_F : -INFINITY;
     T* op = static_cast<T*>(p.o) + (g.out_row0 + i) * p.o_seq + (int64_t)h * p.o_head;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {

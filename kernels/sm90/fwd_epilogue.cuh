@@ -65,7 +65,8 @@ struct Epilogue {
             const float inv = l > 0.f ? 1.f / l : 0.f;
             const int r = row_base + hf * 8;  // row in the block
             if (lane % 4 == 0 && r < g.rows)
-                p.lse[g.lse0 + r] = l > 0.f ? (row_m[hf] * unit + __log2f(l)) * LN2_F : -INFINITY;
+                p.lse[g.lse0 + r] =
+                    l > 0.f || l != l ? (row_m[hf] * unit + __log2f(l)) * LN2_F : -INFINITY;
             const int rl = r - 64 * wg;
 #pragma unroll
             for (int j = 0; j < DT; ++j) {

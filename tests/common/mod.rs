@@ -59,6 +59,21 @@ macro_rules! test_cuda {
     };
 }
 
+/// [`test_device!`] for a guarantee only the CPU path gives: the test `$name::cpu`. The CUDA
+/// kernels take their products over whole key tiles, so a NaN or infinity in K or V of a key a
+/// row does not see, in a tile the row partly sees, reaches that row (0 · NaN in P V), as in
+/// FlashAttention-2; the CPU path leaves such keys out.
+macro_rules! test_cpu {
+    ($name:ident) => {
+        mod $name {
+            #[test]
+            fn cpu() {
+                $crate::common::device::run_cpu(stringify!($name), super::$name)
+            }
+        }
+    };
+}
+
 pub mod case;
 pub mod compare;
 pub mod device;

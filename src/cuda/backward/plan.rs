@@ -108,6 +108,13 @@ fn plan_with(
     dev: &DeviceCaps,
     variants: &[String],
 ) -> Result<BwdPlan> {
+    if let Some(v) = variants.iter().find(|v| {
+        !BWD_SM90
+            .iter()
+            .any(|i| i.variant == v.as_str() && !v.is_empty())
+    }) {
+        bail!("flash-attn backward: plan_override names no sm_90a backward variant {v:?}")
+    }
     let d = p.head_dim;
     if d == 0 || d > 32 * BWD_GENERIC_NT[BWD_GENERIC_NT.len() - 1] {
         bail!("flash-attn backward: head_dim {d} is not supported on CUDA (1..=512)")
@@ -460,6 +467,17 @@ mod tests {
         let v = plan_with(&p, DType::BF16, [0, 0], &H100, &["pp".into()]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_pp");
         assert_eq!(v.dq.function, "flash_bwd_sm90_bf16_dq_d128_pp");
+        // A name no instance has is an error, whatever the device.
+        let err = plan_with(&p, DType::BF16, [0, 0], &H100, &["nope".into()]).unwrap_err();
+        assert!(err.to_string().contains("\"nope\""), "{err}");
+        assert!(plan_with(
+            &p,
+            DType::BF16,
+            [0, 0],
+            &portable(H100_SMEM),
+            &["nope".into()]
+        )
+        .is_err());
         // Packed sequences take the `_varlen` twins (they zero the next sequence's rows).
         let mut packed = p.clone();
         packed.varlen = Some(crate::problem::VarLen {
