@@ -123,8 +123,8 @@ impl Sm90Bwd {
     }
 }
 
-// Defaults from three H100 runs (BENCHMARKS.md, 2026-11-22, bf16 seq 2048 / 8192, causal or
-// not): the d 64 dK/dV kernel with 128-row steps (no overlap) ran 1.09-1.24x the 64-row one with
+// Defaults measured on an H100 (bf16, seq 2048 and 8192, causal or not, three runs): the d 64
+// dK/dV kernel with 128-row steps (no overlap) ran 1.09-1.24x the 64-row one with
 // overlap; the d 128 pair with three stages and 128-key dQ tiles 1.05-1.16x two stages and
 // 64-key tiles; ping-pong ran d 64 1.05-1.12x faster (d 128: 0.96-1.13x over two runs, within
 // the noise of seq 2048, where identical kernels differed by up to 15% between runs), and three
