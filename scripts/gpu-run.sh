@@ -19,7 +19,8 @@
 #              cache length, batch and seq_q axis of the sweep) beside bench/torch_decode.py on
 #              the same shapes (DECODE_ARGS replaces the shape arguments, e.g. --quick or --sweep)
 #   train      examples/train on the GPU (naive and flash in lockstep)
-# Exits non-zero when a test, a sanitizer run or a benchmark fails.
+# Exits non-zero when a test, a sanitizer run or a benchmark fails. TEST_TIMEOUT (seconds, default
+# 600) bounds each test binary's run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 G=.gpu
@@ -56,7 +57,7 @@ for part in "${parts[@]}"; do
         tests)
             for t in "$G"/test_*; do
                 step "tests: ${t#$G/test_} (the ::cuda tests)"
-                run "tests-${t#$G/test_}" timeout 600 "$t" --test-threads=1 ::cuda
+                run "tests-${t#$G/test_}" timeout "${TEST_TIMEOUT:-600}" "$t" --test-threads=1 ::cuda
             done ;;
         sanitizer)
             for tool in memcheck racecheck synccheck initcheck; do
