@@ -213,7 +213,7 @@ impl Shape {
     }
 
     fn check(&self) -> Result<()> {
-        if self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             bail!(
                 "heads {} must be a multiple of kv_heads {}",
                 self.heads,

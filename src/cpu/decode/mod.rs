@@ -55,6 +55,11 @@ pub(crate) const MAX_ROW_GROUPS_PER_HEAD: usize = 4;
 /// Keys per block: the scores of one query row against a block are one AVX-512 vector, and the
 /// K and V rows of a block stay in L1 while every row of their KV head uses them.
 const BK: usize = 16;
+/// How far ahead the K and V rows are prefetched, in bytes of the `(block, KV head)` steps
+/// between: far enough that a row arrives before its step even at a few hundred nanoseconds of
+/// memory latency and a core's full share of the bandwidth (~10 GB/s · 300 ns = 3 KiB), and a
+/// small part of the L2 (1 MiB) the rows wait in. 32-128 KiB measured alike.
+const PREFETCH_BYTES: usize = 64 << 10;
 /// Query rows `dot4`-style kernels fold together (the AVX2 and portable kernels).
 const NR: usize = 4;
 
@@ -262,9 +267,11 @@ struct Scratch {
     o: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
-    /// Per query index: the keys it sees; then the part of the current block it sees.
+    /// Per query index: the keys it sees; then the part of the current block it sees; the
+    /// latter per row.
     range: Vec<(usize, usize)>,
     cols: Vec<(usize, usize)>,
+    rcols: Vec<(usize, usize)>,
     /// Scores, then probabilities, and corrections of every row against one block.
     s: Vec<[f32; BK]>,
     corr: Vec<f32>,
@@ -284,6 +291,7 @@ impl Scratch {
             l: Vec::new(),
             range: Vec::new(),
             cols: Vec::new(),
+            rcols: Vec::new(),
             s: Vec::new(),
             corr: Vec::new(),
             k: Vec::new(),
@@ -305,6 +313,7 @@ impl Scratch {
         grow(&mut self.l, rows, 0.0);
         grow(&mut self.range, sq, (0, 0));
         grow(&mut self.cols, sq, (0, 0));
+        grow(&mut self.rcols, rows, (0, 0));
         grow(&mut self.s, rows, [0.0; BK]);
         grow(&mut self.corr, rows, 0.0);
         grow(&mut self.k, block, 0.0);
@@ -355,15 +364,6 @@ enum Access {
     /// Converted to f32 into a contiguous block.
     Convert,
 }
-
-/// Keys per step of the walk over a block: every KV head of these keys in turn, so the cache is
-/// read in the order it lies in memory (a `(b, s, h, d)` cache holds all heads of a key
-/// together) and the hardware prefetchers see one stream. Walking one KV head over all `BK`
-/// keys instead reads rows `heads · d` elements apart, which at 32/8 heads and d 128 (4 KiB
-/// apart in f32, one L1 set per head offset) left the cores waiting on memory at a third of its
-/// bandwidth. Four keys make the 4 × 4 score blocks, and the rows in use at once (four per KV
-/// head) stay within L1's 8 ways at such power-of-two strides.
-const G: usize = 4;
 
 /// A block's K or V rows: key `c`, KV head `h` starts at `src[base[c] + h * head]`.
 struct BlockRows<'a, U> {
@@ -486,6 +486,14 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
         gv = vec![T::from_f32(0.0); block_len];
     }
     let dense: [usize; BK] = std::array::from_fn(|c| c * p.kv_heads * d);
+    let step_bytes = 2 * BK * d * std::mem::size_of::<T>();
+    let ahead = Ahead {
+        k: ctx.k,
+        v: ctx.v,
+        keys,
+        hi: it.hi,
+        steps: PREFETCH_BYTES.div_ceil(step_bytes),
+    };
 
     let mut j0 = it.lo;
     while j0 < it.hi {
@@ -543,7 +551,7 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
                 base: dense,
                 head: d,
             };
-            block::<f32, K>(ctx, sc, &blk, &kr, &vr);
+            block::<T, f32, K>(ctx, sc, &blk, &kr, &vr, &ahead);
             (sc.k, sc.v) = (kb, vb);
         } else {
             let rows_of = |g: &'_ mut Vec<T>, src: &'_ [T], s: &Strides| {
@@ -567,7 +575,7 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
                 base: vbase,
                 head: vhead,
             };
-            block::<T, K>(ctx, sc, &blk, &kr, &vr);
+            block::<T, T, K>(ctx, sc, &blk, &kr, &vr, &ahead);
         }
         j0 += n;
     }
@@ -623,6 +631,106 @@ fn row_lse(m: f32, l: f32) -> f32 {
     }
 }
 
+/// What the prefetches ahead of a block read: the caches as stored, and where the item ends.
+struct Ahead<'a, T> {
+    k: &'a [T],
+    v: &'a [T],
+    keys: KeyRows<'a>,
+    /// The item's end.
+    hi: usize,
+    /// How many `(block, KV head)` steps ahead.
+    steps: usize,
+}
+
+impl<T> Ahead<'_, T> {
+    /// The K and V rows of the step `self.steps` after block `j0`, KV head `kvh`, to prefetch.
+    #[inline(always)]
+    fn rows(&self, p: &Problem, j0: usize, kvh: usize) -> Pf {
+        let mut pf = Pf::NONE;
+        if self.steps == 0 || p.k.dim != 1 || p.v.dim != 1 {
+            return pf;
+        }
+        let u = kvh + self.steps;
+        let jb = j0 + u / p.kv_heads * BK;
+        let h = u % p.kv_heads;
+        let (a, e) = (jb.min(self.hi), (jb + BK).min(self.hi));
+        let (kb, vb) = (self.k.as_ptr().cast::<u8>(), self.v.as_ptr().cast::<u8>());
+        let size = std::mem::size_of::<T>();
+        for j in a..e {
+            let (b, r) = self.keys.at(j);
+            pf.rows[pf.n] = kb.wrapping_add(p.k.at(b, r, h) * size);
+            pf.rows[pf.n + 1] = vb.wrapping_add(p.v.at(b, r, h) * size);
+            pf.n += 2;
+        }
+        pf.bytes = p.head_dim * size;
+        pf
+    }
+}
+
+/// K and V rows to prefetch while a kernel runs, a few cache lines between its own loads, so
+/// that the requests reach memory at an even pace rather than in bursts that stall the core.
+pub(super) struct Pf {
+    rows: [*const u8; 2 * BK],
+    n: usize,
+    bytes: usize,
+    /// The next line: row, byte offset.
+    row: usize,
+    off: usize,
+}
+
+impl Pf {
+    const NONE: Pf = Pf {
+        rows: [std::ptr::null(); 2 * BK],
+        n: 0,
+        bytes: 0,
+        row: 0,
+        off: 0,
+    };
+
+    /// Cache lines to prefetch.
+    #[inline(always)]
+    pub(super) fn lines(&self) -> usize {
+        self.n * self.bytes.div_ceil(64)
+    }
+
+    /// Prefetches the next `count` lines into L2.
+    #[inline(always)]
+    pub(super) fn fetch(&mut self, count: usize) {
+        for _ in 0..count {
+            if self.row >= self.n {
+                return;
+            }
+            prefetch_line(self.rows[self.row].wrapping_add(self.off));
+            self.off += 64;
+            if self.off >= self.bytes {
+                self.off = 0;
+                self.row += 1;
+            }
+        }
+    }
+
+    /// Prefetches every line left.
+    #[inline(always)]
+    pub(super) fn fetch_all(&mut self) {
+        self.fetch(self.lines());
+    }
+}
+
+/// Asks the CPU to start loading the cache line at `p` into L2 (T1: the L1 is too small for
+/// what is fetched ahead; T0 prefetches measured slower than none on the Zen 4 machine).
+#[inline(always)]
+fn prefetch_line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        // SAFETY: a prefetch never faults and changes no program state, whatever the address;
+        // the pointer is only computed (wrapping), never dereferenced.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Where one block of an item stands.
 struct Block {
     /// First key of the block, and its keys.
@@ -637,141 +745,119 @@ struct Block {
     softcap: bool,
 }
 
-/// Every row of an item against one block: the scores, the online softmax, `P V`. Both
-/// products walk the block `G` keys at a time, every KV head in turn (see [`G`]); the rows of
-/// one KV head (`group · seq_q` of them, consecutive in the scratch) share each K and V row.
+/// Every row of an item against one block: the scores, the online softmax, `P V`, one KV head
+/// after the other (the rows of a KV head, `group · seq_q` of them, consecutive in the
+/// scratch, share each K and V row). While the scores of a KV head run, the rows
+/// [`PREFETCH_BYTES`] ahead are prefetched (see [`Ahead`]).
 #[inline(always)]
-fn block<U: Elem, K: Ops>(
-    ctx: &Ctx<impl Elem>,
+fn block<T: Elem, U: Elem, K: Ops>(
+    ctx: &Ctx<T>,
     sc: &mut Scratch,
     blk: &Block,
     k: &BlockRows<U>,
     v: &BlockRows<U>,
+    ahead: &Ahead<T>,
 ) {
     let p = ctx.p;
     let d = p.head_dim;
     let (group, sq, n) = (blk.group, blk.sq, blk.n);
     let gr = group * sq;
-    let mut c0 = 0;
-    while c0 < n {
-        let keys = c0..(c0 + G).min(n);
-        for kvh in 0..p.kv_heads {
-            let r0 = kvh * gr;
-            K::scores(
-                ctx.bf16_dot,
-                &sc.q[r0 * d..(r0 + gr) * d],
-                &sc.qh[r0 * d..(r0 + gr) * d],
-                gr,
-                d,
-                &k.at(kvh),
-                keys.clone(),
-                &mut sc.s[r0..r0 + gr],
-            );
-        }
-        c0 += G;
+    for kvh in 0..p.kv_heads {
+        let r0 = kvh * gr;
+        let mut pf = ahead.rows(p, blk.j0, kvh);
+        K::scores(
+            ctx.bf16_dot,
+            &sc.q[r0 * d..(r0 + gr) * d],
+            &sc.qh[r0 * d..(r0 + gr) * d],
+            gr,
+            d,
+            &k.at(kvh),
+            0..n,
+            &mut sc.s[r0..r0 + gr],
+            &mut pf,
+        );
     }
-    for r in 0..p.kv_heads * gr {
-        let (kvh, t) = (r / gr, r % gr);
-        let i = t / group;
-        let (c0, c1) = sc.cols[i];
-        if c0 >= c1 {
-            sc.corr[r] = 1.0;
-            continue;
-        }
-        let h = kvh * group + t % group;
-        let slope = ctx
-            .slopes
-            .map_or(0.0, |sl| sl[blk.b * p.alibi_batch_stride + h]);
-        let row = Row {
-            p,
-            slope,
-            i,
-            sq,
-            sk: blk.sk,
-            j0: blk.j0,
-            scale: blk.scale,
-            softcap: blk.softcap,
-        };
-        sc.corr[r] = K::softmax(&row, c0..c1, &mut sc.s[r], &mut sc.m[r], &mut sc.l[r]);
+    // The online softmax of every row, after the score modifiers (scale included) where there
+    // are any.
+    let rows = p.kv_heads * gr;
+    for r in 0..rows {
+        sc.rcols[r] = sc.cols[(r % gr) / group];
     }
-    // P V over runs of query indices that see the same columns (all of them, except in the
-    // blocks where a causal diagonal or a window edge passes); a run's rows are scaled by their
-    // correction in the step holding the first column they see.
-    let mut c0 = 0;
-    while c0 < n {
-        let step = c0..(c0 + G).min(n);
-        for kvh in 0..p.kv_heads {
-            let r0 = kvh * gr;
-            let vr = v.at(kvh);
-            let mut i = 0;
-            while i < sq {
-                let c = sc.cols[i];
-                let mut e = i + 1;
-                while e < sq && sc.cols[e] == c {
-                    e += 1;
-                }
-                let cols = c.0.max(step.start)..c.1.min(step.end);
-                if !cols.is_empty() {
-                    let (t0, t1) = (r0 + i * group, r0 + e * group);
-                    let corr = (c.0 >= step.start).then_some(&sc.corr[t0..t1]);
-                    K::pv(
-                        ctx.bf16_dot,
-                        &mut sc.o[t0 * d..t1 * d],
-                        t1 - t0,
-                        d,
-                        corr,
-                        &sc.s[t0..t1],
-                        &vr,
-                        cols,
-                    );
-                }
-                i = e;
+    let mut scale = blk.scale;
+    if blk.softcap || ctx.slopes.is_some() {
+        for r in 0..rows {
+            let (c0, c1) = sc.rcols[r];
+            let (i, h) = ((r % gr) / group, (r / gr) * group + r % group);
+            let slope = ctx
+                .slopes
+                .map_or(0.0, |sl| sl[blk.b * p.alibi_batch_stride + h]);
+            for c in c0..c1 {
+                let x = sc.s[r][c] * blk.scale;
+                let raw = if blk.softcap {
+                    p.score.cap(x) * LOG2_E
+                } else {
+                    x
+                };
+                let bias = if slope != 0.0 {
+                    alibi_bias(slope, i, blk.j0 + c, sq, blk.sk) * LOG2_E
+                } else {
+                    0.0
+                };
+                sc.s[r][c] = raw - bias;
             }
         }
-        c0 += G;
+        scale = 1.0;
+    }
+    K::softmax_rows(
+        &mut sc.s[..rows],
+        &sc.rcols[..rows],
+        scale,
+        &mut sc.m[..rows],
+        &mut sc.l[..rows],
+        &mut sc.corr[..rows],
+    );
+    // P V over runs of query indices that see the same columns (all of them, except in the
+    // blocks where a causal diagonal or a window edge passes).
+    for kvh in 0..p.kv_heads {
+        let r0 = kvh * gr;
+        let vr = v.at(kvh);
+        let mut i = 0;
+        while i < sq {
+            let c = sc.cols[i];
+            let mut e = i + 1;
+            while e < sq && sc.cols[e] == c {
+                e += 1;
+            }
+            if c.0 < c.1 {
+                let (t0, t1) = (r0 + i * group, r0 + e * group);
+                K::pv(
+                    ctx.bf16_dot,
+                    &mut sc.o[t0 * d..t1 * d],
+                    t1 - t0,
+                    d,
+                    Some(&sc.corr[t0..t1]),
+                    &sc.s[t0..t1],
+                    &vr,
+                    c.0..c.1,
+                );
+            }
+            i = e;
+        }
     }
 }
 
-/// What the score modifiers of one query row read.
-struct Row<'a> {
-    p: &'a Problem,
-    slope: f32,
-    i: usize,
-    sq: usize,
-    sk: usize,
-    /// First key of the block.
-    j0: usize,
-    /// Multiplies the raw dot products.
-    scale: f32,
-    softcap: bool,
-}
-
-/// Turns one row's raw dot products `s[cols]` into probabilities and updates its running max
-/// and sum; returns the correction `2^(m_old - m_new)` its `O` must be scaled by.
+/// Turns one row's raw dot products `s[cols]` into probabilities (`2^(scale · s - m_new)`, 0
+/// outside `cols`) and updates its running max and sum; returns the correction
+/// `2^(m_old - m_new)` its `O` must be scaled by.
 #[inline(always)]
 fn softmax<K: Kernel>(
-    row: &Row,
+    scale: f32,
     cols: Range<usize>,
     s: &mut [f32; BK],
     m: &mut f32,
     l: &mut f32,
 ) -> f32 {
-    s.iter_mut().for_each(|x| *x *= row.scale);
-    if row.softcap || row.slope != 0.0 {
-        for c in cols.clone() {
-            let raw = if row.softcap {
-                row.p.score.cap(s[c]) * LOG2_E
-            } else {
-                s[c]
-            };
-            let bias = if row.slope != 0.0 {
-                alibi_bias(row.slope, row.i, row.j0 + c, row.sq, row.sk) * LOG2_E
-            } else {
-                0.0
-            };
-            s[c] = raw - bias;
-        }
-    }
+    s.iter_mut().for_each(|x| *x *= scale);
     // From here on whole rows of BK, so that every loop has a fixed length and vectorises (a
     // scalar exp2 per score cost as much as either product): the columns outside `cols` get
     // -inf, whose p is exactly 0.
@@ -821,7 +907,8 @@ trait Ops: Kernel + Sized {
         kind::<T>() == Kind::F32
     }
     /// `s[t][c] = q[t] · K[c]` for the `rows` query rows (`d` apart in `q`, and as bf16 bits in
-    /// `qh` when `dot`) and the keys `c` in `keys` (within the block).
+    /// `qh` when `dot`) and the keys `c` in `keys` (within the block); prefetches `pf` on the
+    /// way.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn scores<T: Elem>(
@@ -833,14 +920,28 @@ trait Ops: Kernel + Sized {
         k: &Rows<T>,
         keys: Range<usize>,
         s: &mut [[f32; BK]],
+        pf: &mut Pf,
     ) {
         let _ = (dot, qh);
+        pf.fetch_all();
         portable_scores::<T, Self>(q, rows, d, k, keys, s)
     }
-    /// The online softmax of one row, see [`softmax`].
+    /// The online softmax of every row `r` of a block (see [`softmax`]): scores `s[r]` scaled
+    /// by `scale`, visible columns `cols[r]`, running max `m[r]` and sum `l[r]`, correction
+    /// into `corr[r]`.
     #[inline(always)]
-    fn softmax(row: &Row, cols: Range<usize>, s: &mut [f32; BK], m: &mut f32, l: &mut f32) -> f32 {
-        softmax::<Self>(row, cols, s, m, l)
+    fn softmax_rows(
+        s: &mut [[f32; BK]],
+        cols: &[(usize, usize)],
+        scale: f32,
+        m: &mut [f32],
+        l: &mut [f32],
+        corr: &mut [f32],
+    ) {
+        for (r, s) in s.iter_mut().enumerate() {
+            let (c0, c1) = cols[r];
+            corr[r] = softmax::<Self>(scale, c0..c1, s, &mut m[r], &mut l[r]);
+        }
     }
     /// For the `rows` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c p[t][c] V[c]`
     /// over `c` in `cols` (no scaling without `corr`; `p` rounded to bf16 when `dot`).

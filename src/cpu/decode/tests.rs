@@ -60,7 +60,9 @@ fn task_count_rule() {
 /// streams about the same number of keys.
 #[test]
 fn plan_tiles_the_keys_and_balances_tasks() {
-    let cases: [(&[(usize, usize)], usize, usize); 6] = [
+    // (key range of every sequence, threads, bytes per key)
+    type Case<'a> = (&'a [(usize, usize)], usize, usize);
+    let cases: [Case; 6] = [
         (&[(0, 4096)], 2, 8 << 10),
         (&[(0, 1000), (0, 1000), (0, 1000)], 2, 8 << 10),
         (&[(0, 65536); 8], 2, 512),
@@ -330,6 +332,12 @@ fn kernel_throughput() {
                 );
             }
         });
+    }
+    // Single-threaded with K and V inside L2 (512 KiB): the kernels' compute speed.
+    let rd = read(1);
+    for (h, hk, f32_keys) in [(32, 8, 64), (8, 1, 512)] {
+        run::<f32>("f32", h, hk, 1, f32_keys, 1, rd);
+        run::<bf16>("bf16", h, hk, 1, 2 * f32_keys, 1, rd);
     }
     for threads in [1, 2] {
         let rd = read(threads);

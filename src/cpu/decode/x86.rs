@@ -5,7 +5,7 @@
 mod avx2;
 mod avx512;
 
-use super::{as_f32, kind, portable_pv, portable_scores, Kind, Ops, Rows, BK, NR};
+use super::{as_f32, kind, portable_pv, portable_scores, Kind, Ops, Pf, Rows, BK, NR};
 use crate::cpu::elem::Elem;
 use crate::cpu::kernel::{Avx512, Fused};
 
@@ -63,6 +63,28 @@ impl Ops for Avx512 {
     }
 
     #[inline(always)]
+    fn softmax_rows(
+        s: &mut [[f32; BK]],
+        cols: &[(usize, usize)],
+        scale: f32,
+        m: &mut [f32],
+        l: &mut [f32],
+        corr: &mut [f32],
+    ) {
+        let n = s.len();
+        assert!(
+            cols.len() >= n
+                && m.len() >= n
+                && l.len() >= n
+                && corr.len() >= n
+                && cols[..n].iter().all(|&(c0, c1)| c0 <= c1 && c1 <= BK),
+            "decode: softmax rows out of bounds"
+        );
+        // SAFETY: avx512f/bw/vl detected as for the products; the bounds were checked above.
+        unsafe { avx512::softmax_rows(s, cols, scale, m, l, corr) }
+    }
+
+    #[inline(always)]
     fn scores<T: Elem>(
         dot: bool,
         q: &[f32],
@@ -72,21 +94,22 @@ impl Ops for Avx512 {
         k: &Rows<T>,
         keys: std::ops::Range<usize>,
         s: &mut [[f32; BK]],
+        pf: &mut Pf,
     ) {
         if rows == 0 || keys.is_empty() {
-            return;
+            return pf.fetch_all();
         }
         check_rows(k, &keys, d);
         if dot && kind::<T>() == Kind::Bf16 {
             check_scores(q.len(), Some(qh.len()), rows, d, s.len());
             // SAFETY: `dot` is only set where avx512bf16 (with avx512f/bw/vl) was detected
             // (`forward_with`); `T` is bf16; the bounds were checked just above.
-            unsafe { avx512::scores_bf16(qh, rows, d, k, keys, s) }
+            unsafe { avx512::scores_bf16(qh, rows, d, k, keys, s, pf) }
         } else {
             check_scores(q.len(), None, rows, d, s.len());
             // SAFETY: only reached through `item_avx512`, i.e. with avx512f/bw/vl detected; the
             // bounds were checked just above.
-            unsafe { avx512::scores(q, rows, d, k, keys, s) }
+            unsafe { avx512::scores(q, rows, d, k, keys, s, pf) }
         }
     }
 
@@ -127,7 +150,9 @@ impl Ops for Fused {
         k: &Rows<T>,
         keys: std::ops::Range<usize>,
         s: &mut [[f32; BK]],
+        pf: &mut Pf,
     ) {
+        pf.fetch_all();
         let Some(src) = as_f32(k.src) else {
             return portable_scores::<T, Self>(q, rows, d, k, keys, s);
         };

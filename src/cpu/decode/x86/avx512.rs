@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{kind, Kind, Rows, BK};
+use super::super::{kind, Kind, Pf, Rows, BK};
 
 /// f32 lanes of a vector.
 const W: usize = 16;
@@ -141,8 +141,12 @@ pub(super) unsafe fn scores<T: 'static>(
     k: &Rows<T>,
     keys: std::ops::Range<usize>,
     s: &mut [[f32; BK]],
+    pf: &mut Pf,
 ) {
     let kp = k.src.as_ptr();
+    // The prefetches, spread evenly over the chunk iterations.
+    let iters = rows.div_ceil(4) * keys.len().div_ceil(4) * d.div_ceil(W);
+    let per = pf.lines().div_ceil(iters.max(1));
     let mut t0 = 0;
     while t0 < rows {
         // Rows past `rows` repeat the last one, keys past `n` the last key; their results are
@@ -156,6 +160,7 @@ pub(super) unsafe fn scores<T: 'static>(
             let mut acc = [_mm512_setzero_ps(); 16];
             let mut x = 0;
             while x < d {
+                pf.fetch(per);
                 let m = mask16(x, d);
                 let mut kv = [_mm512_setzero_ps(); 4];
                 for (kv, kr) in kv.iter_mut().zip(&kr) {
@@ -192,8 +197,11 @@ pub(super) unsafe fn scores_bf16<T: 'static>(
     k: &Rows<T>,
     keys: std::ops::Range<usize>,
     s: &mut [[f32; BK]],
+    pf: &mut Pf,
 ) {
     let kp = k.src.as_ptr().cast::<i16>();
+    let iters = rows.div_ceil(4) * keys.len().div_ceil(4) * d.div_ceil(2 * W);
+    let per = pf.lines().div_ceil(iters.max(1));
     let mut t0 = 0;
     while t0 < rows {
         let qr: [*const i16; 4] = [0, 1, 2, 3].map(|t| {
@@ -208,6 +216,7 @@ pub(super) unsafe fn scores_bf16<T: 'static>(
             let mut acc = [_mm512_setzero_ps(); 16];
             let mut x = 0;
             while x < d {
+                pf.fetch(per);
                 let m = mask32(x, d);
                 let mut kv = [_mm512_setzero_si512(); 4];
                 for (kv, kr) in kv.iter_mut().zip(&kr) {
@@ -219,8 +228,12 @@ pub(super) unsafe fn scores_bf16<T: 'static>(
                     let qv = unsafe { _mm512_maskz_loadu_epi16(m, qr.wrapping_add(x)) };
                     for (c, kv) in kv.iter().enumerate() {
                         // SAFETY: both are 512-bit vectors of 32 bf16 lanes.
-                        let (a, b): (__m512bh, __m512bh) =
-                            unsafe { (std::mem::transmute(qv), std::mem::transmute(*kv)) };
+                        let (a, b) = unsafe {
+                            (
+                                std::mem::transmute::<__m512i, __m512bh>(qv),
+                                std::mem::transmute::<__m512i, __m512bh>(*kv),
+                            )
+                        };
                         acc[4 * t + c] = _mm512_dpbf16_ps(acc[4 * t + c], a, b);
                     }
                 }
@@ -469,4 +482,147 @@ unsafe fn pv_bf16_rows<T: 'static, const RB: usize, const CB: usize>(
         x0 += CB * 2 * W;
     }
     RB
+}
+
+/// `2^x` lane-wise, the polynomial of `crate::cpu::exp2` in vector form: relative error below
+/// 5e-7 on `[-126, 127]`, exactly 0 below about -126.5 (so `-inf` gives 0), NaN stays NaN.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+fn exp2v(x: __m512) -> __m512 {
+    // Adding 1.5·2²³ rounds to an integer n and leaves n in the low mantissa bits.
+    const SHIFT: f32 = 12_582_912.0;
+    const SHIFT_BITS: i32 = 0x4B40_0000;
+    // The Taylor series of 2^f = e^(f ln 2), degree 6 (within 1.2e-7 on |f| <= 1/2).
+    const L: f64 = std::f64::consts::LN_2;
+    const C: [f32; 7] = [
+        1.0,
+        L as f32,
+        (L * L / 2.0) as f32,
+        (L * L * L / 6.0) as f32,
+        (L * L * L * L / 24.0) as f32,
+        (L * L * L * L * L / 120.0) as f32,
+        (L * L * L * L * L * L / 720.0) as f32,
+    ];
+    // `max`/`min` return their second operand when either is NaN: NaN passes through.
+    let x = _mm512_max_ps(_mm512_set1_ps(-127.0), x);
+    let x = _mm512_min_ps(_mm512_set1_ps(127.0), x);
+    let t = _mm512_add_ps(x, _mm512_set1_ps(SHIFT));
+    let n = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(SHIFT_BITS));
+    let f = _mm512_sub_ps(x, _mm512_sub_ps(t, _mm512_set1_ps(SHIFT)));
+    let mut p = _mm512_set1_ps(C[6]);
+    for &c in C[..6].iter().rev() {
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    }
+    // 2^n from its exponent bits; n = -127 gives +0.0.
+    let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        n,
+        _mm512_set1_epi32(127),
+    )));
+    _mm512_mul_ps(p, scale)
+}
+
+/// Lane `i` of the result is the `op`-reduction of the lanes of `a[i]` (the tree of
+/// [`reduce16`] with another operation).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn reduce16_by(a: &[__m512; 16], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
+    let mut t = [_mm512_setzero_ps(); 8];
+    for (k, t) in t.iter_mut().enumerate() {
+        let (x, y) = (a[2 * k], a[2 * k + 1]);
+        *t = op(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
+    let mut u = [_mm512_setzero_ps(); 4];
+    for (m, u) in u.iter_mut().enumerate() {
+        let (x, y) = (t[2 * m], t[2 * m + 1]);
+        *u = op(
+            _mm512_shuffle_ps::<0x44>(x, y),
+            _mm512_shuffle_ps::<0xEE>(x, y),
+        );
+    }
+    let v0 = op(
+        _mm512_shuffle_f32x4::<0b01_00_01_00>(u[0], u[1]),
+        _mm512_shuffle_f32x4::<0b11_10_11_10>(u[0], u[1]),
+    );
+    let v1 = op(
+        _mm512_shuffle_f32x4::<0b01_00_01_00>(u[2], u[3]),
+        _mm512_shuffle_f32x4::<0b11_10_11_10>(u[2], u[3]),
+    );
+    op(
+        _mm512_shuffle_f32x4::<0b10_00_10_00>(v0, v1),
+        _mm512_shuffle_f32x4::<0b11_01_11_01>(v0, v1),
+    )
+}
+
+/// The online softmax of every row of a block, 16 rows at a time with the row statistics in
+/// lanes: `s[r]` (raw scores; lanes outside `cols[r]` ignored) becomes `p = 2^(scale·s - m_new)`
+/// (0 outside `cols[r]`), with `m_new = max(m[r], max_c scale·s)` (NaN skipped by the max yet
+/// kept in `p`), `l[r] = l[r] · corr[r] + Σ p` and `corr[r] = 2^(m[r] - m_new)`; a row that has
+/// seen no key subtracts 0, so its `p` and correction are 0, never NaN.
+///
+/// # Safety
+/// avx512f/bw/vl and fma must be available; `cols`, `m`, `l` and `corr` hold at least
+/// `s.len()` entries and every `cols[r]` ends at most at `BK`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub(super) unsafe fn softmax_rows(
+    s: &mut [[f32; BK]],
+    cols: &[(usize, usize)],
+    scale: f32,
+    m: &mut [f32],
+    l: &mut [f32],
+    corr: &mut [f32],
+) {
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let sc = _mm512_set1_ps(scale);
+    let mut r0 = 0;
+    while r0 < s.len() {
+        let nr = W.min(s.len() - r0);
+        let rows = if nr == W { !0 } else { (1u16 << nr) - 1 };
+        // Scaled scores, -inf outside the visible columns (stored back), and the same with NaN
+        // as -inf for the max.
+        let mut xm = [ninf; W];
+        for (t, xm) in xm.iter_mut().enumerate().take(nr) {
+            let (c0, c1) = cols[r0 + t];
+            let vis = ((1u32 << c1) - (1u32 << c0)) as u16;
+            let row = s[r0 + t].as_mut_ptr();
+            // SAFETY: a score row holds 16 floats.
+            let x = unsafe { _mm512_mul_ps(_mm512_loadu_ps(row), sc) };
+            let x = _mm512_mask_blend_ps(vis, ninf, x);
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(row, x) };
+            *xm = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(x, x), ninf, x);
+        }
+        let bm = reduce16_by(&xm, |a, b| _mm512_max_ps(a, b));
+        // SAFETY: rows r0 .. r0 + nr of `m`, `l` and `corr` exist (caller).
+        let mv = unsafe { _mm512_mask_loadu_ps(ninf, rows, m.as_ptr().add(r0)) };
+        let m_new = _mm512_max_ps(mv, bm);
+        let m_sub = _mm512_mask_blend_ps(
+            _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(m_new, ninf),
+            m_new,
+            _mm512_setzero_ps(),
+        );
+        let cr = exp2v(_mm512_sub_ps(mv, m_sub));
+        let mut subs = [0f32; W];
+        // SAFETY: `subs` holds 16 floats; rows as above.
+        unsafe {
+            _mm512_storeu_ps(subs.as_mut_ptr(), m_sub);
+            _mm512_mask_storeu_ps(m.as_mut_ptr().add(r0), rows, m_new);
+        }
+        let mut ps = [_mm512_setzero_ps(); W];
+        for (t, ps) in ps.iter_mut().enumerate().take(nr) {
+            let row = s[r0 + t].as_mut_ptr();
+            // SAFETY: a score row holds 16 floats.
+            let x = unsafe { _mm512_loadu_ps(row) };
+            *ps = exp2v(_mm512_sub_ps(x, _mm512_set1_ps(subs[t])));
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(row, *ps) };
+        }
+        let sum = reduce16_by(&ps, |a, b| _mm512_add_ps(a, b));
+        // SAFETY: rows as above.
+        unsafe {
+            let lv = _mm512_maskz_loadu_ps(rows, l.as_ptr().add(r0));
+            _mm512_mask_storeu_ps(l.as_mut_ptr().add(r0), rows, _mm512_fmadd_ps(lv, cr, sum));
+            _mm512_mask_storeu_ps(corr.as_mut_ptr().add(r0), rows, cr);
+        }
+        r0 += W;
+    }
 }
