@@ -126,6 +126,7 @@ pub(crate) fn forward<T: Elem>(
         Isa::detect(),
         true,
         rayon::current_num_threads(),
+        plan::MIN_TASK_BYTES,
         p,
         slopes,
         q,
@@ -143,13 +144,14 @@ fn has_avx512_decode() -> bool {
 }
 
 /// [`forward`] with a chosen instruction set (the caller checked that the CPU has it), whether
-/// bf16 `q·k` may use `vdpbf16ps` (where the CPU has it), and the thread count the plan is
-/// made for.
+/// bf16 products may use `vdpbf16ps` (where the CPU has it), and the thread count and smallest
+/// task the plan is made for (tests split small caches many ways with a small one).
 #[allow(clippy::too_many_arguments)]
 fn forward_with<T: Elem>(
     isa: Isa,
     bf16_dot: bool,
     threads: usize,
+    min_task: usize,
     p: &Problem,
     slopes: Option<&[f32]>,
     q: &[T],
@@ -157,11 +159,13 @@ fn forward_with<T: Elem>(
     v: &[T],
 ) -> (Vec<T>, Vec<f32>) {
     let d = p.head_dim;
-    let mut out = vec![T::from_f32(0.0); p.total_q * p.heads * d];
-    let mut lse = vec![f32::NEG_INFINITY; p.total_q * p.heads];
     if p.batch == 0 || p.total_q == 0 || p.heads == 0 || d == 0 {
-        return (out, lse);
+        let out = vec![T::from_f32(0.0); p.total_q * p.heads * d];
+        return (out, vec![f32::NEG_INFINITY; p.total_q * p.heads]);
     }
+    // NaN until written, so that an element no pass writes shows up in every test.
+    let mut out = vec![T::from_f32(f32::NAN); p.total_q * p.heads * d];
+    let mut lse = vec![f32::NAN; p.total_q * p.heads];
     #[cfg(target_arch = "x86_64")]
     let isa = match isa {
         Isa::Avx512 if !has_avx512_decode() => Isa::Avx2Fma,
@@ -175,7 +179,7 @@ fn forward_with<T: Elem>(
     #[cfg(not(target_arch = "x86_64"))]
     let bf16_dot = bf16_dot && false;
     let key_bytes = 2 * p.kv_heads * d * std::mem::size_of::<T>();
-    let plan = Plan::new(p, threads, key_bytes);
+    let plan = Plan::new(p, threads, key_bytes, min_task);
     let mut po = vec![0f32; plan.part_rows * d];
     let mut pm = vec![f32::NEG_INFINITY; plan.part_rows];
     let mut pl = vec![0f32; plan.part_rows];
@@ -228,6 +232,16 @@ fn forward_with<T: Elem>(
             .par_iter()
             .with_min_len(pairs.len().div_ceil(threads.max(1)))
             .for_each(|&(b, h)| combine(&ctx, b, h));
+    }
+    // Sequences that see no key (or have no query row): exact zeros, lse -inf.
+    for b in (0..p.batch).filter(|&b| plan.seqs[b].splits == 0) {
+        let seq = p.seq(b);
+        let rows = seq.out_row * p.heads * d..(seq.out_row + seq.seq_q) * p.heads * d;
+        out[rows].fill(T::from_f32(0.0));
+        for h in 0..p.heads {
+            let at = seq.lse_base + h * p.lse_head_stride();
+            lse[at..at + seq.seq_q].fill(f32::NEG_INFINITY);
+        }
     }
     (out, lse)
 }

@@ -55,13 +55,14 @@ pub(super) struct Plan {
 
 /// How many tasks stream `total_bytes` on `threads` threads: one on one thread, else a
 /// multiple of the thread count (equal bytes per thread), up to [`TASKS_PER_THREAD`] each, none
-/// under [`MIN_TASK_BYTES`] (fewer threads then, down to one task).
-pub(super) fn task_count(total_bytes: usize, threads: usize) -> usize {
+/// under `min_task` bytes ([`MIN_TASK_BYTES`] outside tests; fewer threads then, down to one
+/// task).
+pub(super) fn task_count(total_bytes: usize, threads: usize, min_task: usize) -> usize {
     let threads = threads.max(1);
     if threads == 1 {
         return 1;
     }
-    let by_size = total_bytes / MIN_TASK_BYTES;
+    let by_size = total_bytes / min_task.max(1);
     if by_size >= threads {
         threads * (by_size / threads).min(TASKS_PER_THREAD)
     } else {
@@ -71,8 +72,8 @@ pub(super) fn task_count(total_bytes: usize, threads: usize) -> usize {
 
 impl Plan {
     /// The plan of `p` on `threads` threads, `key_bytes` being the K and V bytes of one key
-    /// (all KV heads).
-    pub fn new(p: &Problem, threads: usize, key_bytes: usize) -> Self {
+    /// (all KV heads), tasks of at least `min_task` bytes (see [`task_count`]).
+    pub fn new(p: &Problem, threads: usize, key_bytes: usize, min_task: usize) -> Self {
         let keys = (0..p.batch).map(|b| {
             let seq = p.seq(b);
             let keys = p.mask(b, &seq).key_range_rows(0..seq.seq_q);
@@ -88,6 +89,7 @@ impl Plan {
             |b| p.seq(b).seq_q,
             threads,
             key_bytes,
+            min_task,
         )
     }
 
@@ -98,10 +100,11 @@ impl Plan {
         seq_q: impl Fn(usize) -> usize,
         threads: usize,
         key_bytes: usize,
+        min_task: usize,
     ) -> Self {
         let len = |k: (usize, usize)| k.1 - k.0;
         let total: usize = keys.iter().map(|&k| len(k)).sum();
-        let tasks = task_count(total.saturating_mul(key_bytes), threads);
+        let tasks = task_count(total.saturating_mul(key_bytes), threads, min_task);
         // Cut `t` of the key line, moved down to a multiple of BK keys from its sequence's first
         // key (fewer partial blocks), unless that would move it before the previous cut.
         let starts: Vec<usize> = keys

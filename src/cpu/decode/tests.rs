@@ -1,7 +1,7 @@
 //! Decode unit tests: path selection, the split rule, every instruction set and split count
 //! against the materialising path, and the threshold timing.
 
-use candle::{Device, Tensor};
+use candle::{DType, Device, Tensor};
 
 use super::*;
 use crate::{naive_attention, FlashAttn};
@@ -44,16 +44,37 @@ fn decode_is_chosen_for_few_rows_per_kv_head() {
 fn task_count_rule() {
     let mb = 1 << 20;
     // Small caches: one task per MIN_TASK_BYTES, fewer threads then.
-    assert_eq!(plan::task_count(0, 2), 1);
-    assert_eq!(plan::task_count(plan::MIN_TASK_BYTES - 1, 2), 1);
-    assert_eq!(plan::task_count(plan::MIN_TASK_BYTES, 2), 1);
-    assert_eq!(plan::task_count(3 * plan::MIN_TASK_BYTES, 4), 3);
+    assert_eq!(plan::task_count(0, 2, plan::MIN_TASK_BYTES), 1);
+    assert_eq!(
+        plan::task_count(plan::MIN_TASK_BYTES - 1, 2, plan::MIN_TASK_BYTES),
+        1
+    );
+    assert_eq!(
+        plan::task_count(plan::MIN_TASK_BYTES, 2, plan::MIN_TASK_BYTES),
+        1
+    );
+    assert_eq!(
+        plan::task_count(3 * plan::MIN_TASK_BYTES, 4, plan::MIN_TASK_BYTES),
+        3
+    );
     // Otherwise a multiple of the thread count, up to TASKS_PER_THREAD each.
-    assert_eq!(plan::task_count(3 * plan::MIN_TASK_BYTES, 2), 2);
-    assert_eq!(plan::task_count(5 * plan::MIN_TASK_BYTES, 2), 4);
-    assert_eq!(plan::task_count(1024 * mb, 2), 2 * plan::TASKS_PER_THREAD);
-    assert_eq!(plan::task_count(1024 * mb, 7), 7 * plan::TASKS_PER_THREAD);
-    assert_eq!(plan::task_count(usize::MAX, 1), 1);
+    assert_eq!(
+        plan::task_count(3 * plan::MIN_TASK_BYTES, 2, plan::MIN_TASK_BYTES),
+        2
+    );
+    assert_eq!(
+        plan::task_count(5 * plan::MIN_TASK_BYTES, 2, plan::MIN_TASK_BYTES),
+        4
+    );
+    assert_eq!(
+        plan::task_count(1024 * mb, 2, plan::MIN_TASK_BYTES),
+        2 * plan::TASKS_PER_THREAD
+    );
+    assert_eq!(
+        plan::task_count(1024 * mb, 7, plan::MIN_TASK_BYTES),
+        7 * plan::TASKS_PER_THREAD
+    );
+    assert_eq!(plan::task_count(usize::MAX, 1, plan::MIN_TASK_BYTES), 1);
 }
 
 /// The plan's items tile every sequence's key range exactly, in split order, and every task
@@ -75,7 +96,14 @@ fn plan_tiles_the_keys_and_balances_tasks() {
         (&[(100, 100)], 2, 1 << 10),
     ];
     for (keys, threads, key_bytes) in cases {
-        let plan = plan::Plan::from_keys(keys.to_vec(), 4, |_| 2, threads, key_bytes);
+        let plan = plan::Plan::from_keys(
+            keys.to_vec(),
+            4,
+            |_| 2,
+            threads,
+            key_bytes,
+            plan::MIN_TASK_BYTES,
+        );
         let what = format!("{keys:?} on {threads} threads");
         for (b, sp) in plan.seqs.iter().enumerate() {
             let items: Vec<_> = plan.items.iter().filter(|it| it.b == b).collect();
@@ -112,7 +140,7 @@ fn plan_tiles_the_keys_and_balances_tasks() {
         let bytes = total * key_bytes;
         // Cuts that meet once moved to block boundaries leave fewer tasks, never more.
         assert!(
-            plan.tasks.len() <= plan::task_count(bytes, threads),
+            plan.tasks.len() <= plan::task_count(bytes, threads, plan::MIN_TASK_BYTES),
             "{what}: task count"
         );
         assert_eq!(
@@ -126,19 +154,31 @@ fn plan_tiles_the_keys_and_balances_tasks() {
     }
 }
 
-/// Every instruction set and many split counts (the thread count the split rule plans for)
-/// against the materialising path.
+/// One case of [`every_isa_dtype_and_split_count_matches_naive`]: batch, seq_q, keys, head
+/// dim, heads, KV heads, options.
+type IsaCase = (usize, usize, usize, usize, usize, usize, FlashAttn);
+
+/// Every instruction set, with and without the bf16 dot products, f32/f16/bf16, many split
+/// counts (the thread count the plan is made for, with tasks as small as one key), against the
+/// materialising path in f32 on the same (rounded) inputs; the same plan run twice is bitwise
+/// equal, and every split count agrees with one split far inside the tolerance.
 #[test]
-fn every_isa_and_split_count_matches_naive() -> candle::Result<()> {
+fn every_isa_dtype_and_split_count_matches_naive() -> candle::Result<()> {
     let dev = Device::Cpu;
-    let cases = [
+    let cases: Vec<IsaCase> = vec![
         (1, 1, 1, 8, 2, 2, FlashAttn::new(0.3)),
         // Head dims that end in a partial vector of every width, and one below a vector.
         (1, 2, 700, 57, 4, 1, FlashAttn::new(0.15).causal()),
         (2, 1, 300, 13, 8, 2, FlashAttn::new(0.3)),
         (1, 1, 500, 1, 2, 2, FlashAttn::new(0.5)),
         (2, 1, 3000, 128, 32, 8, FlashAttn::new(0.09).causal()),
+        // GQA groups of 1, 3 and 6 (6/6, 6/2, 6/1), seq_q up to 16.
         (1, 3, 1500, 40, 6, 2, FlashAttn::new(0.2).causal()),
+        (2, 4, 233, 64, 6, 6, FlashAttn::new(0.2).causal()),
+        (1, 12, 1001, 96, 6, 1, FlashAttn::new(0.1).causal()),
+        (1, 16, 517, 128, 8, 1, FlashAttn::new(0.09).causal()),
+        (2, 16, 77, 32, 32, 8, FlashAttn::new(0.2).causal()),
+        (1, 5, 3, 48, 8, 1, FlashAttn::new(0.2).causal()),
         (
             3,
             2,
@@ -168,33 +208,110 @@ fn every_isa_and_split_count_matches_naive() -> candle::Result<()> {
         ),
     ];
     for (b, sq, sk, d, h, hk, opts) in cases {
-        let q = Tensor::randn(0f32, 1., (b, sq, h, d), &dev)?;
-        let k = Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?;
-        let v = Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?;
-        let want = naive_attention(&q, &k, &v, &opts)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        let p = opts.problem(&q, &k, &v, None)?;
-        assert!(is_decode(&p));
-        let slopes = match &opts.alibi_slopes {
-            Some(s) => Some(s.to_vec1::<f32>()?),
-            None => None,
-        };
-        let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
-        let (qv, kv, vv) = (flat(&q)?, flat(&k)?, flat(&v)?);
-        for isa in Isa::available() {
-            for threads in [1, 2, 5, 16, 64] {
-                let (got, _) =
-                    forward_with(isa, true, threads, &p, slopes.as_deref(), &qv, &kv, &vv);
-                let err = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(g, w)| (g - w).abs())
-                    .fold(0f32, |a, e| if e > a || e.is_nan() { e } else { a });
+        let what = format!("({b}, {sq}, {sk}, {d}, {h}/{hk})");
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let rounded = |t: Tensor| t.to_dtype(dtype)?.to_dtype(DType::F32);
+            let q = rounded(Tensor::randn(0f32, 1., (b, sq, h, d), &dev)?)?;
+            let k = rounded(Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?)?;
+            let v = rounded(Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?)?;
+            let want = naive_attention(&q, &k, &v, &opts)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let p = opts.problem(&q, &k, &v, None)?;
+            assert!(is_decode(&p), "{what}: a decode shape");
+            let slopes = match &opts.alibi_slopes {
+                Some(s) => Some(s.to_vec1::<f32>()?),
+                None => None,
+            };
+            let (qt, kt, vt) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?, v.to_dtype(dtype)?);
+            let what = format!("{what} {dtype:?}");
+            match dtype {
+                DType::F32 => {
+                    check_isas::<f32>(&what, &p, slopes.as_deref(), &qt, &kt, &vt, &want, 1e-4)
+                }
+                DType::F16 => check_isas::<half::f16>(
+                    &what,
+                    &p,
+                    slopes.as_deref(),
+                    &qt,
+                    &kt,
+                    &vt,
+                    &want,
+                    4e-3,
+                ),
+                _ => check_isas::<half::bf16>(
+                    &what,
+                    &p,
+                    slopes.as_deref(),
+                    &qt,
+                    &kt,
+                    &vt,
+                    &want,
+                    2.5e-2,
+                ),
+            }?;
+        }
+    }
+    Ok(())
+}
+
+/// [`every_isa_dtype_and_split_count_matches_naive`] for one dtype: `want` is the f32 naive
+/// output on the same values, `tol` the largest error allowed.
+#[allow(clippy::too_many_arguments)]
+fn check_isas<T: Elem + candle::WithDType>(
+    what: &str,
+    p: &Problem,
+    slopes: Option<&[f32]>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    want: &[f32],
+    tol: f32,
+) -> candle::Result<()> {
+    let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<T>();
+    let (qv, kv, vv) = (flat(q)?, flat(k)?, flat(v)?);
+    // NaN-propagating largest difference.
+    let max_err = |a: &[T], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(g, w)| (g.to_f32() - w).abs())
+            .fold(0f32, |m, e| if e > m || e.is_nan() { e } else { m })
+    };
+    for isa in Isa::available() {
+        for dot in [true, false] {
+            let (one, lse_one) = forward_with(isa, dot, 1, 1, p, slopes, &qv, &kv, &vv);
+            for threads in [1, 2, 3, 5, 16, 64] {
+                let run = || forward_with(isa, dot, threads, 1, p, slopes, &qv, &kv, &vv);
+                let (got, lse) = run();
+                let err = max_err(&got, want);
                 assert!(
-                    err <= 1e-4,
-                    "{isa:?} threads {threads} ({b}, {sq}, {sk}, {d}): max error {err}"
+                    err <= tol,
+                    "{what} {isa:?} dot {dot} threads {threads}: max error {err}"
                 );
+                // The same plan twice: the same bits.
+                let (again, lse_again) = run();
+                let bits = |x: &[T]| x.iter().map(|x| x.to_f32().to_bits()).collect::<Vec<_>>();
+                assert!(
+                    bits(&got) == bits(&again)
+                        && lse
+                            .iter()
+                            .zip(&lse_again)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what} {isa:?} dot {dot} threads {threads}: not bitwise stable"
+                );
+                // Other splits: the same up to the rounding of the merge.
+                let one_f: Vec<f32> = one.iter().map(|x| x.to_f32()).collect();
+                let split_err = max_err(&got, &one_f);
+                assert!(
+                    split_err <= tol / 4.0,
+                    "{what} {isa:?} dot {dot} threads {threads}: {split_err} from one split"
+                );
+                for (a, b) in lse.iter().zip(&lse_one) {
+                    assert!(
+                        (a - b).abs() <= 1e-4 * b.abs().max(1.0) || a == b,
+                        "{what} {isa:?} dot {dot} threads {threads}: lse {a} vs {b}"
+                    );
+                }
             }
         }
     }
@@ -317,6 +434,7 @@ fn kernel_throughput() {
                         Isa::detect(),
                         true,
                         threads,
+                        plan::MIN_TASK_BYTES,
                         &p,
                         None,
                         &q,
