@@ -68,7 +68,7 @@ enum DeviceArg {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum NaiveArg {
-    /// On the CPU, and on the GPU outside sweeps.
+    /// On the CPU, and on the GPU outside sweeps and --shapes-csv.
     Auto,
     On,
     Off,
@@ -811,7 +811,7 @@ fn main() -> Result<()> {
     let naive = match args.naive {
         NaiveArg::On => true,
         NaiveArg::Off => false,
-        NaiveArg::Auto => !gpu || !grid,
+        NaiveArg::Auto => !gpu || !(grid || args.shapes_csv.is_some()),
     };
     let out = args.out.clone().or_else(|| {
         args.sweep.then(|| {

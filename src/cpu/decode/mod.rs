@@ -19,9 +19,9 @@
 //!   of `O` held in registers, with no reduction at all. No transposed copy of anything.
 //! * **Blocks of `BK` keys**, every KV head of a block in turn, with the rows a few blocks ahead
 //!   prefetched in memory order, so the cache streams while the current block computes.
-//! * **Combine**: per `(sequence, head)`, the partials of the splits are merged through their
-//!   log-sum-exp in split order, then normalised once; a sequence with one split is normalised
-//!   by its item directly.
+//! * **Combine**: the item that finishes a sequence's last split merges the partials of all
+//!   its splits through their log-sum-exp, in split order, then normalises once (no second
+//!   pass over the pool); a sequence with one split is normalised by its item directly.
 //!
 //! The plan depends only on the shape and the rayon thread count, and every item and merge runs
 //! in a fixed order, so results are bitwise identical from run to run.
@@ -44,13 +44,17 @@ use crate::problem::{KeyRows, Problem, Strides};
 use crate::semantics::{alibi_bias, group_size, LOG2_E};
 use plan::{Item, Plan};
 
-/// Decode is chosen while the row groups of a KV head (`max_seq_q · ⌈group / NR⌉`, the work
-/// of the partial pass per K/V row) are at most this many per query head of the group (the
-/// prefill kernel reads each K/V row once per query head). Measured with
-/// `tests::threshold_timing` (1 × 8192 keys, d 128, f32, 2 threads): with 32/8 heads decode
-/// wins up to seq_q 16 (64 rows per KV head: 34 ms vs 49 ms) and loses at 32 (73 vs 44); with
-/// 8/8 heads it wins at seq_q 4 (8.4 vs 10.4 ms) and loses at 8 (13.8 vs 11.1).
-pub(crate) const MAX_ROW_GROUPS_PER_HEAD: usize = 4;
+/// Decode takes every call with at most this many query rows per sequence (speculative
+/// verification and chunked-prefill tails included), whatever the group: it reads K/V once
+/// where the prefill kernel reads them once per query head and fills 16 of its 64 lanes.
+/// Measured with `tests::threshold_timing` (1 × 8192 keys, d 128, f32, 2 threads, a loaded
+/// machine): at seq_q 16 decode took 62 ms against prefill's 252 (32/8 heads) and 17 against 76
+/// (8/8).
+pub(crate) const MAX_DECODE_SEQ_Q: usize = 16;
+/// Beyond [`MAX_DECODE_SEQ_Q`], decode is still chosen while the rows of a KV head
+/// (`group · seq_q`, the rows every K/V row serves) are at most this many: at 8/8 heads it took
+/// 30 ms against 57 at seq_q 32 and lost at 64 (88 against 80).
+pub(crate) const MAX_DECODE_ROWS_PER_KV_HEAD: usize = 32;
 
 /// Keys per block: the scores of one query row against a block are one AVX-512 vector, and the
 /// K and V rows of a block stay in L1 while every row of their KV head uses them.
@@ -63,11 +67,12 @@ const PREFETCH_BYTES: usize = 64 << 10;
 /// Query rows `dot4`-style kernels fold together (the AVX2 and portable kernels).
 const NR: usize = 4;
 
-/// `true` when `p` goes to the decode kernel: few query rows per KV head (`max_seq_q · group`),
-/// see [`MAX_ROW_GROUPS_PER_HEAD`].
+/// `true` when `p` goes to the decode kernel: few query rows per sequence
+/// ([`MAX_DECODE_SEQ_Q`]) or per KV head ([`MAX_DECODE_ROWS_PER_KV_HEAD`]).
 pub(crate) fn is_decode(p: &Problem) -> bool {
     let group = group_size(p.heads, p.kv_heads.max(1));
-    p.max_seq_q.saturating_mul(group.div_ceil(NR)) <= MAX_ROW_GROUPS_PER_HEAD * group
+    p.max_seq_q <= MAX_DECODE_SEQ_Q
+        || p.max_seq_q.saturating_mul(group) <= MAX_DECODE_ROWS_PER_KV_HEAD
 }
 
 /// The storage types the kernels can read in place.
@@ -112,6 +117,8 @@ struct Ctx<'a, T> {
     po: SyncPtr<f32>,
     pm: SyncPtr<f32>,
     pl: SyncPtr<f32>,
+    /// Per sequence: its splits finished so far.
+    done: Vec<std::sync::atomic::AtomicUsize>,
 }
 
 /// Runs the whole problem; returns the contiguous output and the log-sum-exp.
@@ -196,6 +203,7 @@ fn forward_with<T: Elem>(
         po: SyncPtr(po.as_mut_ptr()),
         pm: SyncPtr(pm.as_mut_ptr()),
         pl: SyncPtr(pl.as_mut_ptr()),
+        done: (0..p.batch).map(|_| Default::default()).collect(),
     };
     // The partial pass: one task per stretch of the key line; a single task runs here, without
     // waking the pool.
@@ -218,20 +226,6 @@ fn forward_with<T: Elem>(
         task(&plan.tasks[0]);
     } else {
         plan.tasks.par_iter().with_max_len(1).for_each(task);
-    }
-    // The combine, for the sequences with several splits.
-    let pairs: Vec<(usize, usize)> = (0..p.batch)
-        .filter(|&b| plan.seqs[b].splits > 1)
-        .flat_map(|b| (0..p.heads).map(move |h| (b, h)))
-        .collect();
-    if plan.tasks.len() <= 1 {
-        // One task: every sequence has one split, nothing to merge.
-        debug_assert!(pairs.is_empty());
-    } else if !pairs.is_empty() {
-        pairs
-            .par_iter()
-            .with_min_len(pairs.len().div_ceil(threads.max(1)))
-            .for_each(|&(b, h)| combine(&ctx, b, h));
     }
     // Sequences that see no key (or have no query row): exact zeros, lse -inf.
     for b in (0..p.batch).filter(|&b| plan.seqs[b].splits == 0) {
@@ -632,6 +626,15 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
             }
         }
     }
+    // The item that finishes its sequence's last split merges them all (in split order, so
+    // which item that is changes no bit). AcqRel: the partials written above are published to
+    // the merging item, and it sees every other item's.
+    let done = ctx.done[b].fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1;
+    if done == sp.splits {
+        for h in 0..p.heads {
+            combine(ctx, b, h);
+        }
+    }
 }
 
 /// The natural-log log-sum-exp of a row from its base-2 running max and sum; `-inf` for a row
@@ -657,16 +660,26 @@ struct Ahead<'a, T> {
 }
 
 impl<T> Ahead<'_, T> {
-    /// The K and V rows of the step `self.steps` after block `j0`, KV head `kvh`, to prefetch.
+    /// The step `self.steps` after block `j0`, KV head 0: its first key and KV head.
     #[inline(always)]
-    fn rows(&self, p: &Problem, j0: usize, kvh: usize) -> Pf {
+    fn first(&self, j0: usize, heads: usize) -> (usize, usize) {
+        (j0 + self.steps / heads * BK, self.steps % heads)
+    }
+
+    /// The K and V rows of the step at block `jb`, KV head `h`, to prefetch; then moves
+    /// `(jb, h)` on by one step.
+    #[inline(always)]
+    fn rows(&self, p: &Problem, at: &mut (usize, usize)) -> Pf {
+        let (jb, h) = *at;
+        *at = if h + 1 == p.kv_heads {
+            (jb + BK, 0)
+        } else {
+            (jb, h + 1)
+        };
         let mut pf = Pf::NONE;
         if self.steps == 0 || p.k.dim != 1 || p.v.dim != 1 {
             return pf;
         }
-        let u = kvh + self.steps;
-        let jb = j0 + u / p.kv_heads * BK;
-        let h = u % p.kv_heads;
         let (a, e) = (jb.min(self.hi), (jb + BK).min(self.hi));
         let (kb, vb) = (self.k.as_ptr().cast::<u8>(), self.v.as_ptr().cast::<u8>());
         let size = std::mem::size_of::<T>();
@@ -776,9 +789,10 @@ fn block<T: Elem, U: Elem, K: Ops>(
     let d = p.head_dim;
     let (group, sq, n) = (blk.group, blk.sq, blk.n);
     let gr = group * sq;
+    let mut step = ahead.first(blk.j0, p.kv_heads);
     for kvh in 0..p.kv_heads {
         let r0 = kvh * gr;
-        let mut pf = ahead.rows(p, blk.j0, kvh);
+        let mut pf = ahead.rows(p, &mut step);
         K::scores(
             ctx.bf16_dot,
             &sc.q[r0 * d..(r0 + gr) * d],
@@ -794,14 +808,17 @@ fn block<T: Elem, U: Elem, K: Ops>(
     // The online softmax of every row, after the score modifiers (scale included) where there
     // are any.
     let rows = p.kv_heads * gr;
-    for r in 0..rows {
-        sc.rcols[r] = sc.cols[(r % gr) / group];
+    // Row r is (KV head, query i, head within the group): r = (kvh · sq + i) · group + g.
+    for rows in sc.rcols[..rows].chunks_exact_mut(gr) {
+        for (c, &cols) in rows.chunks_exact_mut(group).zip(&sc.cols[..sq]) {
+            c.fill(cols);
+        }
     }
     let mut scale = blk.scale;
     if blk.softcap || ctx.slopes.is_some() {
         for r in 0..rows {
             let (c0, c1) = sc.rcols[r];
-            let (i, h) = ((r % gr) / group, (r / gr) * group + r % group);
+            let (i, h) = (r / group % sq, r / gr * group + r % group);
             let slope = ctx
                 .slopes
                 .map_or(0.0, |sl| sl[blk.b * p.alibi_batch_stride + h]);
@@ -1092,7 +1109,7 @@ fn as_f32<T: 'static>(src: &[T]) -> Option<&[f32]> {
 }
 
 /// Merges the partials of every split of sequence `b`, head `h`, in split order, and writes the
-/// normalised output rows and their log-sum-exp.
+/// normalised output rows and their log-sum-exp. Called once every split has left its partials.
 fn combine<T: Elem>(ctx: &Ctx<T>, b: usize, h: usize) {
     let p = ctx.p;
     let d = p.head_dim;
@@ -1106,8 +1123,9 @@ fn combine<T: Elem>(ctx: &Ctx<T>, b: usize, h: usize) {
     let mut w = vec![0f32; n];
     for i in 0..sq {
         let part = |s: usize| sp.part_row + s * rows + h * sq + i;
-        // SAFETY (all reads below): partial rows of this sequence lie inside the buffers, and the
-        // partial pass that wrote them has finished.
+        // SAFETY (all reads below): partial rows of this sequence lie inside the buffers, and
+        // every item that wrote them has finished (the caller saw the sequence's `done` count
+        // reach its splits, with acquire ordering).
         let m = |s: usize| unsafe { *ctx.pm.0.add(part(s)) };
         // SAFETY: as above.
         let l = |s: usize| unsafe { *ctx.pl.0.add(part(s)) };

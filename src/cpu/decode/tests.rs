@@ -26,11 +26,13 @@ fn decode_is_chosen_for_few_rows_per_kv_head() {
         (1, 8, 1, true),
         (16, 8, 1, true),
         (17, 8, 1, false),
+        (16, 64, 1, true),
         (1, 6, 6, true),
-        (4, 6, 6, true),
-        (5, 6, 6, false),
-        (12, 6, 2, true),
-        (13, 6, 2, false),
+        (16, 6, 6, true),
+        (32, 6, 6, true),
+        (33, 6, 6, false),
+        (16, 6, 2, true),
+        (17, 6, 2, false),
         (512, 32, 8, false),
         (4096, 8, 8, false),
     ];
@@ -318,8 +320,8 @@ fn check_isas<T: Elem + candle::WithDType>(
     Ok(())
 }
 
-/// Times decode against prefill over query rows per KV head, to place
-/// `MAX_ROW_GROUPS_PER_HEAD`:
+/// Times decode against prefill over query rows per KV head, to place `MAX_DECODE_SEQ_Q` and
+/// `MAX_DECODE_ROWS_PER_KV_HEAD`:
 /// `cargo test --release --lib threshold_timing -- --ignored --nocapture`.
 #[test]
 #[ignore]
