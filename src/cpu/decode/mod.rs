@@ -315,7 +315,7 @@ impl Scratch {
             }
         }
         grow(&mut self.q, rows * d, 0.0);
-        grow(&mut self.qh, rows * d, 0);
+        grow(&mut self.qh, rows * d.next_multiple_of(2), 0);
         grow(&mut self.o, rows * d, 0.0);
         grow(&mut self.m, rows, 0.0);
         grow(&mut self.l, rows, 0.0);
@@ -455,8 +455,17 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
     }
     if ctx.bf16_dot {
         // The query is bf16, so its f32 copy holds bf16 values exactly: the upper halves.
-        for (h, x) in sc.qh[..rows * d].iter_mut().zip(&sc.q[..rows * d]) {
-            *h = (x.to_bits() >> 16) as u16;
+        // Rows an even number of elements apart, padded with zeros, so the kernels read whole
+        // pairs of the last one.
+        let dq = d.next_multiple_of(2);
+        for (h, x) in sc.qh[..rows * dq]
+            .chunks_exact_mut(dq)
+            .zip(sc.q[..rows * d].chunks_exact(d))
+        {
+            for (h, x) in h.iter_mut().zip(x) {
+                *h = (x.to_bits() >> 16) as u16;
+            }
+            h[d..].fill(0);
         }
     }
     sc.o[..rows * d].fill(0.0);
@@ -700,9 +709,8 @@ pub(super) struct Pf {
     rows: [*const u8; 2 * BK],
     n: usize,
     bytes: usize,
-    /// The next line: row, byte offset.
-    row: usize,
-    off: usize,
+    /// The next row.
+    next: usize,
 }
 
 impl Pf {
@@ -710,36 +718,33 @@ impl Pf {
         rows: [std::ptr::null(); 2 * BK],
         n: 0,
         bytes: 0,
-        row: 0,
-        off: 0,
+        next: 0,
     };
 
-    /// Cache lines to prefetch.
+    /// Rows to prefetch.
     #[inline(always)]
-    pub(super) fn lines(&self) -> usize {
-        self.n * self.bytes.div_ceil(64)
+    pub(super) fn rows(&self) -> usize {
+        self.n
     }
 
-    /// Prefetches the next `count` lines into L2.
+    /// Prefetches the next `count` rows into L2, every cache line of each.
     #[inline(always)]
     pub(super) fn fetch(&mut self, count: usize) {
-        for _ in 0..count {
-            if self.row >= self.n {
-                return;
-            }
-            prefetch_line(self.rows[self.row].wrapping_add(self.off));
-            self.off += 64;
-            if self.off >= self.bytes {
-                self.off = 0;
-                self.row += 1;
+        let end = (self.next + count).min(self.n);
+        for &row in &self.rows[self.next..end] {
+            let mut off = 0;
+            while off < self.bytes {
+                prefetch_line(row.wrapping_add(off));
+                off += 64;
             }
         }
+        self.next = end;
     }
 
-    /// Prefetches every line left.
+    /// Prefetches every row left.
     #[inline(always)]
     pub(super) fn fetch_all(&mut self) {
-        self.fetch(self.lines());
+        self.fetch(self.n);
     }
 }
 
@@ -796,7 +801,7 @@ fn block<T: Elem, U: Elem, K: Ops>(
         K::scores(
             ctx.bf16_dot,
             &sc.q[r0 * d..(r0 + gr) * d],
-            &sc.qh[r0 * d..(r0 + gr) * d],
+            &sc.qh[r0 * d.next_multiple_of(2)..(r0 + gr) * d.next_multiple_of(2)],
             gr,
             d,
             &k.at(kvh),
@@ -938,8 +943,8 @@ trait Ops: Kernel + Sized {
         kind::<T>() == Kind::F32
     }
     /// `s[t][c] = q[t] · K[c]` for the `rows` query rows (`d` apart in `q`, and as bf16 bits in
-    /// `qh` when `dot`) and the keys `c` in `keys` (within the block); prefetches `pf` on the
-    /// way.
+    /// `qh`, an even number `d.next_multiple_of(2)` apart and zero-padded, when `dot`) and the
+    /// keys `c` in `keys` (within the block); prefetches `pf` on the way.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn scores<T: Elem>(

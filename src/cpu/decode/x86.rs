@@ -25,13 +25,11 @@ fn check_rows<T>(r: &Rows<T>, keys: &std::ops::Range<usize>, d: usize) {
     }
 }
 
-/// Checks the query side of [`Ops::scores`]: `rows` rows of `d` in `q` (and in `qh` when the
-/// bf16 dot product reads it) and a score row each.
+/// Checks the query side of [`Ops::scores`]: `rows` rows of `d` in `q` and a score row each.
 #[inline(always)]
-fn check_scores(q: usize, qh: Option<usize>, rows: usize, d: usize, s: usize) {
-    let need = rows.checked_mul(d).expect("decode: row count overflows");
+fn check_scores(q: usize, rows: usize, d: usize, s: usize) {
     assert!(
-        q >= need && qh.is_none_or(|h| h >= need) && s >= rows,
+        rows.checked_mul(d).is_some_and(|n| q >= n) && s >= rows,
         "decode: query rows out of bounds"
     );
 }
@@ -101,12 +99,24 @@ impl Ops for Avx512 {
         }
         check_rows(k, &keys, d);
         if dot && kind::<T>() == Kind::Bf16 {
-            check_scores(q.len(), Some(qh.len()), rows, d, s.len());
-            // SAFETY: `dot` is only set where avx512bf16 (with avx512f/bw/vl) was detected
-            // (`forward_with`); `T` is bf16; the bounds were checked just above.
-            unsafe { avx512::scores_bf16(qh, rows, d, k, keys, s, pf) }
+            check_scores(q.len(), rows, d, s.len());
+            let dq = d.next_multiple_of(2);
+            assert!(qh.len() >= rows * dq, "decode: query rows out of bounds");
+            // Groups of eight rows against the transposed block, the rest (fewer than eight)
+            // four at a time.
+            let r8 = rows / 8 * 8;
+            // SAFETY (both calls): `dot` is only set where avx512bf16 (with avx512f/bw/vl) was
+            // detected (`forward_with`); `T` is bf16; the bounds were checked just above.
+            unsafe {
+                if r8 > 0 {
+                    avx512::scores_bf16_t8(qh, r8, d, k, keys.clone(), s, pf);
+                }
+                if r8 < rows {
+                    avx512::scores_bf16(&qh[r8 * dq..], rows - r8, d, k, keys, &mut s[r8..], pf);
+                }
+            }
         } else {
-            check_scores(q.len(), None, rows, d, s.len());
+            check_scores(q.len(), rows, d, s.len());
             // SAFETY: only reached through `item_avx512`, i.e. with avx512f/bw/vl detected; the
             // bounds were checked just above.
             unsafe { avx512::scores(q, rows, d, k, keys, s, pf) }
@@ -156,7 +166,7 @@ impl Ops for Fused {
         let Some(src) = as_f32(k.src) else {
             return portable_scores::<T, Self>(q, rows, d, k, keys, s);
         };
-        check_scores(q.len(), None, rows, d, s.len());
+        check_scores(q.len(), rows, d, s.len());
         for t0 in (0..rows).step_by(NR) {
             // Rows past `rows` repeat the last one; their results are dropped.
             let qs: [&[f32]; NR] = std::array::from_fn(|t| {

@@ -146,7 +146,7 @@ pub(super) unsafe fn scores<T: 'static>(
     let kp = k.src.as_ptr();
     // The prefetches, spread evenly over the chunk iterations.
     let iters = rows.div_ceil(4) * keys.len().div_ceil(4) * d.div_ceil(W);
-    let per = pf.lines().div_ceil(iters.max(1));
+    let per = pf.rows().div_ceil(iters.max(1));
     let mut t0 = 0;
     while t0 < rows {
         // Rows past `rows` repeat the last one, keys past `n` the last key; their results are
@@ -187,8 +187,8 @@ pub(super) unsafe fn scores<T: 'static>(
 /// summed in f32 (each product is exact in f32); `qh` holds the query rows as bf16 bits.
 ///
 /// # Safety
-/// avx512f/bw/vl and avx512bf16 must be available; `T` is bf16; `qh` holds `rows` rows of `d`,
-/// `s` `rows` rows; `keys` as for [`scores`].
+/// avx512f/bw/vl and avx512bf16 must be available; `T` is bf16; `qh` holds `rows` rows of `d`
+/// (`d.next_multiple_of(2)` apart), `s` `rows` rows; `keys` as for [`scores`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 pub(super) unsafe fn scores_bf16<T: 'static>(
     qh: &[u16],
@@ -200,14 +200,15 @@ pub(super) unsafe fn scores_bf16<T: 'static>(
     pf: &mut Pf,
 ) {
     let kp = k.src.as_ptr().cast::<i16>();
+    let dq = d.next_multiple_of(2);
     let iters = rows.div_ceil(4) * keys.len().div_ceil(4) * d.div_ceil(2 * W);
-    let per = pf.lines().div_ceil(iters.max(1));
+    let per = pf.rows().div_ceil(iters.max(1));
     let mut t0 = 0;
     while t0 < rows {
         let qr: [*const i16; 4] = [0, 1, 2, 3].map(|t| {
             qh.as_ptr()
                 .cast::<i16>()
-                .wrapping_add((t0 + t).min(rows - 1) * d)
+                .wrapping_add((t0 + t).min(rows - 1) * dq)
         });
         let mut c0 = keys.start;
         while c0 < keys.end {
@@ -624,5 +625,156 @@ pub(super) unsafe fn softmax_rows(
             _mm512_mask_storeu_ps(corr.as_mut_ptr().add(r0), rows, cr);
         }
         r0 += W;
+    }
+}
+
+/// Transposes 16 vectors of 16 dwords: lane `c` of `t[j]` is lane `j` of `r[c]` (32-bit, then
+/// 64-bit interleaves within 128-bit blocks, then two rounds of block shuffles: 64 shuffles).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: &[__m512i; 16]) -> [__m512i; 16] {
+    // s1[2k] block L: r[2k][4L], r[2k+1][4L], r[2k][4L+1], r[2k+1][4L+1]; s1[2k+1]: lanes +2, +3.
+    let mut s1 = [_mm512_setzero_si512(); 16];
+    for k in 0..8 {
+        s1[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        s1[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    // s2[4k + m] block L: lane 4L + m of r[4k .. 4k + 4].
+    let mut s2 = [_mm512_setzero_si512(); 16];
+    for k in 0..4 {
+        s2[4 * k] = _mm512_unpacklo_epi64(s1[4 * k], s1[4 * k + 2]);
+        s2[4 * k + 1] = _mm512_unpackhi_epi64(s1[4 * k], s1[4 * k + 2]);
+        s2[4 * k + 2] = _mm512_unpacklo_epi64(s1[4 * k + 1], s1[4 * k + 3]);
+        s2[4 * k + 3] = _mm512_unpackhi_epi64(s1[4 * k + 1], s1[4 * k + 3]);
+    }
+    // t[4L + m]: block B is block L of s2[4B + m].
+    let mut t = [_mm512_setzero_si512(); 16];
+    for m in 0..4 {
+        let x0 = _mm512_shuffle_i32x4::<0b01_00_01_00>(s2[m], s2[4 + m]);
+        let x1 = _mm512_shuffle_i32x4::<0b11_10_11_10>(s2[m], s2[4 + m]);
+        let y0 = _mm512_shuffle_i32x4::<0b01_00_01_00>(s2[8 + m], s2[12 + m]);
+        let y1 = _mm512_shuffle_i32x4::<0b11_10_11_10>(s2[8 + m], s2[12 + m]);
+        t[m] = _mm512_shuffle_i32x4::<0b10_00_10_00>(x0, y0);
+        t[4 + m] = _mm512_shuffle_i32x4::<0b11_01_11_01>(x0, y0);
+        t[8 + m] = _mm512_shuffle_i32x4::<0b10_00_10_00>(x1, y1);
+        t[12 + m] = _mm512_shuffle_i32x4::<0b11_01_11_01>(x1, y1);
+    }
+    t
+}
+
+/// [`scores_bf16`] with the keys in lanes, for groups of eight query rows: the block's K rows,
+/// 32 head-dim elements (16 bf16 pairs) at a time, are transposed into 16 vectors of one pair
+/// of every key, and each row's dot products then accumulate straight into its 16 scores
+/// (`vdpbf16ps` of the row's pair, broadcast, with each vector): no reduction tree, and the
+/// transpose is shared by the eight rows.
+///
+/// # Safety
+/// avx512f/bw/vl and avx512bf16 must be available; `T` is bf16; `rows` is a multiple of 8;
+/// `qh` holds `rows` rows of `d` (`d.next_multiple_of(2)` apart, zero-padded); `s` `rows`
+/// rows; `keys` as for [`scores`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn scores_bf16_t8<T: 'static>(
+    qh: &[u16],
+    rows: usize,
+    d: usize,
+    k: &Rows<T>,
+    keys: std::ops::Range<usize>,
+    s: &mut [[f32; BK]],
+    pf: &mut Pf,
+) {
+    const RB: usize = 8;
+    let kp = k.src.as_ptr().cast::<i16>();
+    let dq = d.next_multiple_of(2);
+    let qp = qh.as_ptr().cast::<u32>();
+    let per = pf.rows().div_ceil((rows / RB * d.div_ceil(2 * W)).max(1));
+    let mut t0 = 0;
+    while t0 < rows {
+        let mut acc = [_mm512_setzero_ps(); RB];
+        let mut x = 0;
+        while x < d {
+            let m = mask32(x, d);
+            // Key c's 32 elements from x (zero past the block's keys and past d).
+            let mut r = [_mm512_setzero_si512(); 16];
+            for (c, r) in r.iter_mut().enumerate() {
+                if keys.contains(&c) {
+                    // SAFETY: lanes below `d` of a K row of `keys`, in bounds (caller).
+                    *r = unsafe { _mm512_maskz_loadu_epi16(m, kp.wrapping_add(k.row(c) + x)) };
+                }
+            }
+            let kt = transpose16(&r);
+            // The pairs of this chunk that exist (the zero padding completes the last one).
+            let pairs = (dq - x).min(2 * W) / 2;
+            if pairs == W {
+                // A whole chunk: pair j of every row against vector j, the rows' pairs
+                // broadcast inside the instruction (a separate broadcast cost as much as the
+                // product) at fixed offsets, eight independent sums.
+                pf.fetch(per);
+                let q: [*const u32; RB] =
+                    std::array::from_fn(|t| qp.wrapping_add(((t0 + t) * dq + x) / 2));
+                let [mut a0, mut a1, mut a2, mut a3, mut a4, mut a5, mut a6, mut a7] = acc;
+                macro_rules! dp {
+                    ($($j:literal),*) => {$(
+                        // SAFETY: pair j of the chunk lies inside each row (x + 2j < dq), which
+                        // `qh` holds (caller); avx512bf16 is available (caller); each
+                        // instruction reads those four bytes and writes its sum only.
+                        unsafe {
+                            std::arch::asm!(
+                                "vdpbf16ps {a0}, {k}, dword ptr [{q0} + {o}]{{1to16}}",
+                                "vdpbf16ps {a1}, {k}, dword ptr [{q1} + {o}]{{1to16}}",
+                                "vdpbf16ps {a2}, {k}, dword ptr [{q2} + {o}]{{1to16}}",
+                                "vdpbf16ps {a3}, {k}, dword ptr [{q3} + {o}]{{1to16}}",
+                                "vdpbf16ps {a4}, {k}, dword ptr [{q4} + {o}]{{1to16}}",
+                                "vdpbf16ps {a5}, {k}, dword ptr [{q5} + {o}]{{1to16}}",
+                                "vdpbf16ps {a6}, {k}, dword ptr [{q6} + {o}]{{1to16}}",
+                                "vdpbf16ps {a7}, {k}, dword ptr [{q7} + {o}]{{1to16}}",
+                                a0 = inout(zmm_reg) a0,
+                                a1 = inout(zmm_reg) a1,
+                                a2 = inout(zmm_reg) a2,
+                                a3 = inout(zmm_reg) a3,
+                                a4 = inout(zmm_reg) a4,
+                                a5 = inout(zmm_reg) a5,
+                                a6 = inout(zmm_reg) a6,
+                                a7 = inout(zmm_reg) a7,
+                                k = in(zmm_reg) kt[$j],
+                                q0 = in(reg) q[0],
+                                q1 = in(reg) q[1],
+                                q2 = in(reg) q[2],
+                                q3 = in(reg) q[3],
+                                q4 = in(reg) q[4],
+                                q5 = in(reg) q[5],
+                                q6 = in(reg) q[6],
+                                q7 = in(reg) q[7],
+                                o = const 4 * $j,
+                                options(pure, readonly, nostack, preserves_flags),
+                            );
+                        }
+                    )*};
+                }
+                dp!(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+                acc = [a0, a1, a2, a3, a4, a5, a6, a7];
+            } else {
+                // The last, partial chunk.
+                pf.fetch(per);
+                for (j, kt) in kt.iter().enumerate().take(pairs) {
+                    // SAFETY: 512-bit vector of 32 bf16 lanes.
+                    let kt: __m512bh = unsafe { std::mem::transmute::<__m512i, __m512bh>(*kt) };
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        // SAFETY: pair (x + 2j, x + 2j + 1) of row t0 + t lies inside its
+                        // padded row (x + 2j < dq), which `qh` holds (caller).
+                        let pair = unsafe { qp.add(((t0 + t) * dq + x) / 2 + j).read_unaligned() };
+                        let qb = _mm512_set1_epi32(pair as i32);
+                        // SAFETY: as above.
+                        let qb: __m512bh = unsafe { std::mem::transmute::<__m512i, __m512bh>(qb) };
+                        *acc = _mm512_dpbf16_ps(*acc, qb, kt);
+                    }
+                }
+            }
+            x += 2 * W;
+        }
+        for (t, acc) in acc.iter().enumerate() {
+            // SAFETY: a score row holds 16 floats.
+            unsafe { _mm512_storeu_ps(s[t0 + t].as_mut_ptr(), *acc) };
+        }
+        t0 += RB;
     }
 }
