@@ -12,13 +12,17 @@
 //!   (`group · seq_q` rows), are folded into the online softmax together, so each K/V row is
 //!   loaded from memory once and then served from L1 to every row that needs it.
 //! * **Read as stored**: the AVX-512 kernels read f32, f16 and bf16 rows in place and convert
-//!   16 elements at a time in registers (bf16 `q·k` runs on the `vdpbf16ps` dot product where
-//!   the CPU has it); other instruction sets convert one block of `BK` keys into an L1 tile.
+//!   16 elements at a time in registers (bf16 products run on `vdpbf16ps` where the CPU has
+//!   it, with the probabilities rounded to bf16 for `P V`, as the GPU kernels do); other
+//!   instruction sets convert each block of `BK` keys to f32 first, in address order.
 //! * **Head-dim elements in SIMD lanes**: `q·k` is a register-blocked FMA (four rows × four
-//!   keys) over 16-element chunks and one shared reduction tree; `P V` adds `p · V[j]` to rows
-//!   of `O` held in registers, with no reduction at all. No transposed copy of anything.
-//! * **Blocks of `BK` keys**, every KV head of a block in turn, with the rows a few blocks ahead
-//!   prefetched in memory order, so the cache streams while the current block computes.
+//!   keys) over 16-element chunks and one shared reduction tree (bf16 with eight rows or more:
+//!   the block transposed to keys in lanes, no reduction); `P V` adds `p · V[j]` to rows of `O`
+//!   held in registers, with no reduction at all.
+//! * **Blocks of `BK` keys**, one KV head after the other; while the scores of a KV head run,
+//!   the rows [`PREFETCH_BYTES`] ahead are prefetched into L2 a row at a time between the
+//!   kernel's own loads (the kernels read several rows at once, which the hardware prefetchers
+//!   do not follow).
 //! * **Combine**: the item that finishes a sequence's last split merges the partials of all
 //!   its splits through their log-sum-exp, in split order, then normalises once (no second
 //!   pass over the pool); a sequence with one split is normalised by its item directly.
@@ -62,7 +66,8 @@ const BK: usize = 16;
 /// How far ahead the K and V rows are prefetched, in bytes of the `(block, KV head)` steps
 /// between: far enough that a row arrives before its step even at a few hundred nanoseconds of
 /// memory latency and a core's full share of the bandwidth (~10 GB/s · 300 ns = 3 KiB), and a
-/// small part of the L2 (1 MiB) the rows wait in. 32-128 KiB measured alike.
+/// small part of the L2 (1 MiB) the rows wait in. 16-256 KiB measured alike (8/1 heads, one
+/// thread, 16 MiB caches); 8 KiB was slower, and prefetching nothing half as fast.
 const PREFETCH_BYTES: usize = 64 << 10;
 /// Query rows `dot4`-style kernels fold together (the AVX2 and portable kernels).
 const NR: usize = 4;

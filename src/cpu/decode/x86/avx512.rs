@@ -5,7 +5,12 @@
 //!
 //! * `q·k` ([`scores`], [`scores_bf16`]): register blocks of four query rows × four keys, 16
 //!   accumulators over the head dim, then one reduction tree turns the 16 vectors into the 16
-//!   dot products at once (45 shuffles and adds, against 128 FMAs at d = 128).
+//!   dot products at once (45 shuffles and adds, against 128 FMAs at d = 128); for bf16 and
+//!   eight rows or more, [`scores_bf16_t8`] transposes the block instead (keys in lanes).
+//! * The online softmax of a block ([`softmax_rows`]): 16 rows at a time, their running
+//!   statistics in lanes.
+//! * The score kernels prefetch the rows of a later step (a [`Pf`]) a few at a time between
+//!   their chunk iterations.
 //! * `P V` ([`pv`]): `o[t] = o[t] · corr[t] + Σ_c p[t][c] V[c]` with the output rows held in
 //!   up to 16 accumulators (rows × 16-lane chunks of the head dim), each V chunk loaded and
 //!   converted once per key for all rows of the register block.
@@ -128,6 +133,8 @@ fn store_block(r: __m512, s: &mut [[f32; BK]], t0: usize, rows: usize, c0: usize
 
 /// `s[t][c] = q[t] · K[c]` for `t < rows`, `c` in `keys`, with `q` f32 rows `d` apart and K
 /// rows of `T` converted in registers.
+///
+/// Prefetches the rows of `pf` a few at a time on the way.
 ///
 /// # Safety
 /// avx512f/bw/vl and fma must be available; `q` holds `rows` rows of `d`, `s` `rows` rows;
