@@ -188,8 +188,12 @@ fn forward_with<T: Elem>(
         && isa == Isa::Avx512
         && kind::<T>() == Kind::Bf16
         && is_x86_feature_detected!("avx512bf16");
+    // No bf16 dot product outside x86.
     #[cfg(not(target_arch = "x86_64"))]
-    let bf16_dot = bf16_dot && false;
+    let bf16_dot = {
+        let _ = bf16_dot;
+        false
+    };
     let key_bytes = 2 * p.kv_heads * d * std::mem::size_of::<T>();
     let plan = Plan::new(p, threads, key_bytes, min_task);
     let mut po = vec![0f32; plan.part_rows * d];
