@@ -2,116 +2,105 @@
 //!
 //! With one query row per head the prefill kernel fills one lane of its 64-lane tiles and reads
 //! every K/V row once per *query* head. Decode is memory-bound instead, so this kernel is built
-//! around reading the cache once:
+//! around streaming the cache once, on every core, at the speed memory delivers it:
 //!
-//! * **GQA packing**: the query rows of all heads of a KV head (`group · seq_q` rows) are folded
-//!   into the online softmax together, so each K/V row is loaded from memory once and then served
-//!   from L1 to every row that needs it.
-//! * **Head-dim elements in SIMD lanes**: a K row is used as stored (f32, contiguous head dim) or
-//!   converted one block of `BK` rows at a time into an L1 tile (f16/bf16, strided head dims);
-//!   `q·k` is a lane-wise FMA over 16-element chunks and one horizontal sum, and `P V` adds
-//!   `p · V[j]` to a row of `O` with no reduction at all. No transposed copy of anything.
-//! * **Split-KV** (the partial pass): work items are `(sequence, split of its keys)`; each walks
-//!   its keys in blocks of `BK`, all KV heads of a block in turn (for the usual `(b, s, h, d)`
-//!   cache that reads one contiguous stretch of memory), and leaves an unnormalised partial
-//!   `(m, l, O)` per query row.
-//! * **Combine**: per `(sequence, head)`, the partials of the splits are merged through their
-//!   log-sum-exp in split order, then normalised once.
+//! * **Balanced splits** ([`plan`]): the keys of all sequences are laid end to end and cut into
+//!   stretches of equal bytes, a multiple of the thread count, so both cores of a two-core
+//!   machine stream the same amount whatever the batch and the lengths. The pieces of one
+//!   sequence (its splits) are merged by log-sum-exp afterwards.
+//! * **GQA packing**: the query rows of all heads of a KV head, and all `seq_q` rows
+//!   (`group · seq_q` rows), are folded into the online softmax together, so each K/V row is
+//!   loaded from memory once and then served from L1 to every row that needs it.
+//! * **Read as stored**: the AVX-512 kernels read f32, f16 and bf16 rows in place and convert
+//!   16 elements at a time in registers (bf16 products run on `vdpbf16ps` where the CPU has
+//!   it, with the probabilities rounded to bf16 for `P V`, as the GPU kernels do); other
+//!   instruction sets convert each block of `BK` keys to f32 first, in address order.
+//! * **Head-dim elements in SIMD lanes**: `q·k` is a register-blocked FMA (four rows × four
+//!   keys) over 16-element chunks and one shared reduction tree (bf16 with eight rows or more:
+//!   the block transposed to keys in lanes, no reduction); `P V` adds `p · V[j]` to rows of `O`
+//!   held in registers, with no reduction at all.
+//! * **Blocks of `BK` keys**, one KV head after the other; while the scores of a KV head run,
+//!   the rows [`PREFETCH_BYTES`] ahead are prefetched into L2 a row at a time between the
+//!   kernel's own loads (the kernels read several rows at once, which the hardware prefetchers
+//!   do not follow).
+//! * **Combine**: the item that finishes a sequence's last split merges the partials of all
+//!   its splits through their log-sum-exp, in split order, then normalises once (no second
+//!   pass over the pool); a sequence with one split is normalised by its item directly.
 //!
-//! The split count depends only on the shape and the rayon thread count, and every item and
-//! merge runs in a fixed order, so results are bitwise identical from run to run.
+//! The plan depends only on the shape and the rayon thread count, and every item and merge runs
+//! in a fixed order, so results are bitwise identical from run to run.
+
+pub(super) mod plan;
 
 use std::any::TypeId;
 use std::cell::RefCell;
+use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::elem::{load_keys, load_rows, Elem};
+use super::elem::{load_rows, Elem};
 use super::exp2::exp2;
 #[cfg(target_arch = "x86_64")]
 use super::kernel::{Avx512, Fused};
 use super::kernel::{Isa, Kernel, Portable};
 use super::SyncPtr;
-use crate::problem::{KeyRows, Problem};
+use crate::problem::{KeyRows, Problem, Strides};
 use crate::semantics::{alibi_bias, group_size, LOG2_E};
+use plan::{Item, Plan};
 
-/// Decode is chosen while the row groups of a KV head (`max_seq_q · ⌈group / NR⌉`, the work
-/// of the partial pass per K/V row) are at most this many per query head of the group (the
-/// prefill kernel reads each K/V row once per query head). Measured with
-/// `tests::threshold_timing` (1 × 8192 keys, d 128, f32, 2 threads): with 32/8 heads decode
-/// wins up to seq_q 16 (64 rows per KV head: 34 ms vs 49 ms) and loses at 32 (73 vs 44); with
-/// 8/8 heads it wins at seq_q 4 (8.4 vs 10.4 ms) and loses at 8 (13.8 vs 11.1).
-pub(crate) const MAX_ROW_GROUPS_PER_HEAD: usize = 4;
+/// Decode takes every call with at most this many query rows per sequence (speculative
+/// verification and chunked-prefill tails included), whatever the group: it reads K/V once
+/// where the prefill kernel reads them once per query head and fills 16 of its 64 lanes.
+/// Measured with `tests::threshold_timing` (1 × 8192 keys, d 128, f32, 2 threads, a loaded
+/// machine): at seq_q 16 decode took 62 ms against prefill's 252 (32/8 heads) and 17 against 76
+/// (8/8).
+pub(crate) const MAX_DECODE_SEQ_Q: usize = 16;
+/// Beyond [`MAX_DECODE_SEQ_Q`], decode is still chosen while the rows of a KV head
+/// (`group · seq_q`, the rows every K/V row serves) are at most this many: at 8/8 heads it took
+/// 30 ms against 57 at seq_q 32 and lost at 64 (88 against 80).
+pub(crate) const MAX_DECODE_ROWS_PER_KV_HEAD: usize = 32;
 
-/// Keys per block: the K and V rows of a block are reused from L1 by every row of a KV head.
-/// Small, so that all KV heads of a block (for a `(b, s, h, d)` cache, `BK` consecutive rows of
-/// `kv_heads · d` elements) are read within a short time: at 32/8 heads, d 128, f32, batch 8,
-/// 4096 keys, BK 64 read 5.2 GB/s, 32 read 8.2, 16 read 9.5-10.1, 8 read 9.9.
+/// Keys per block: the scores of one query row against a block are one AVX-512 vector, and the
+/// K and V rows of a block stay in L1 while every row of their KV head uses them.
 const BK: usize = 16;
-/// A split is never shorter than this many keys (the combine and per-item setup amortised).
-const MIN_SPLIT_KEYS: usize = 256;
-/// Work items aimed for per rayon thread, for load balance.
-const ITEMS_PER_THREAD: usize = 4;
-/// Most splits of one sequence (the combine keeps one weight per split on the stack).
-const MAX_SPLITS: usize = 64;
+/// How far ahead the K and V rows are prefetched, in bytes of the `(block, KV head)` steps
+/// between: far enough that a row arrives before its step even at a few hundred nanoseconds of
+/// memory latency and a core's full share of the bandwidth (~10 GB/s · 300 ns = 3 KiB), and a
+/// small part of the L2 (1 MiB) the rows wait in. 16-256 KiB measured alike (8/1 heads, one
+/// thread, 16 MiB caches); 8 KiB was slower, and prefetching nothing half as fast.
+const PREFETCH_BYTES: usize = 64 << 10;
+/// Query rows `dot4`-style kernels fold together (the AVX2 and portable kernels).
+const NR: usize = 4;
 
-/// `true` when `p` goes to the decode kernel: few query rows per KV head (`max_seq_q · group`),
-/// see [`MAX_ROW_GROUPS_PER_HEAD`].
+/// `true` when `p` goes to the decode kernel: few query rows per sequence
+/// ([`MAX_DECODE_SEQ_Q`]) or per KV head ([`MAX_DECODE_ROWS_PER_KV_HEAD`]).
 pub(crate) fn is_decode(p: &Problem) -> bool {
     let group = group_size(p.heads, p.kv_heads.max(1));
-    p.max_seq_q.saturating_mul(group.div_ceil(NR)) <= MAX_ROW_GROUPS_PER_HEAD * group
+    p.max_seq_q <= MAX_DECODE_SEQ_Q
+        || p.max_seq_q.saturating_mul(group) <= MAX_DECODE_ROWS_PER_KV_HEAD
 }
 
-/// Splits of a sequence whose rows see `keys` keys, among `batch` sequences on `threads`
-/// threads: enough items to keep every thread busy, none shorter than `MIN_SPLIT_KEYS`.
-pub(crate) fn split_count(keys: usize, batch: usize, threads: usize) -> usize {
-    let want = (ITEMS_PER_THREAD * threads).div_ceil(batch.max(1));
-    want.min(keys / MIN_SPLIT_KEYS).clamp(1, MAX_SPLITS)
+/// The storage types the kernels can read in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    F32,
+    F16,
+    Bf16,
+    Other,
 }
 
-/// Keys `[lo, hi)` of split `s` of `n` over the keys `[k0, k1)`.
-#[inline]
-fn split_bounds(k0: usize, k1: usize, s: usize, n: usize) -> (usize, usize) {
-    let len = k1 - k0;
-    (k0 + len * s / n, k0 + len * (s + 1) / n)
-}
-
-/// Where each sequence's splits and partial rows live.
-struct Plan {
-    /// Per sequence: splits, and the key range the rows see (union of their windows).
-    splits: Vec<usize>,
-    keys: Vec<(usize, usize)>,
-    /// Per sequence: first partial row (a split holds `heads · seq_q` rows, head-major).
-    part_row: Vec<usize>,
-    /// `(sequence, split)` of every work item.
-    items: Vec<(usize, usize)>,
-    rows: usize,
-}
-
-impl Plan {
-    fn new(p: &Problem, threads: usize) -> Self {
-        let mut plan = Plan {
-            splits: Vec::with_capacity(p.batch),
-            keys: Vec::with_capacity(p.batch),
-            part_row: Vec::with_capacity(p.batch),
-            items: Vec::new(),
-            rows: 0,
-        };
-        for b in 0..p.batch {
-            let seq = p.seq(b);
-            let keys = p.mask(b, &seq).key_range_rows(0..seq.seq_q);
-            let n = if seq.seq_q == 0 {
-                0
-            } else {
-                split_count(keys.1 - keys.0, p.batch, threads)
-            };
-            plan.splits.push(n);
-            plan.keys.push(keys);
-            plan.part_row.push(plan.rows);
-            plan.rows += n * p.heads * seq.seq_q;
-            plan.items.extend((0..n).map(|s| (b, s)));
-        }
-        plan
+/// The [`Kind`] of `T`; folds to a constant in every instantiation.
+#[inline(always)]
+fn kind<T: 'static>() -> Kind {
+    let t = TypeId::of::<T>();
+    if t == TypeId::of::<f32>() {
+        Kind::F32
+    } else if t == TypeId::of::<half::f16>() {
+        Kind::F16
+    } else if t == TypeId::of::<half::bf16>() {
+        Kind::Bf16
+    } else {
+        Kind::Other
     }
 }
 
@@ -123,10 +112,18 @@ struct Ctx<'a, T> {
     k: &'a [T],
     v: &'a [T],
     plan: &'a Plan,
+    /// bf16 `q·k` with `vdpbf16ps` (AVX-512 BF16 present and bf16 inputs).
+    bf16_dot: bool,
+    /// Outputs and log-sum-exp, written by an item when its sequence has one split, else by the
+    /// combine.
+    out: SyncPtr<T>,
+    lse: SyncPtr<f32>,
     /// Partials: unnormalised `O` (`rows × d`), running max `m` (base 2) and sum `l`.
     po: SyncPtr<f32>,
     pm: SyncPtr<f32>,
     pl: SyncPtr<f32>,
+    /// Per sequence: its splits finished so far.
+    done: Vec<std::sync::atomic::AtomicUsize>,
 }
 
 /// Runs the whole problem; returns the contiguous output and the log-sum-exp.
@@ -139,7 +136,9 @@ pub(crate) fn forward<T: Elem>(
 ) -> (Vec<T>, Vec<f32>) {
     forward_with(
         Isa::detect(),
+        true,
         rayon::current_num_threads(),
+        plan::MIN_TASK_BYTES,
         p,
         slopes,
         q,
@@ -148,11 +147,23 @@ pub(crate) fn forward<T: Elem>(
     )
 }
 
-/// [`forward`] with a chosen instruction set (the caller checked that the CPU has it) and the
-/// thread count the split rule plans for.
+/// The AVX-512 kernels need masked 16-bit loads (BW, VL) beside the foundation.
+#[cfg(target_arch = "x86_64")]
+fn has_avx512_decode() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+}
+
+/// [`forward`] with a chosen instruction set (the caller checked that the CPU has it), whether
+/// bf16 products may use `vdpbf16ps` (where the CPU has it), and the thread count and smallest
+/// task the plan is made for (tests split small caches many ways with a small one).
+#[allow(clippy::too_many_arguments)]
 fn forward_with<T: Elem>(
     isa: Isa,
+    bf16_dot: bool,
     threads: usize,
+    min_task: usize,
     p: &Problem,
     slopes: Option<&[f32]>,
     q: &[T],
@@ -160,12 +171,34 @@ fn forward_with<T: Elem>(
     v: &[T],
 ) -> (Vec<T>, Vec<f32>) {
     let d = p.head_dim;
-    let mut out = vec![T::from_f32(0.0); p.total_q * p.heads * d];
-    let mut lse = vec![f32::NEG_INFINITY; p.total_q * p.heads];
-    let plan = Plan::new(p, threads);
-    let mut po = vec![0f32; plan.rows * d];
-    let mut pm = vec![f32::NEG_INFINITY; plan.rows];
-    let mut pl = vec![0f32; plan.rows];
+    if p.batch == 0 || p.total_q == 0 || p.heads == 0 || d == 0 {
+        let out = vec![T::from_f32(0.0); p.total_q * p.heads * d];
+        return (out, vec![f32::NEG_INFINITY; p.total_q * p.heads]);
+    }
+    // NaN until written, so that an element no pass writes shows up in every test.
+    let mut out = vec![T::from_f32(f32::NAN); p.total_q * p.heads * d];
+    let mut lse = vec![f32::NAN; p.total_q * p.heads];
+    #[cfg(target_arch = "x86_64")]
+    let isa = match isa {
+        Isa::Avx512 if !has_avx512_decode() => Isa::Avx2Fma,
+        isa => isa,
+    };
+    #[cfg(target_arch = "x86_64")]
+    let bf16_dot = bf16_dot
+        && isa == Isa::Avx512
+        && kind::<T>() == Kind::Bf16
+        && is_x86_feature_detected!("avx512bf16");
+    // No bf16 dot product outside x86.
+    #[cfg(not(target_arch = "x86_64"))]
+    let bf16_dot = {
+        let _ = bf16_dot;
+        false
+    };
+    let key_bytes = 2 * p.kv_heads * d * std::mem::size_of::<T>();
+    let plan = Plan::new(p, threads, key_bytes, min_task);
+    let mut po = vec![0f32; plan.part_rows * d];
+    let mut pm = vec![f32::NEG_INFINITY; plan.part_rows];
+    let mut pl = vec![0f32; plan.part_rows];
     let ctx = Ctx {
         p,
         slopes,
@@ -173,39 +206,58 @@ fn forward_with<T: Elem>(
         k,
         v,
         plan: &plan,
+        bf16_dot,
+        out: SyncPtr(out.as_mut_ptr()),
+        lse: SyncPtr(lse.as_mut_ptr()),
         po: SyncPtr(po.as_mut_ptr()),
         pm: SyncPtr(pm.as_mut_ptr()),
         pl: SyncPtr(pl.as_mut_ptr()),
+        done: (0..p.batch).map(|_| Default::default()).collect(),
     };
-    // The partial pass.
-    plan.items.par_iter().with_max_len(1).for_each(|&item| {
-        with_scratch(|sc| match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the caller saw avx512f on this CPU.
-            Isa::Avx512 => unsafe { item_avx512(&ctx, sc, item) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the caller saw avx2 and fma on this CPU.
-            Isa::Avx2Fma => unsafe { item_avx2(&ctx, sc, item) },
-            Isa::Portable => run_item::<T, Portable>(&ctx, sc, item),
+    // The partial pass: one task per stretch of the key line; a single task runs here, without
+    // waking the pool.
+    let task = |range: &Range<usize>| {
+        with_scratch(|sc| {
+            for &item in &plan.items[range.clone()] {
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: avx512f/bw/vl were detected just above.
+                    Isa::Avx512 => unsafe { item_avx512(&ctx, sc, item) },
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: the caller saw avx2 and fma on this CPU.
+                    Isa::Avx2Fma => unsafe { item_avx2(&ctx, sc, item) },
+                    Isa::Portable => run_item::<T, Portable>(&ctx, sc, item),
+                }
+            }
         })
-    });
-    // The combine.
-    let (outp, lsep) = (SyncPtr(out.as_mut_ptr()), SyncPtr(lse.as_mut_ptr()));
-    (0..p.batch * p.heads)
-        .into_par_iter()
-        .for_each(|bh| combine(&ctx, bh / p.heads, bh % p.heads, outp, lsep));
+    };
+    if plan.tasks.len() == 1 {
+        task(&plan.tasks[0]);
+    } else {
+        plan.tasks.par_iter().with_max_len(1).for_each(task);
+    }
+    // Sequences that see no key (or have no query row): exact zeros, lse -inf.
+    for b in (0..p.batch).filter(|&b| plan.seqs[b].splits == 0) {
+        let seq = p.seq(b);
+        let rows = seq.out_row * p.heads * d..(seq.out_row + seq.seq_q) * p.heads * d;
+        out[rows].fill(T::from_f32(0.0));
+        for h in 0..p.heads {
+            let at = seq.lse_base + h * p.lse_head_stride();
+            lse[at..at + seq.seq_q].fill(f32::NEG_INFINITY);
+        }
+    }
     (out, lse)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn item_avx512<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: (usize, usize)) {
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn item_avx512<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: Item) {
     run_item::<T, Avx512>(ctx, sc, item)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn item_avx2<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: (usize, usize)) {
+fn item_avx2<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: Item) {
     run_item::<T, Fused>(ctx, sc, item)
 }
 
@@ -225,143 +277,204 @@ fn with_scratch(f: impl FnOnce(&mut Scratch)) {
 
 /// Per-thread buffers of the partial pass.
 struct Scratch {
-    /// Pre-scaled query rows, `O`, `m`, `l` and visible key range of every row of a sequence.
+    /// Query rows (as f32, and as bf16 bits for `vdpbf16ps`), `O`, `m`, `l` of every row of a
+    /// sequence, rows ordered `(kv head, query i, head within the group)`.
     q: Vec<f32>,
+    qh: Vec<u16>,
     o: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
+    /// Per query index: the keys it sees; then the part of the current block it sees; the
+    /// latter per row.
     range: Vec<(usize, usize)>,
-    /// K and V blocks converted to f32 (`BK × d`), when they cannot be read in place.
+    cols: Vec<(usize, usize)>,
+    rcols: Vec<(usize, usize)>,
+    /// Scores, then probabilities, and corrections of every row against one block.
+    s: Vec<[f32; BK]>,
+    corr: Vec<f32>,
+    /// K and V blocks converted to f32 (`BK × kv_heads × d`), when the kernels cannot read
+    /// them in place.
     k: Vec<f32>,
     v: Vec<f32>,
-    /// Scores, then probabilities, of `NR` rows against one block.
-    s: [[f32; BK]; NR],
 }
 
 impl Scratch {
     const fn new() -> Self {
         Self {
             q: Vec::new(),
+            qh: Vec::new(),
             o: Vec::new(),
             m: Vec::new(),
             l: Vec::new(),
             range: Vec::new(),
+            cols: Vec::new(),
+            rcols: Vec::new(),
+            s: Vec::new(),
+            corr: Vec::new(),
             k: Vec::new(),
             v: Vec::new(),
-            s: [[0.0; BK]; NR],
         }
     }
 
-    fn reserve(&mut self, rows: usize, d: usize) {
-        let grow = |v: &mut Vec<f32>, n: usize| {
+    /// Room for `rows` query rows of `d`, `sq` query indices and blocks of `block` elements.
+    fn reserve(&mut self, rows: usize, sq: usize, block: usize, d: usize) {
+        fn grow<X: Copy>(v: &mut Vec<X>, n: usize, x: X) {
             if v.len() < n {
-                v.resize(n, 0.0);
+                v.resize(n, x);
             }
-        };
-        grow(&mut self.q, rows * d);
-        grow(&mut self.o, rows * d);
-        grow(&mut self.m, rows);
-        grow(&mut self.l, rows);
-        grow(&mut self.k, BK * d);
-        grow(&mut self.v, BK * d);
-        if self.range.len() < rows {
-            // One range per query row `i` (the heads of a row share it).
-            self.range.resize(rows, (0, 0));
+        }
+        grow(&mut self.q, rows * d, 0.0);
+        grow(&mut self.qh, rows * d.next_multiple_of(2), 0);
+        grow(&mut self.o, rows * d, 0.0);
+        grow(&mut self.m, rows, 0.0);
+        grow(&mut self.l, rows, 0.0);
+        grow(&mut self.range, sq, (0, 0));
+        grow(&mut self.cols, sq, (0, 0));
+        grow(&mut self.rcols, rows, (0, 0));
+        grow(&mut self.s, rows, [0.0; BK]);
+        grow(&mut self.corr, rows, 0.0);
+        grow(&mut self.k, block, 0.0);
+        grow(&mut self.v, block, 0.0);
+    }
+}
+
+/// One block of K or V rows for one KV head: key `c`'s row is `src[row(c)..row(c) + d]`.
+pub(super) struct Rows<'a, T> {
+    src: &'a [T],
+    off: &'a [usize; BK],
+    shift: usize,
+}
+
+impl<T> Rows<'_, T> {
+    /// Where key `c`'s row starts.
+    #[inline(always)]
+    fn row(&self, c: usize) -> usize {
+        self.off[c] + self.shift
+    }
+}
+
+/// Element offsets of key rows `j0 .. j0 + n` at KV head 0: one address per run of consecutive
+/// rows (the block, or its part in one page).
+#[inline(always)]
+fn row_offsets(strides: &Strides, keys: &KeyRows, j0: usize, n: usize) -> [usize; BK] {
+    let mut off = [0usize; BK];
+    let mut c = 0;
+    while c < n {
+        let run = keys.run(j0 + c, n - c);
+        let (b, row) = keys.at(j0 + c);
+        let base = strides.at(b, row, 0);
+        for (r, o) in off[c..c + run].iter_mut().enumerate() {
+            *o = base + r * strides.seq;
+        }
+        c += run;
+    }
+    off
+}
+
+/// How an item reaches the K and V rows of a block.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// Read as stored, where they lie (contiguous head dim).
+    InPlace,
+    /// Copied as stored into a contiguous block (strided head dim).
+    Gather,
+    /// Converted to f32 into a contiguous block.
+    Convert,
+}
+
+/// A block's K or V rows: key `c`, KV head `h` starts at `src[base[c] + h * head]`.
+struct BlockRows<'a, U> {
+    src: &'a [U],
+    base: [usize; BK],
+    head: usize,
+}
+
+impl<U> BlockRows<'_, U> {
+    /// The rows of KV head `h`.
+    #[inline(always)]
+    fn at(&self, h: usize) -> Rows<'_, U> {
+        Rows {
+            src: self.src,
+            off: &self.base,
+            shift: h * self.head,
         }
     }
 }
 
-/// `src` as f32 when `T` is f32 (a K or V cache read in place).
-fn as_f32<T: Elem>(src: &[T]) -> Option<&[f32]> {
-    (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| {
-        // SAFETY: `T` is `f32`, so the slice is already a valid `&[f32]` of the same length.
-        unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<f32>(), src.len()) }
-    })
-}
-
-/// One block of K or V rows for one KV head: row `c` is `src[off[c]..off[c] + d]`.
-struct Rows<'a> {
-    src: &'a [f32],
-    off: [usize; BK],
-}
-
-/// The block's keys `j0 .. j0 + n`, in place when the cache is f32 with a contiguous head dim,
-/// else converted into `buf`.
-#[inline(always)]
+/// Copies keys `j0 .. j0 + n`, every KV head, into `dst` (`(key, head, d)`, dense) through `f`
+/// (as stored, or converted to f32), in the order they lie in memory.
 #[allow(clippy::too_many_arguments)]
-fn block_rows<'a, T: Elem>(
-    p: &Problem,
-    src: &'a [T],
-    strides: &crate::problem::Strides,
-    buf: &'a mut [f32],
+#[inline(always)]
+fn copy_block<T: Elem, U: Copy>(
+    dst: &mut [U],
+    src: &[T],
+    s: &Strides,
     keys: &KeyRows,
     j0: usize,
     n: usize,
-    kvh: usize,
-) -> Rows<'a> {
-    let d = p.head_dim;
-    let mut off = [0usize; BK];
-    match as_f32(src) {
-        Some(f) if strides.dim == 1 => {
-            // One address per run of consecutive rows (the block, or its part in one page).
-            let mut c = 0;
-            while c < n {
-                let run = keys.run(j0 + c, n - c);
-                let (b, row) = keys.at(j0 + c);
-                let base = strides.at(b, row, kvh);
-                for (r, o) in off[c..c + run].iter_mut().enumerate() {
-                    *o = base + r * strides.seq;
+    heads: usize,
+    d: usize,
+    f: impl Fn(&mut [U], &[T]),
+    one: impl Fn(T) -> U,
+) {
+    for (c, rows) in dst[..n * heads * d].chunks_exact_mut(heads * d).enumerate() {
+        let (b, r) = keys.at(j0 + c);
+        for (h, row) in rows.chunks_exact_mut(d).enumerate() {
+            let base = s.at(b, r, h);
+            if s.dim == 1 {
+                f(row, &src[base..base + d]);
+            } else {
+                for (x, o) in row.iter_mut().enumerate() {
+                    *o = one(src[base + x * s.dim]);
                 }
-                c += run;
             }
-            // Bounds checked here, so the inner loops can slice freely.
-            assert!(off[..n].iter().all(|&o| o + d <= f.len()));
-            Rows { src: f, off }
-        }
-        _ => {
-            load_keys(buf, src, strides, keys, j0, n, kvh, d);
-            for (c, o) in off[..n].iter_mut().enumerate() {
-                *o = c * d;
-            }
-            Rows { src: buf, off }
         }
     }
 }
 
-/// Query rows folded together: they share every K and V load.
-const NR: usize = 4;
-
-/// One work item: split `s` of sequence `b`, every query row of every head.
-///
-/// In the scratch, rows are ordered `(kv head, query i, head within the group)`, so the rows of
-/// one KV head that see the same keys (same `i`) are consecutive and go through the kernels
-/// `NR` at a time.
+/// One work item: keys `lo .. hi` of sequence `b`, every query row of every head.
 #[inline(always)]
-fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usize)) {
+fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
     let p = ctx.p;
     let d = p.head_dim;
+    let b = it.b;
     let seq = p.seq(b);
-    let (sq, sk) = (seq.seq_q, seq.seq_k);
+    let sq = seq.seq_q;
     let group = group_size(p.heads, p.kv_heads);
     let rows = p.heads * sq;
-    sc.reserve(rows, d);
-    let softcap = p.score.softcap > 0.0;
-    // Without softcap the scale and log2(e) fold into q once; with it, tanh needs the true score.
-    let q_scale = if softcap {
-        p.score.scale
-    } else {
-        p.score.scale * LOG2_E
-    };
+    sc.reserve(rows, sq, BK * p.kv_heads * d, d);
     // Scratch row of (head h, query i).
     let row_of = |h: usize, i: usize| ((h / group) * sq + i) * group + h % group;
     for h in 0..p.heads {
         for i in 0..sq {
             let r = row_of(h, i);
-            let qr = &mut sc.q[r * d..(r + 1) * d];
-            load_rows(qr, ctx.q, &p.q, b, seq.q_row + i, 1, h, d);
-            qr.iter_mut().for_each(|x| *x *= q_scale);
+            load_rows(
+                &mut sc.q[r * d..(r + 1) * d],
+                ctx.q,
+                &p.q,
+                b,
+                seq.q_row + i,
+                1,
+                h,
+                d,
+            );
             sc.m[r] = f32::NEG_INFINITY;
             sc.l[r] = 0.0;
+        }
+    }
+    if ctx.bf16_dot {
+        // The query is bf16, so its f32 copy holds bf16 values exactly: the upper halves.
+        // Rows an even number of elements apart, padded with zeros, so the kernels read whole
+        // pairs of the last one.
+        let dq = d.next_multiple_of(2);
+        for (h, x) in sc.qh[..rows * dq]
+            .chunks_exact_mut(dq)
+            .zip(sc.q[..rows * d].chunks_exact(d))
+        {
+            for (h, x) in h.iter_mut().zip(x) {
+                *h = (x.to_bits() >> 16) as u16;
+            }
+            h[d..].fill(0);
         }
     }
     sc.o[..rows * d].fill(0.0);
@@ -371,78 +484,158 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
         sc.range[i] = mask.row_range(i);
     }
     let keys = p.key_rows(b, &seq);
+    // Without softcap the scale and log2(e) fold into one factor; with it, tanh needs the true
+    // score.
+    let softcap = p.score.softcap > 0.0;
+    let scale = if softcap {
+        p.score.scale
+    } else {
+        p.score.scale * LOG2_E
+    };
+    let access = |s: &Strides| {
+        if !K::reads::<T>() {
+            Access::Convert
+        } else if s.dim == 1 {
+            Access::InPlace
+        } else {
+            Access::Gather
+        }
+    };
+    let convert = access(&p.k) == Access::Convert;
+    let block_len = BK * p.kv_heads * d;
+    let mut gk: Vec<T> = Vec::new();
+    let mut gv: Vec<T> = Vec::new();
+    if access(&p.k) == Access::Gather {
+        gk = vec![T::from_f32(0.0); block_len];
+    }
+    if access(&p.v) == Access::Gather {
+        gv = vec![T::from_f32(0.0); block_len];
+    }
+    let dense: [usize; BK] = std::array::from_fn(|c| c * p.kv_heads * d);
+    let step_bytes = 2 * BK * d * std::mem::size_of::<T>();
+    let ahead = Ahead {
+        k: ctx.k,
+        v: ctx.v,
+        keys,
+        hi: it.hi,
+        steps: PREFETCH_BYTES.div_ceil(step_bytes),
+    };
 
-    let (k0, k1) = ctx.plan.keys[b];
-    let (k0, k1) = split_bounds(k0, k1, s, ctx.plan.splits[b]);
-    let mut j0 = k0;
-    while j0 < k1 {
-        let n = BK.min(k1 - j0);
-        for kvh in 0..p.kv_heads {
-            let kr = block_rows(p, ctx.k, &p.k, &mut sc.k, &keys, j0, n, kvh);
-            let vr = block_rows(p, ctx.v, &p.v, &mut sc.v, &keys, j0, n, kvh);
-            for i in 0..sq {
-                // The part of the block query i sees.
-                let (lo, hi) = sc.range[i];
-                let (c0, c1) = (lo.max(j0), hi.min(j0 + n));
-                if c0 >= c1 {
-                    continue;
+    let mut j0 = it.lo;
+    while j0 < it.hi {
+        let n = BK.min(it.hi - j0);
+        // The part of the block each query index sees.
+        for i in 0..sq {
+            let (lo, hi) = sc.range[i];
+            let (c0, c1) = (lo.max(j0), hi.min(j0 + n));
+            sc.cols[i] = if c0 < c1 { (c0 - j0, c1 - j0) } else { (0, 0) };
+        }
+        let blk = Block {
+            j0,
+            n,
+            group,
+            sq,
+            sk: seq.seq_k,
+            b,
+            scale,
+            softcap,
+        };
+        if convert {
+            let (mut kb, mut vb) = (std::mem::take(&mut sc.k), std::mem::take(&mut sc.v));
+            let cv = |o: &mut [f32], i: &[T]| T::load_f32(o, i);
+            copy_block(
+                &mut kb,
+                ctx.k,
+                &p.k,
+                &keys,
+                j0,
+                n,
+                p.kv_heads,
+                d,
+                cv,
+                T::to_f32,
+            );
+            copy_block(
+                &mut vb,
+                ctx.v,
+                &p.v,
+                &keys,
+                j0,
+                n,
+                p.kv_heads,
+                d,
+                cv,
+                T::to_f32,
+            );
+            let kr = BlockRows {
+                src: &kb[..],
+                base: dense,
+                head: d,
+            };
+            let vr = BlockRows {
+                src: &vb[..],
+                base: dense,
+                head: d,
+            };
+            block::<T, f32, K>(ctx, sc, &blk, &kr, &vr, &ahead);
+            (sc.k, sc.v) = (kb, vb);
+        } else {
+            let rows_of = |g: &'_ mut Vec<T>, src: &'_ [T], s: &Strides| {
+                if g.is_empty() {
+                    (None, row_offsets(s, &keys, j0, n), s.head)
+                } else {
+                    let cp = |o: &mut [T], i: &[T]| o.copy_from_slice(i);
+                    copy_block(g, src, s, &keys, j0, n, p.kv_heads, d, cp, |x| x);
+                    (Some(()), dense, d)
                 }
-                let cols = c0 - j0..c1 - j0;
-                let mut g = 0;
-                while g < group {
-                    let nr = NR.min(group - g);
-                    let r0 = (kvh * sq + i) * group + g;
-                    let h0 = kvh * group + g;
-                    // Rows past `nr` repeat the last one; their results are dropped.
-                    let qs: [&[f32]; NR] = std::array::from_fn(|t| {
-                        let r = r0 + t.min(nr - 1);
-                        &sc.q[r * d..(r + 1) * d]
-                    });
-                    K::scores(qs, &kr, cols.clone(), &mut sc.s);
-                    let mut corr = [0f32; NR];
-                    for t in 0..nr {
-                        let slope = ctx
-                            .slopes
-                            .map_or(0.0, |sl| sl[b * p.alibi_batch_stride + h0 + t]);
-                        let row = Row {
-                            p,
-                            slope,
-                            i,
-                            sq,
-                            sk,
-                            j0,
-                            softcap,
-                        };
-                        corr[t] = softmax::<K>(
-                            &row,
-                            cols.clone(),
-                            &mut sc.s[t],
-                            &mut sc.m[r0 + t],
-                            &mut sc.l[r0 + t],
-                        );
-                    }
-                    K::pv(
-                        &mut sc.o[r0 * d..(r0 + nr) * d],
-                        nr,
-                        &corr,
-                        &sc.s,
-                        &vr,
-                        cols.clone(),
-                    );
-                    g += nr;
-                }
-            }
+            };
+            let (kg, kbase, khead) = rows_of(&mut gk, ctx.k, &p.k);
+            let (vg, vbase, vhead) = rows_of(&mut gv, ctx.v, &p.v);
+            let kr = BlockRows {
+                src: if kg.is_some() { &gk[..] } else { ctx.k },
+                base: kbase,
+                head: khead,
+            };
+            let vr = BlockRows {
+                src: if vg.is_some() { &gv[..] } else { ctx.v },
+                base: vbase,
+                head: vhead,
+            };
+            block::<T, T, K>(ctx, sc, &blk, &kr, &vr, &ahead);
         }
         j0 += n;
     }
 
+    let sp = ctx.plan.seqs[b];
+    if sp.splits == 1 {
+        // The only split: normalise and write the output rows here.
+        for h in 0..p.heads {
+            for i in 0..sq {
+                let r = row_of(h, i);
+                let (m, l) = (sc.m[r], sc.l[r]);
+                let inv = if l == 0.0 { 0.0 } else { 1.0 / l };
+                let base = (seq.out_row + i) * p.heads * d + h * d;
+                for x in 0..d {
+                    let o = if l == 0.0 { 0.0 } else { sc.o[r * d + x] * inv };
+                    // SAFETY: element (row, h, x) belongs to this sequence, written by its only
+                    // item, and lies inside the output `forward_with` allocated
+                    // (total_q · heads · d elements).
+                    unsafe { *ctx.out.0.add(base + x) = T::from_f32(o) };
+                }
+                let at = seq.lse_base + h * p.lse_head_stride() + i;
+                // SAFETY: as above, for the row's log-sum-exp.
+                unsafe { *ctx.lse.0.add(at) = row_lse(m, l) };
+            }
+        }
+        return;
+    }
     // Leave the partials, head-major: rows of split s follow those of splits 0..s.
-    let base = ctx.plan.part_row[b] + s * rows;
+    let base = sp.part_row + it.split * rows;
     for h in 0..p.heads {
         for i in 0..sq {
             let (r, pr) = (row_of(h, i), base + h * sq + i);
             // SAFETY: partial rows `base .. base + rows` belong to this item alone and lie
-            // inside the buffers `forward_with` allocated (`plan.rows` rows of `d`).
+            // inside the buffers `forward_with` allocated (`plan.part_rows` rows of `d`).
             unsafe {
                 let o = ctx.po.0.add(pr * d);
                 std::ptr::copy_nonoverlapping(sc.o.as_ptr().add(r * d), o, d);
@@ -451,45 +644,265 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, (b, s): (usize, usi
             }
         }
     }
+    // The item that finishes its sequence's last split merges them all (in split order, so
+    // which item that is changes no bit). AcqRel: the partials written above are published to
+    // the merging item, and it sees every other item's.
+    let done = ctx.done[b].fetch_add(1, std::sync::atomic::Ordering::AcqRel) + 1;
+    if done == sp.splits {
+        for h in 0..p.heads {
+            combine(ctx, b, h);
+        }
+    }
 }
 
-/// What the score modifiers of one query row read.
-struct Row<'a> {
-    p: &'a Problem,
-    slope: f32,
-    i: usize,
+/// The natural-log log-sum-exp of a row from its base-2 running max and sum; `-inf` for a row
+/// that saw no key.
+#[inline]
+fn row_lse(m: f32, l: f32) -> f32 {
+    if l == 0.0 {
+        f32::NEG_INFINITY
+    } else {
+        (m + l.log2()) / LOG2_E
+    }
+}
+
+/// What the prefetches ahead of a block read: the caches as stored, and where the item ends.
+struct Ahead<'a, T> {
+    k: &'a [T],
+    v: &'a [T],
+    keys: KeyRows<'a>,
+    /// The item's end.
+    hi: usize,
+    /// How many `(block, KV head)` steps ahead.
+    steps: usize,
+}
+
+impl<T> Ahead<'_, T> {
+    /// The step `self.steps` after block `j0`, KV head 0: its first key and KV head.
+    #[inline(always)]
+    fn first(&self, j0: usize, heads: usize) -> (usize, usize) {
+        (j0 + self.steps / heads * BK, self.steps % heads)
+    }
+
+    /// The K and V rows of the step at block `jb`, KV head `h`, to prefetch; then moves
+    /// `(jb, h)` on by one step.
+    #[inline(always)]
+    fn rows(&self, p: &Problem, at: &mut (usize, usize)) -> Pf {
+        let (jb, h) = *at;
+        *at = if h + 1 == p.kv_heads {
+            (jb + BK, 0)
+        } else {
+            (jb, h + 1)
+        };
+        let mut pf = Pf::NONE;
+        if self.steps == 0 || p.k.dim != 1 || p.v.dim != 1 {
+            return pf;
+        }
+        let (a, e) = (jb.min(self.hi), (jb + BK).min(self.hi));
+        let (kb, vb) = (self.k.as_ptr().cast::<u8>(), self.v.as_ptr().cast::<u8>());
+        let size = std::mem::size_of::<T>();
+        for j in a..e {
+            let (b, r) = self.keys.at(j);
+            pf.rows[pf.n] = kb.wrapping_add(p.k.at(b, r, h) * size);
+            pf.rows[pf.n + 1] = vb.wrapping_add(p.v.at(b, r, h) * size);
+            pf.n += 2;
+        }
+        pf.bytes = p.head_dim * size;
+        pf
+    }
+}
+
+/// K and V rows to prefetch while a kernel runs, a few cache lines between its own loads, so
+/// that the requests reach memory at an even pace rather than in bursts that stall the core.
+pub(super) struct Pf {
+    rows: [*const u8; 2 * BK],
+    n: usize,
+    bytes: usize,
+    /// The next row.
+    next: usize,
+}
+
+impl Pf {
+    const NONE: Pf = Pf {
+        rows: [std::ptr::null(); 2 * BK],
+        n: 0,
+        bytes: 0,
+        next: 0,
+    };
+
+    /// Rows to prefetch.
+    #[inline(always)]
+    pub(super) fn rows(&self) -> usize {
+        self.n
+    }
+
+    /// Prefetches the next `count` rows into L2, every cache line of each.
+    #[inline(always)]
+    pub(super) fn fetch(&mut self, count: usize) {
+        let end = (self.next + count).min(self.n);
+        for &row in &self.rows[self.next..end] {
+            let mut off = 0;
+            while off < self.bytes {
+                prefetch_line(row.wrapping_add(off));
+                off += 64;
+            }
+        }
+        self.next = end;
+    }
+
+    /// Prefetches every row left.
+    #[inline(always)]
+    pub(super) fn fetch_all(&mut self) {
+        self.fetch(self.n);
+    }
+}
+
+/// Asks the CPU to start loading the cache line at `p` into L2 (T1: the L1 is too small for
+/// what is fetched ahead; T0 prefetches measured slower than none on the Zen 4 machine).
+#[inline(always)]
+fn prefetch_line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        // SAFETY: a prefetch never faults and changes no program state, whatever the address;
+        // the pointer is only computed (wrapping), never dereferenced.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Where one block of an item stands.
+struct Block {
+    /// First key of the block, and its keys.
+    j0: usize,
+    n: usize,
+    group: usize,
     sq: usize,
     sk: usize,
-    /// First key of the block.
-    j0: usize,
+    b: usize,
+    /// Multiplies `q·k` (with log2(e) folded in unless there is a softcap).
+    scale: f32,
     softcap: bool,
 }
 
-/// Turns one row's raw scores `s[cols]` into probabilities and updates its running max and sum;
-/// returns the correction `2^(m_old - m_new)` its `O` must be scaled by.
+/// Every row of an item against one block: the scores, the online softmax, `P V`, one KV head
+/// after the other (the rows of a KV head, `group · seq_q` of them, consecutive in the
+/// scratch, share each K and V row). While the scores of a KV head run, the rows
+/// [`PREFETCH_BYTES`] ahead are prefetched (see [`Ahead`]).
+#[inline(always)]
+fn block<T: Elem, U: Elem, K: Ops>(
+    ctx: &Ctx<T>,
+    sc: &mut Scratch,
+    blk: &Block,
+    k: &BlockRows<U>,
+    v: &BlockRows<U>,
+    ahead: &Ahead<T>,
+) {
+    let p = ctx.p;
+    let d = p.head_dim;
+    let (group, sq, n) = (blk.group, blk.sq, blk.n);
+    let gr = group * sq;
+    let mut step = ahead.first(blk.j0, p.kv_heads);
+    for kvh in 0..p.kv_heads {
+        let r0 = kvh * gr;
+        let mut pf = ahead.rows(p, &mut step);
+        K::scores(
+            ctx.bf16_dot,
+            &sc.q[r0 * d..(r0 + gr) * d],
+            &sc.qh[r0 * d.next_multiple_of(2)..(r0 + gr) * d.next_multiple_of(2)],
+            gr,
+            d,
+            &k.at(kvh),
+            0..n,
+            &mut sc.s[r0..r0 + gr],
+            &mut pf,
+        );
+    }
+    // The online softmax of every row, after the score modifiers (scale included) where there
+    // are any.
+    let rows = p.kv_heads * gr;
+    // Row r is (KV head, query i, head within the group): r = (kvh · sq + i) · group + g.
+    for rows in sc.rcols[..rows].chunks_exact_mut(gr) {
+        for (c, &cols) in rows.chunks_exact_mut(group).zip(&sc.cols[..sq]) {
+            c.fill(cols);
+        }
+    }
+    let mut scale = blk.scale;
+    if blk.softcap || ctx.slopes.is_some() {
+        for r in 0..rows {
+            let (c0, c1) = sc.rcols[r];
+            let (i, h) = (r / group % sq, r / gr * group + r % group);
+            let slope = ctx
+                .slopes
+                .map_or(0.0, |sl| sl[blk.b * p.alibi_batch_stride + h]);
+            for c in c0..c1 {
+                let x = sc.s[r][c] * blk.scale;
+                let raw = if blk.softcap {
+                    p.score.cap(x) * LOG2_E
+                } else {
+                    x
+                };
+                let bias = if slope != 0.0 {
+                    alibi_bias(slope, i, blk.j0 + c, sq, blk.sk) * LOG2_E
+                } else {
+                    0.0
+                };
+                sc.s[r][c] = raw - bias;
+            }
+        }
+        scale = 1.0;
+    }
+    K::softmax_rows(
+        &mut sc.s[..rows],
+        &sc.rcols[..rows],
+        scale,
+        &mut sc.m[..rows],
+        &mut sc.l[..rows],
+        &mut sc.corr[..rows],
+    );
+    // P V over runs of query indices that see the same columns (all of them, except in the
+    // blocks where a causal diagonal or a window edge passes).
+    for kvh in 0..p.kv_heads {
+        let r0 = kvh * gr;
+        let vr = v.at(kvh);
+        let mut i = 0;
+        while i < sq {
+            let c = sc.cols[i];
+            let mut e = i + 1;
+            while e < sq && sc.cols[e] == c {
+                e += 1;
+            }
+            if c.0 < c.1 {
+                let (t0, t1) = (r0 + i * group, r0 + e * group);
+                K::pv(
+                    ctx.bf16_dot,
+                    &mut sc.o[t0 * d..t1 * d],
+                    t1 - t0,
+                    d,
+                    Some(&sc.corr[t0..t1]),
+                    &sc.s[t0..t1],
+                    &vr,
+                    c.0..c.1,
+                );
+            }
+            i = e;
+        }
+    }
+}
+
+/// Turns one row's raw dot products `s[cols]` into probabilities (`2^(scale · s - m_new)`, 0
+/// outside `cols`) and updates its running max and sum; returns the correction
+/// `2^(m_old - m_new)` its `O` must be scaled by.
 #[inline(always)]
 fn softmax<K: Kernel>(
-    row: &Row,
-    cols: std::ops::Range<usize>,
+    scale: f32,
+    cols: Range<usize>,
     s: &mut [f32; BK],
     m: &mut f32,
     l: &mut f32,
 ) -> f32 {
-    if row.softcap || row.slope != 0.0 {
-        for c in cols.clone() {
-            let raw = if row.softcap {
-                row.p.score.cap(s[c]) * LOG2_E
-            } else {
-                s[c]
-            };
-            let bias = if row.slope != 0.0 {
-                alibi_bias(row.slope, row.i, row.j0 + c, row.sq, row.sk) * LOG2_E
-            } else {
-                0.0
-            };
-            s[c] = raw - bias;
-        }
-    }
+    s.iter_mut().for_each(|x| *x *= scale);
     // From here on whole rows of BK, so that every loop has a fixed length and vectorises (a
     // scalar exp2 per score cost as much as either product): the columns outside `cols` get
     // -inf, whose p is exactly 0.
@@ -530,45 +943,98 @@ fn softmax<K: Kernel>(
     corr
 }
 
-/// The two products, per instruction set, for `NR` query rows that see the same keys.
-/// The portable loops unless an instruction set overrides them.
+/// The block kernels, per instruction set; the portable loops unless one overrides them.
 trait Ops: Kernel + Sized {
-    /// `s[t][c] = q[t] · K[c]` for `c` in `cols`.
+    /// Whether [`scores`](Self::scores) and [`pv`](Self::pv) read rows of `T` as stored;
+    /// otherwise each block is converted to f32 first.
     #[inline(always)]
-    fn scores(q: [&[f32]; NR], k: &Rows, cols: std::ops::Range<usize>, s: &mut [[f32; BK]; NR]) {
-        portable_scores::<Self>(q, k, cols, s)
+    fn reads<T: 'static>() -> bool {
+        kind::<T>() == Kind::F32
     }
-    /// For the first `nr` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c s[t][c] V[c]`.
+    /// `s[t][c] = q[t] · K[c]` for the `rows` query rows (`d` apart in `q`, and as bf16 bits in
+    /// `qh`, an even number `d.next_multiple_of(2)` apart and zero-padded, when `dot`) and the
+    /// keys `c` in `keys` (within the block); prefetches `pf` on the way.
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn pv(
-        o: &mut [f32],
-        nr: usize,
-        corr: &[f32; NR],
-        s: &[[f32; BK]; NR],
-        v: &Rows,
-        cols: std::ops::Range<usize>,
+    fn scores<T: Elem>(
+        dot: bool,
+        q: &[f32],
+        qh: &[u16],
+        rows: usize,
+        d: usize,
+        k: &Rows<T>,
+        keys: Range<usize>,
+        s: &mut [[f32; BK]],
+        pf: &mut Pf,
     ) {
-        portable_pv::<Self>(o, nr, corr, s, v, cols)
+        let _ = (dot, qh);
+        pf.fetch_all();
+        portable_scores::<T, Self>(q, rows, d, k, keys, s)
+    }
+    /// The online softmax of every row `r` of a block (see [`softmax`]): scores `s[r]` scaled
+    /// by `scale`, visible columns `cols[r]`, running max `m[r]` and sum `l[r]`, correction
+    /// into `corr[r]`.
+    #[inline(always)]
+    fn softmax_rows(
+        s: &mut [[f32; BK]],
+        cols: &[(usize, usize)],
+        scale: f32,
+        m: &mut [f32],
+        l: &mut [f32],
+        corr: &mut [f32],
+    ) {
+        for (r, s) in s.iter_mut().enumerate() {
+            let (c0, c1) = cols[r];
+            corr[r] = softmax::<Self>(scale, c0..c1, s, &mut m[r], &mut l[r]);
+        }
+    }
+    /// For the `rows` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c p[t][c] V[c]`
+    /// over `c` in `cols` (no scaling without `corr`; `p` rounded to bf16 when `dot`).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn pv<T: Elem>(
+        dot: bool,
+        o: &mut [f32],
+        rows: usize,
+        d: usize,
+        corr: Option<&[f32]>,
+        p: &[[f32; BK]],
+        v: &Rows<T>,
+        cols: Range<usize>,
+    ) {
+        let _ = dot;
+        portable_pv::<T, Self>(o, rows, d, corr, p, v, cols)
     }
 }
 
 impl Ops for Portable {}
 
-/// `q[t] · K[c]` one row at a time, `PW` partial sums in lanes (one AVX2 vector), then one
-/// fixed-order horizontal sum.
+/// `q[t] · K[c]` one pair at a time, `PW` partial sums in lanes (one AVX2 vector), then one
+/// fixed-order horizontal sum. Rows of another type than f32 are converted first (not reached:
+/// the portable kernels read f32 blocks only, see [`Ops::reads`]).
 #[inline(always)]
-fn portable_scores<K: Kernel>(
-    q: [&[f32]; NR],
-    k: &Rows,
-    cols: std::ops::Range<usize>,
-    s: &mut [[f32; BK]; NR],
+fn portable_scores<T: Elem, K: Kernel>(
+    q: &[f32],
+    rows: usize,
+    d: usize,
+    k: &Rows<T>,
+    keys: Range<usize>,
+    s: &mut [[f32; BK]],
 ) {
     const PW: usize = 8;
-    let d = q[0].len();
     let full = d - d % PW;
-    for c in cols {
-        let kc = &k.src[k.off[c]..k.off[c] + d];
-        for (q, s) in q.iter().zip(s.iter_mut()) {
+    let as_f = as_f32(k.src);
+    let mut conv = vec![0f32; if as_f.is_some() { 0 } else { d }];
+    for c in keys {
+        let kc: &[f32] = match as_f {
+            Some(f) => &f[k.row(c)..k.row(c) + d],
+            None => {
+                T::load_f32(&mut conv, &k.src[k.row(c)..k.row(c) + d]);
+                &conv
+            }
+        };
+        for (t, s) in s[..rows].iter_mut().enumerate() {
+            let q = &q[t * d..(t + 1) * d];
             let mut acc = [0f32; PW];
             for (qc, kc) in q[..full].chunks_exact(PW).zip(kc[..full].chunks_exact(PW)) {
                 for t in 0..PW {
@@ -591,25 +1057,46 @@ fn portable_scores<K: Kernel>(
     }
 }
 
-/// `O += P V` one row at a time, four keys per pass over the row.
+/// `O += P V` one row at a time, four keys per pass over the row. Rows of another type than
+/// f32 are converted first (not reached, as for [`portable_scores`]).
 #[inline(always)]
-fn portable_pv<K: Kernel>(
+fn portable_pv<T: Elem, K: Kernel>(
     o: &mut [f32],
-    nr: usize,
-    corr: &[f32; NR],
-    s: &[[f32; BK]; NR],
-    vr: &Rows,
-    cols: std::ops::Range<usize>,
+    rows: usize,
+    d: usize,
+    corr: Option<&[f32]>,
+    p: &[[f32; BK]],
+    vr: &Rows<T>,
+    cols: Range<usize>,
 ) {
-    let d = o.len() / nr.max(1);
-    for ((o, &corr), s) in o.chunks_exact_mut(d).zip(corr).zip(s) {
+    let as_f = as_f32(vr.src);
+    let mut conv = vec![0f32; if as_f.is_some() { 0 } else { BK * d }];
+    if as_f.is_none() {
+        for c in cols.clone() {
+            T::load_f32(
+                &mut conv[c * d..(c + 1) * d],
+                &vr.src[vr.row(c)..vr.row(c) + d],
+            );
+        }
+    }
+    let vs: [&[f32]; BK] = std::array::from_fn(|c| {
+        if !cols.contains(&c) {
+            &[][..]
+        } else {
+            match as_f {
+                Some(f) => &f[vr.row(c)..vr.row(c) + d],
+                None => &conv[c * d..(c + 1) * d],
+            }
+        }
+    });
+    for (t, (o, s)) in o[..rows * d].chunks_exact_mut(d).zip(p).enumerate() {
+        let corr = corr.map_or(1.0, |c| c[t]);
         if corr != 1.0 {
             o.iter_mut().for_each(|x| *x *= corr);
         }
-        let v = |c: usize| &vr.src[vr.off[c]..vr.off[c] + d];
         let mut c = cols.start;
         while c + 4 <= cols.end {
-            let (v0, v1, v2, v3) = (v(c), v(c + 1), v(c + 2), v(c + 3));
+            let (v0, v1, v2, v3) = (vs[c], vs[c + 1], vs[c + 2], vs[c + 3]);
             for x in 0..d {
                 let acc = K::fma(s[c], v0[x], o[x]);
                 let acc = K::fma(s[c + 1], v1[x], acc);
@@ -619,7 +1106,7 @@ fn portable_pv<K: Kernel>(
             c += 4;
         }
         while c < cols.end {
-            for (o, &vx) in o.iter_mut().zip(v(c)) {
+            for (o, &vx) in o.iter_mut().zip(vs[c]) {
                 *o = K::fma(s[c], vx, *o);
             }
             c += 1;
@@ -627,22 +1114,32 @@ fn portable_pv<K: Kernel>(
     }
 }
 
+/// `src` as f32 when `T` is f32 (rows read in place).
+fn as_f32<T: 'static>(src: &[T]) -> Option<&[f32]> {
+    (kind::<T>() == Kind::F32).then(|| {
+        // SAFETY: `T` is `f32`, so the slice is already a valid `&[f32]` of the same length.
+        unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<f32>(), src.len()) }
+    })
+}
+
 /// Merges the partials of every split of sequence `b`, head `h`, in split order, and writes the
-/// normalised output rows and their log-sum-exp.
-fn combine<T: Elem>(ctx: &Ctx<T>, b: usize, h: usize, out: SyncPtr<T>, lse: SyncPtr<f32>) {
+/// normalised output rows and their log-sum-exp. Called once every split has left its partials.
+fn combine<T: Elem>(ctx: &Ctx<T>, b: usize, h: usize) {
     let p = ctx.p;
     let d = p.head_dim;
     let seq = p.seq(b);
     let sq = seq.seq_q;
-    let n = ctx.plan.splits[b];
+    let sp = ctx.plan.seqs[b];
+    let n = sp.splits;
     let rows = p.heads * sq;
     let lse_h = p.lse_head_stride();
     let row_stride = p.heads * d;
-    let mut w = [0f32; MAX_SPLITS];
+    let mut w = vec![0f32; n];
     for i in 0..sq {
-        let part = |s: usize| ctx.plan.part_row[b] + s * rows + h * sq + i;
-        // SAFETY (all reads below): partial rows of this sequence lie inside the buffers, and the
-        // partial pass that wrote them has finished.
+        let part = |s: usize| sp.part_row + s * rows + h * sq + i;
+        // SAFETY (all reads below): partial rows of this sequence lie inside the buffers, and
+        // every item that wrote them has finished (the caller saw the sequence's `done` count
+        // reach its splits, with acquire ordering).
         let m = |s: usize| unsafe { *ctx.pm.0.add(part(s)) };
         // SAFETY: as above.
         let l = |s: usize| unsafe { *ctx.pl.0.add(part(s)) };
@@ -653,30 +1150,26 @@ fn combine<T: Elem>(ctx: &Ctx<T>, b: usize, h: usize, out: SyncPtr<T>, lse: Sync
         }
         let m_sub = if mx == f32::NEG_INFINITY { 0.0 } else { mx };
         let mut total = 0f32;
-        for (s, w) in w[..n].iter_mut().enumerate() {
+        for (s, w) in w.iter_mut().enumerate() {
             *w = (m(s) - m_sub).exp2();
             total += l(s) * *w;
         }
         let base = (seq.out_row + i) * row_stride + h * d;
         // A row that saw no key has l = 0 and outputs exactly 0; NaN stays NaN.
-        let (inv, row_lse) = if total == 0.0 {
-            (0.0, f32::NEG_INFINITY)
-        } else {
-            (1.0 / total, (m_sub + total.log2()) / LOG2_E)
-        };
+        let inv = if total == 0.0 { 0.0 } else { 1.0 / total };
         for x in 0..d {
             let mut acc = 0f32;
-            for (s, &w) in w[..n].iter().enumerate() {
+            for (s, &w) in w.iter().enumerate() {
                 // SAFETY: as above.
                 acc += unsafe { *ctx.po.0.add(part(s) * d + x) } * w;
             }
             let o = if total == 0.0 { 0.0 } else { acc * inv };
             // SAFETY: element (row, h, x) belongs to this (sequence, head) alone and is in bounds
             // of the output allocated by `forward_with` (total_q * heads * d elements).
-            unsafe { *out.0.add(base + x) = T::from_f32(o) };
+            unsafe { *ctx.out.0.add(base + x) = T::from_f32(o) };
         }
         // SAFETY: as above, for the row's log-sum-exp.
-        unsafe { *lse.0.add(seq.lse_base + h * lse_h + i) = row_lse };
+        unsafe { *ctx.lse.0.add(seq.lse_base + h * lse_h + i) = row_lse(m_sub, total) };
     }
 }
 

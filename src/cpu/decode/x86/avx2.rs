@@ -72,16 +72,16 @@ pub(super) unsafe fn dot4(q: [&[f32]; NR], k: &[f32]) -> [f32; NR] {
 /// dims per pass: each V chunk is loaded once for all rows.
 ///
 /// # Safety
-/// avx2 and fma must be available; `o` holds `nr <= NR` rows of `d`; every V row of `cols` has
-/// `d` elements in bounds.
+/// avx2 and fma must be available; `o` holds `nr <= NR` rows of `d`, `corr` and `s` at least
+/// `nr` entries; every V row of `cols` has `d` elements in bounds.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn pv(
     o: &mut [f32],
     nr: usize,
     d: usize,
-    corr: &[f32; NR],
-    s: &[[f32; BK]; NR],
-    v: &Rows,
+    corr: &[f32],
+    s: &[[f32; BK]],
+    v: &Rows<f32>,
     cols: std::ops::Range<usize>,
 ) {
     let op = o.as_mut_ptr();
@@ -98,8 +98,8 @@ pub(super) unsafe fn pv(
                 acc[1] = _mm256_mul_ps(_mm256_loadu_ps(op.add(t * d + x + W)), c);
             }
             for c in cols.clone() {
-                let v0 = _mm256_loadu_ps(vp.add(v.off[c] + x));
-                let v1 = _mm256_loadu_ps(vp.add(v.off[c] + x + W));
+                let v0 = _mm256_loadu_ps(vp.add(v.row(c) + x));
+                let v1 = _mm256_loadu_ps(vp.add(v.row(c) + x + W));
                 for (acc, s) in acc.iter_mut().zip(s) {
                     let p = _mm256_set1_ps(s[c]);
                     acc[0] = _mm256_fmadd_ps(p, v0, acc[0]);
@@ -125,7 +125,7 @@ pub(super) unsafe fn pv(
                 *acc = _mm256_mul_ps(ot, _mm256_set1_ps(corr[t]));
             }
             for c in cols.clone() {
-                let vv = _mm256_maskload_ps(vp.add(v.off[c] + x), m);
+                let vv = _mm256_maskload_ps(vp.add(v.row(c) + x), m);
                 for (acc, s) in acc.iter_mut().zip(s) {
                     *acc = _mm256_fmadd_ps(_mm256_set1_ps(s[c]), vv, *acc);
                 }
