@@ -89,7 +89,7 @@ for part in "${parts[@]}"; do
             step "decode: candle-flash sweep, then PyTorch SDPA on the same shapes"
             # shellcheck disable=SC2086  # DECODE_ARGS is a list of words
             run decode "$G/decode_bench" --device cuda ${DECODE_ARGS:---shapes-csv $G/decode-grid.csv} \
-                --csv "$LOG/gpu-decode.csv"
+                --out "$LOG/gpu-decode.csv"
             run decode-torch python3 "$G/torch_decode.py" "$LOG/gpu-decode.csv"
             tail -5 "$LOG/decode.log" ;;
         train)
