@@ -18,7 +18,6 @@ as decode_bench counts them: K and V once, q and the output once.
 import argparse
 import csv
 import statistics
-import subprocess
 
 import torch
 import torch.nn.functional as F
@@ -73,11 +72,8 @@ def main():
         s = tuple(r[c] for c in SHAPE)
         if s not in shapes:
             shapes.append(s)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = head["commit"]
+    # The commit of candle-flash's rows: this script runs beside them, from the same tree.
+    commit = head["commit"]
     device = torch.cuda.get_device_name()
     command = f"torch_decode.py {args.csv} (torch {torch.__version__})"
     bw = ref_gbps()

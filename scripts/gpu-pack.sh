@@ -28,11 +28,15 @@ git rev-parse --short HEAD > .gpu/COMMIT
 
 # The executables cargo built for a command, from its JSON messages: "name path" lines.
 built() {
-    cargo "$@" --release --features "$features" --message-format=json 2>/dev/null | python3 -c '
+    # Cargo's own messages go to the terminal; a failed build fails the pack (pipefail).
+    cargo "$@" --release --features "$features" --message-format=json-diagnostic-rendered-ansi \
+        | python3 -c '
 import json, sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+    if m.get("reason") == "compiler-message":
+        print(m["message"]["rendered"], end="", file=sys.stderr)
+    elif m.get("reason") == "compiler-artifact" and m.get("executable"):
         print(m["target"]["name"], m["executable"])'
 }
 
@@ -45,16 +49,18 @@ for part in "${parts[@]}"; do
             for t in $(grep -l -E 'test_(device|cuda)!' tests/*.rs | xargs -n1 basename -s .rs); do
                 targets+=(--test "$t")
             done
+            list=$(built test "${targets[@]}" --no-run)
             while read -r name exe; do
                 cp "$exe" ".gpu/test_$name"
                 bins+=(".gpu/test_$name")
-            done < <(built test "${targets[@]}" --no-run)
+            done <<< "$list"
             ;;
         bench)
+            list=$(built build --example gpu_bench --example decode_bench --example train)
             while read -r name exe; do
                 cp "$exe" ".gpu/$name"
                 bins+=(".gpu/$name")
-            done < <(built build --example gpu_bench --example decode_bench --example train)
+            done <<< "$list"
             cp bench/torch_prefill.py bench/torch_decode.py bench/decode-grid.csv .gpu/
             ;;
         *) echo "unknown part $part (tests, bench)" >&2; exit 1 ;;
