@@ -126,6 +126,14 @@ struct Args {
     /// kernels' compute speed rather than the memory's.
     #[arg(long)]
     hot: bool,
+    /// Also time the decode kernel at these forced split counts of the keys (rows
+    /// `candle-flash-s<N>`): the planner's choice beside its alternatives.
+    #[arg(long, value_delimiter = ',')]
+    splits: Vec<usize>,
+    /// Also time these decode kernel instances (`r1_k2_c32_s2`, see `PlanOverride`), each at
+    /// the planner's split count for it or at every count of --splits.
+    #[arg(long, value_delimiter = ',')]
+    instances: Vec<String>,
     /// Time candle's naive attention too.
     #[arg(long, value_enum, default_value = "auto")]
     naive: NaiveArg,
@@ -446,13 +454,15 @@ fn set_count(bytes: usize, cache: usize) -> usize {
 
 /// Median seconds per call of `f(i)` (call `i` of the run, for rotating inputs): `sets` warm-up
 /// calls, then `reps` timed runs of back-to-back calls (one on the CPU; on the GPU as many as
-/// last [`GPU_RUN_SECS`]), the device synchronised before each clock stops.
+/// last [`GPU_RUN_SECS`]), the device synchronised before each clock stops. Also the median
+/// seconds per call the host took to issue them (before the synchronisation): where it is
+/// close to the first, the host's issue rate, not the device, sets the pace.
 fn time_calls(
     dev: &Device,
     reps: usize,
     sets: usize,
     f: &mut dyn FnMut(usize) -> Result<()>,
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
     let mut call = 0;
     for _ in 0..sets.max(1) {
         f(call)?;
@@ -470,24 +480,29 @@ fn time_calls(
         ((GPU_RUN_SECS / one.max(1e-9)).ceil() as usize).clamp(1, 1000)
     };
     let mut t = Vec::with_capacity(reps);
+    let mut host = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {
         let start = Instant::now();
         for _ in 0..inner {
             f(call)?;
             call += 1;
         }
+        host.push(start.elapsed().as_secs_f64() / inner as f64);
         dev.synchronize()?;
         t.push(start.elapsed().as_secs_f64() / inner as f64);
     }
     t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
+    host.sort_by(f64::total_cmp);
+    Ok((t[t.len() / 2], host[host.len() / 2]))
 }
 
 /// The bandwidth reference: on the CPU a multi-threaded sum over a 1 GiB buffer (bytes read),
 /// on the GPU a 1 GiB device-to-device copy (bytes read plus written).
 enum Reference {
     Cpu(Vec<f32>),
-    Gpu(Tensor),
+    /// Source and destination, both allocated once: a fresh 1 GiB destination per copy would
+    /// time the allocator too.
+    Gpu(Tensor, Tensor),
 }
 
 impl Reference {
@@ -497,7 +512,10 @@ impl Reference {
             // Written in full here, so every page is mapped before the first timing.
             Reference::Cpu((0..n).map(|i| (i % 251) as f32).collect())
         } else {
-            Reference::Gpu(Tensor::ones(n, DType::F32, dev)?)
+            Reference::Gpu(
+                Tensor::ones(n, DType::F32, dev)?,
+                Tensor::zeros(n, DType::F32, dev)?,
+            )
         })
     }
 
@@ -505,17 +523,14 @@ impl Reference {
     fn gbps(&self, dev: &Device, reps: usize) -> Result<f64> {
         match self {
             Reference::Cpu(buf) => {
-                let secs = time_calls(dev, reps, 1, &mut |_| {
+                let (secs, _) = time_calls(dev, reps, 1, &mut |_| {
                     std::hint::black_box(parallel_sum(buf));
                     Ok(())
                 })?;
                 Ok(REF_BYTES as f64 / secs / 1e9)
             }
-            Reference::Gpu(src) => {
-                let secs = time_calls(dev, reps, 1, &mut |_| {
-                    std::hint::black_box(src.copy()?);
-                    Ok(())
-                })?;
+            Reference::Gpu(src, dst) => {
+                let (secs, _) = time_calls(dev, reps, 1, &mut |_| Ok(dst.slice_set(src, 0, 0)?))?;
                 Ok(2.0 * REF_BYTES as f64 / secs / 1e9)
             }
         }
@@ -602,9 +617,19 @@ fn flash_inputs(s: &Shape, dev: &Device, seed: u64) -> Result<FlashInputs> {
     })
 }
 
-fn flash_call(s: &Shape, x: &FlashInputs) -> Result<()> {
+/// A forced decode plan: an instance by name and a split count, each or both.
+type Forced = (Option<String>, Option<usize>);
+
+fn flash_call(s: &Shape, x: &FlashInputs, forced: &Forced) -> Result<()> {
     let scale = 1.0 / (s.head_dim as f32).sqrt();
-    let op = candle_flash::FlashAttn::new(scale).causal();
+    let mut op = candle_flash::FlashAttn::new(scale).causal();
+    if forced.0.is_some() || forced.1.is_some() {
+        op = op.plan_override(candle_flash::PlanOverride {
+            decode_instance: forced.0.clone(),
+            decode_splits: forced.1,
+            ..Default::default()
+        });
+    }
     let out = match (&x.paged, s.layout) {
         (Some((table, cu_q, cu_k)), Layout::Paged(page)) => op
             .paged(table, page)
@@ -670,7 +695,9 @@ fn naive_call(s: &Shape, x: &NaiveInputs) -> Result<()> {
 
 /// One measured row.
 struct Measured {
-    imp: &'static str,
+    imp: String,
+    /// Seconds per call the host took to issue the calls (see [`time_calls`]).
+    host: f64,
     shape: Shape,
     secs: f64,
     ref_gbps: f64,
@@ -684,7 +711,7 @@ impl Measured {
     fn csv(&self) -> Vec<String> {
         let s = &self.shape;
         vec![
-            self.imp.into(),
+            self.imp.clone(),
             dtype_name(s.dtype).into(),
             s.layout.name(),
             s.heads.to_string(),
@@ -709,6 +736,7 @@ fn measure(
     reference: &Reference,
     reps: usize,
     hot: bool,
+    forced: &[Forced],
     naive: bool,
     naive_max: f64,
     seed: u64,
@@ -719,14 +747,36 @@ fn measure(
     let inputs = (0..sets)
         .map(|i| flash_inputs(s, dev, seed + i as u64))
         .collect::<Result<Vec<_>>>()?;
-    let secs = time_calls(dev, reps, sets, &mut |i| flash_call(s, &inputs[i % sets]))?;
-    drop(inputs);
+    let (secs, host) = time_calls(dev, reps, sets, &mut |i| {
+        flash_call(s, &inputs[i % sets], &(None, None))
+    })?;
     let mut rows = vec![Measured {
-        imp: "candle-flash",
+        imp: "candle-flash".into(),
         shape: *s,
         secs,
+        host,
         ref_gbps,
     }];
+    for f in forced {
+        let (secs, host) = time_calls(dev, reps, sets, &mut |i| {
+            flash_call(s, &inputs[i % sets], f)
+        })?;
+        let mut imp = String::from("candle-flash");
+        if let Some(name) = &f.0 {
+            imp += &format!("-{name}");
+        }
+        if let Some(n) = f.1 {
+            imp += &format!("-s{n}");
+        }
+        rows.push(Measured {
+            imp,
+            shape: *s,
+            secs,
+            host,
+            ref_gbps,
+        });
+    }
+    drop(inputs);
     if naive && s.layout == Layout::Contiguous && s.naive_bytes() as f64 <= naive_max * 1e9 {
         let sets = set_count(s.naive_bytes(), cache);
         let inputs = (0..sets)
@@ -741,11 +791,12 @@ fn measure(
         } else {
             reps
         };
-        let secs = time_calls(dev, reps, sets, &mut |i| naive_call(s, &inputs[i % sets]))?;
+        let (secs, host) = time_calls(dev, reps, sets, &mut |i| naive_call(s, &inputs[i % sets]))?;
         rows.push(Measured {
-            imp: "candle-naive",
+            imp: "candle-naive".into(),
             shape: *s,
             secs,
+            host,
             ref_gbps,
         });
     }
@@ -825,6 +876,21 @@ fn main() -> Result<()> {
         Some(path) => Some(results::Csv::create(path, &dev, &COLUMNS)?),
         None => None,
     };
+    let instances: Vec<Option<String>> = if args.instances.is_empty() {
+        vec![None]
+    } else {
+        args.instances.iter().cloned().map(Some).collect()
+    };
+    let splits: Vec<Option<usize>> = if args.splits.is_empty() {
+        vec![None]
+    } else {
+        args.splits.iter().copied().map(Some).collect()
+    };
+    let forced: Vec<Forced> = instances
+        .iter()
+        .flat_map(|i| splits.iter().map(move |&n| (i.clone(), n)))
+        .filter(|f| f.0.is_some() || f.1.is_some())
+        .collect();
     let reference = Reference::new(&dev)?;
     println!(
         "{}; {} rayon threads; load average (1 min) {}; {} shapes; median of {} runs; \
@@ -842,9 +908,9 @@ fn main() -> Result<()> {
     );
     println!();
     println!(
-        "| impl | dtype | layout | heads | d | batch | seq_q | kv | us | GB/s | ref GB/s | % of ref | naive / flash |"
+        "| impl | dtype | layout | heads | d | batch | seq_q | kv | us | GB/s | ref GB/s | % of ref | naive / flash | host us |"
     );
-    println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut skipped = 0;
     for (n, s) in shapes.iter().enumerate() {
         if s.kv_bytes() as f64 > args.max_gb * 1e9 {
@@ -857,6 +923,7 @@ fn main() -> Result<()> {
             &reference,
             args.reps,
             args.hot,
+            &forced,
             naive,
             args.naive_max_gb,
             n as u64 * 1000,
@@ -865,7 +932,7 @@ fn main() -> Result<()> {
         for r in &rows {
             let sh = &r.shape;
             println!(
-                "| {} | {} | {} | {}/{} | {} | {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.0}% | {} |",
+                "| {} | {} | {} | {}/{} | {} | {} | {} | {} | {:.1} | {:.2} | {:.2} | {:.0}% | {} | {:.1} |",
                 r.imp,
                 dtype_name(sh.dtype),
                 sh.layout.name(),
@@ -884,6 +951,7 @@ fn main() -> Result<()> {
                 } else {
                     String::new()
                 },
+                r.host * 1e6,
             );
             if let Some(c) = csv.as_mut() {
                 c.row(&r.csv())?;

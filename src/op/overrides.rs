@@ -33,6 +33,11 @@ pub struct PlanOverride {
     /// Split-KV decode: at most this many key splits (whole key tiles each) instead of the
     /// planner's count.
     pub decode_splits: Option<usize>,
+    /// Split-KV decode: the instance of this shape for the call's head dim instead of the
+    /// planner's pick, named `r<row tiles>_k<key warps>_c<key tile>_s<stages>` (`r1_k2_c32_s2`:
+    /// one 16-row tile, two warps sharing each 32-key tile, two stages; the d 256 ones are
+    /// listed in `src/cuda/instances.rs`).
+    pub decode_instance: Option<String>,
     /// CPU prefill and backward: the arithmetic of the tile products (see [`CpuMatmul`]); one
     /// the CPU does not have makes the call fail.
     pub cpu_matmul: Option<CpuMatmul>,
