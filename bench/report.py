@@ -402,6 +402,12 @@ def decode_section(name, rows, plots, cpu):
             cells[(cfg, r["batch"], r["seq_q"], r["kv"])][(r["impl"], r["layout"])] = r
         configs = sorted({k[0] for k in cells}, key=lambda c: (dtype_key(c[0]), c[1:]))
         layouts = sorted({r["layout"] for r in drows}, key=lambda l: (l != "contiguous", l))
+        # The copy bandwidth of a run: the highest any of its commands measured (PyTorch's
+        # device copy beside candle's), so every row's share is of the same reference.
+        run_ref = defaultdict(float)
+        for r in drows:
+            if r.get("ref_gbps") not in (None, ""):
+                run_ref[r["date"]] = max(run_ref[r["date"]], float(r["ref_gbps"]))
         page.append(f"### {device}\n")
         summary, worst, big = [], [], []
         for cfg in configs:
@@ -423,7 +429,7 @@ def decode_section(name, rows, plots, cpu):
                          for i in impls}
                     tb, tb_impl = best_torch(t)
                     rt = ratio(tb, cf["us"])
-                    frac = ratio(cf["gbps"], cf["ref_gbps"])
+                    frac = ratio(cf["gbps"], run_ref[cf["date"]] or cf["ref_gbps"])
                     naive = ratio(t.get("candle-naive"), cf["us"])
                     _, b, sq, kv = k
                     kv_bytes = 2 * b * kv * hk * d * ELEM_BYTES.get(dtype, 4)
@@ -447,7 +453,8 @@ def decode_section(name, rows, plots, cpu):
                         fr.append(frac)
                     if not cpu and kv_bytes >= BIG_KV_BYTES:
                         big.append((cfg_name, layout, b, sq, kv, kv_bytes, frac))
-                summary.append((cfg_name, layout, len(rs) or len(nr), rs, fr, nr))
+                if rs or nr:
+                    summary.append((cfg_name, layout, len(rs) or len(nr), rs, fr, nr))
             if cpu:
                 header = ["layout", "batch", "seq_q", "kv", "candle-flash µs", "GB/s",
                           "of ref GB/s", "candle-naive µs", "naive / flash"]
@@ -610,13 +617,11 @@ move less.
 ```bash
 # CPU
 cargo run --release --example cpu_bench -- --csv bench/results/cpu-prefill.csv
-cargo run --release --example decode_bench -- --csv bench/results/cpu-decode.csv
-# GPU, with PyTorch appending its rows to the same file
-cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --csv bench/results/gpu-prefill.csv
-python3 bench/torch_prefill.py --append --csv bench/results/gpu-prefill.csv
-cargo run --release --features cuda,candle-nn/cuda --example gpu_bench -- --backward --csv bench/results/gpu-backward.csv
-python3 bench/torch_prefill.py --backward --append --csv bench/results/gpu-backward.csv
-# then
+cargo run --release --example decode_bench -- --sweep
+# GPU: build here, run there (PyTorch's rows appended to candle-flash's CSV in the same command)
+scripts/gpu-pack.sh bench            # then, on the GPU machine:
+bash scripts/gpu-run.sh prefill backward decode
+# copy gpu-prefill.csv, gpu-backward.csv and gpu-decode.csv into bench/results/, then
 python3 bench/report.py
 ```
 """

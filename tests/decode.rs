@@ -202,6 +202,44 @@ fn sanitizer_decode_split_kv(t: &Target) -> Result<()> {
 }
 test_device!(sanitizer_decode_split_kv, Decode);
 
+/// Every decode instance, forced by name, against the reference: at its own head dim and a
+/// narrower one padded up to it, one packed row tile and 128 packed rows (one block of the
+/// widest instance, several row blocks of the others), odd cache lengths across tile and split
+/// edges, a one-key cache, both 16-bit dtypes. Instances a GPU's shared memory cannot hold are
+/// refused with an error, and skipped here.
+#[cfg(feature = "cuda")]
+fn sanitizer_every_decode_instance(t: &Target) -> Result<()> {
+    use common::device::Config;
+    use common::instances::DECODE_INSTANCES;
+    let sk_long = if t.small() { 333 } else { 1777 };
+    for (n, i) in DECODE_INSTANCES.iter().enumerate() {
+        let name = format!("r{}_k{}_c{}_s{}", i.rg, i.kg, i.bc, i.stages);
+        let it = Target {
+            dev: t.dev.clone(),
+            config: Config::DecodeInstance(name.clone()),
+        };
+        for (m, &(sq, sk, h, hk, d)) in [
+            (1, sk_long, 8, 2, i.d),
+            (16, 301, 8, 1, i.d - 24),
+            (2, 1, 4, 4, i.d),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let dtype = [DType::BF16, DType::F16][(n + m) % 2];
+            let c = Case::new(2, sq, sk, h, hk, d, dtype).causal();
+            match c.check(&it, 1000 + (10 * n + m) as u64) {
+                Err(e) if e.to_string().contains("more shared memory") => break,
+                r => {
+                    r.map_err(|e| candle::Error::Msg(format!("instance {name}: {e}")))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+test_cuda!(sanitizer_every_decode_instance, Once);
+
 /// Causal with more queries than keys: the leading rows are exactly +0 with lse `-inf`.
 fn causal_with_more_queries_than_keys_gives_exact_zero_rows(t: &Target) -> Result<()> {
     let (q, k, v) = inputs(t, 2, 4, 2, 8, 2, 32, DType::BF16, 11)?;

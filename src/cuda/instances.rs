@@ -125,6 +125,12 @@ pub struct DecodeInstance {
     pub kg: usize,
     pub bc: usize,
     pub stages: usize,
+    /// Bytes of K and V one block streams per microsecond where the memory is not the limit:
+    /// its warps' issue and latency bound (a block's warps wait on their own tile products,
+    /// which no formula of the tile shape predicted well). Measured on an H100 with
+    /// `decode_bench --instances` over every split count of a set of shapes, fitted together
+    /// with the planner's wave and combine costs (`src/cuda/decode/plan.rs`).
+    pub rate: usize,
 }
 
 impl DecodeInstance {
@@ -139,10 +145,6 @@ impl DecodeInstance {
     pub const fn smem(&self) -> usize {
         (self.rows() * self.d + self.stages * 2 * self.bc * self.d) * 2
     }
-    /// Bytes of K and V one tile brings in (2-byte elements, `cols` columns read).
-    pub const fn tile_bytes(&self, cols: usize) -> usize {
-        2 * self.bc * cols * 2
-    }
     pub fn suffix(&self) -> String {
         format!(
             "d{}_r{}_k{}_c{}_s{}",
@@ -151,13 +153,21 @@ impl DecodeInstance {
     }
 }
 
-const fn dec(d: usize, rg: usize, kg: usize, bc: usize, stages: usize) -> DecodeInstance {
+const fn dec(
+    d: usize,
+    rg: usize,
+    kg: usize,
+    bc: usize,
+    stages: usize,
+    rate: usize,
+) -> DecodeInstance {
     DecodeInstance {
         d,
         rg,
         kg,
         bc,
         stages,
+        rate,
     }
 }
 
@@ -167,27 +177,28 @@ const fn dec(d: usize, rg: usize, kg: usize, bc: usize, stages: usize) -> Decode
 /// for more scores on sm_80). Each comes deep (two or three tiles in flight while one is
 /// computed) and shallow (one in flight), for GPUs whose shared memory holds only the shallow
 /// one (sm_86/sm_89 hold 100 KB a block; there d 256 takes two warps of 32-key tiles). The
-/// planner picks among those that fit by its cost model.
+/// planner picks among those that fit by its cost model, whatever their row tiles: several
+/// row blocks of a narrow instance may beat one block of a wide one.
 pub const DECODE_INSTANCES: &[DecodeInstance] = &[
-    dec(64, 1, 4, 64, 4),
-    dec(64, 1, 4, 64, 2),
-    dec(64, 4, 1, 64, 4),
-    dec(64, 4, 1, 64, 2),
-    dec(64, 8, 1, 64, 4),
-    dec(64, 8, 1, 64, 2),
-    dec(128, 1, 4, 64, 3),
-    dec(128, 1, 4, 64, 2),
-    dec(128, 4, 1, 64, 3),
-    dec(128, 4, 1, 64, 2),
-    dec(128, 8, 1, 32, 4),
-    dec(128, 8, 1, 32, 2),
-    dec(256, 1, 4, 64, 3),
-    dec(256, 1, 4, 64, 2),
-    dec(256, 1, 2, 32, 2),
-    dec(256, 4, 1, 16, 4),
-    dec(256, 4, 1, 16, 2),
-    dec(256, 8, 1, 16, 3),
-    dec(256, 8, 1, 16, 2),
+    dec(64, 1, 4, 64, 4, 22_500),
+    dec(64, 1, 4, 64, 2, 18_000),
+    dec(64, 4, 1, 64, 4, 14_300),
+    dec(64, 4, 1, 64, 2, 14_500),
+    dec(64, 8, 1, 64, 4, 10_400),
+    dec(64, 8, 1, 64, 2, 10_600),
+    dec(128, 1, 4, 64, 3, 22_900),
+    dec(128, 1, 4, 64, 2, 26_500),
+    dec(128, 4, 1, 64, 3, 18_400),
+    dec(128, 4, 1, 64, 2, 19_300),
+    dec(128, 8, 1, 32, 4, 8_300),
+    dec(128, 8, 1, 32, 2, 12_100),
+    dec(256, 1, 4, 64, 3, 18_400),
+    dec(256, 1, 4, 64, 2, 22_100),
+    dec(256, 1, 2, 32, 2, 12_900),
+    dec(256, 4, 1, 16, 4, 16_200),
+    dec(256, 4, 1, 16, 2, 16_100),
+    dec(256, 8, 1, 16, 3, 11_600),
+    dec(256, 8, 1, 16, 2, 11_700),
 ];
 
 /// One instance of the Hopper forward kernel (`kernels/sm90/fwd.cuh`, sm_90a): a producer

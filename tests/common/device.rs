@@ -136,6 +136,9 @@ pub enum Config {
     Portable,
     Sm90Persistent,
     DecodeSplits(usize),
+    /// One decode instance by name (`PlanOverride::decode_instance`); no suite runs it, the
+    /// decode tests that visit every instance build it.
+    DecodeInstance(String),
     BwdVariants(Vec<&'static str>),
 }
 
@@ -148,6 +151,7 @@ impl Config {
             Config::Sm90Persistent => "sm90-persistent".into(),
             Config::DecodeSplits(1) => "decode-1-split".into(),
             Config::DecodeSplits(_) => "decode-max-splits".into(),
+            Config::DecodeInstance(n) => format!("decode-{n}"),
             Config::BwdVariants(v) => format!("bwd-{}", v.join("-")),
         }
     }
@@ -166,6 +170,10 @@ impl Config {
             },
             Config::DecodeSplits(n) => PlanOverride {
                 decode_splits: Some(*n),
+                ..PlanOverride::default()
+            },
+            Config::DecodeInstance(n) => PlanOverride {
+                decode_instance: Some(n.clone()),
                 ..PlanOverride::default()
             },
             Config::BwdVariants(v) => PlanOverride {

@@ -85,6 +85,10 @@ pub mod reference;
 #[path = "../../src/cuda/backward/instances.rs"]
 pub mod bwd_instances;
 
+/// The forward and decode instance tables: the decode tests force every decode instance.
+#[path = "../../src/cuda/instances.rs"]
+pub mod instances;
+
 pub use case::*;
 pub use compare::*;
 pub use device::Target;

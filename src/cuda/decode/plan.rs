@@ -2,17 +2,19 @@
 //! slices of the key range (each its own block, merged by a combine pass), and the grid.
 //!
 //! Decode streams K and V once and does little arithmetic per byte, so its time is the time to
-//! move those bytes. The plan models that directly: a block streams its slice of one K/V head's
-//! keys with `stages - 1` tiles in flight, so alone it moves at most (bytes in flight) /
-//! [`LATENCY_US`]; an SM moves at most its even share of the DRAM bandwidth, so a wave lasts as
-//! long as its busiest SM; the grid runs in waves of (SMs x blocks per SM) blocks, blocks per SM
-//! as the device reports them for the compiled kernel (shared memory, registers, threads); each
-//! wave pays a round trip to start and drain; splitting the keys adds a combine pass that writes
-//! and reads the partial results. Among the instances for
-//! the problem's packed rows and every split count, the plan takes the cheapest, the fewest
-//! splits among equals. One rule for contiguous and paged caches, every head dim the instances
-//! cover, GQA groups and MHA alike; the result depends only on the shape and the device, so
-//! results are bitwise reproducible.
+//! move those bytes, where enough blocks stream at once. The plan models that directly: the
+//! grid runs in waves of (SMs x blocks per SM) blocks, blocks per SM as the device reports them
+//! for the compiled kernel (shared memory, registers, threads); in a wave the busiest SM holds
+//! ceil(blocks / SMs) of them and streams at most its even share of the DRAM bandwidth, and each
+//! block at most its instance's measured rate (`DecodeInstance::rate`: a block's warps wait on
+//! their own tile products, which bounds a lone block below an SM's share; a paged block waits
+//! on its block table too); each wave pays a fill and drain; splitting the keys adds a combine
+//! pass that writes and reads the partial results. Among every instance of the head's width
+//! (one row block of a wide instance, or several of a narrow one) and every split count, the
+//! plan takes the cheapest, the fewest splits among equals. One rule for contiguous and paged
+//! caches, every head dim the instances cover, GQA groups and MHA alike; the result depends only
+//! on the shape and the device, so results are bitwise reproducible. The search runs on the
+//! host for each new shape; the last few shapes' results are kept (a model's layers share one).
 
 use candle::{bail, DType, Result};
 
@@ -42,8 +44,8 @@ pub(crate) struct Plan {
 }
 
 /// The decode path takes calls with at most this many packed query rows per K/V head
-/// (`heads / kv_heads * seq_q`): one block of the widest instance reads the cache once for all
-/// of them. Beyond it the prefill kernels' 128-row tiles are as full. (Paged caches and prefix
+/// (`heads / kv_heads * seq_q`): one block of the widest instance can read the cache once for
+/// all of them. Beyond it the prefill kernels' 128-row tiles are as full. (Paged caches and prefix
 /// ranges, which only this kernel and the row-wise one read, take it at any row count.)
 pub(crate) const DECODE_MAX_ROWS: usize = 128;
 
@@ -51,23 +53,28 @@ pub(crate) const DECODE_MAX_ROWS: usize = 128;
 /// one sequence of one K/V head to fill two blocks on each SM of a 132-SM GPU.
 pub(crate) const MAX_SPLITS: usize = 256;
 
-/// How long a block waits for the tiles it has in flight, in microseconds: one block with two
-/// 32 KB tiles in flight streamed 23 GB/s on an H100 (64 KB / 23 GB/s = 2.8 us), which is the
-/// memory round trip under load plus the block's own issue and compute time per tile.
-const LATENCY_US: f64 = 2.8;
+/// What one wave of blocks costs beyond its bytes, in microseconds: the first tiles' round trip
+/// before a block streams and the tail of its last blocks. Fitted with the instances' rates
+/// (`DecodeInstance::rate`) over `decode_bench --instances` on an H100.
+const WAVE_US: f64 = 5.4;
 
 /// What a dependent combine launch costs beyond its bytes, in microseconds: the partial pass
-/// drains, the combine grid ramps up and its first loads wait a round trip (a split at one
-/// wave's size ran 6-11 us slower than the same grid unsplit on an H100).
-const COMBINE_US: f64 = 6.0;
+/// drains, the combine grid ramps up and waits a round trip for its loads (fitted as
+/// [`WAVE_US`]).
+const COMBINE_US: f64 = 13.0;
+
+/// What a block of a paged cache streams, as a share of its instance's rate: its copies wait on
+/// the block-table entries (one r1_k4_c64_s3 block per SM moved 16.4 GB/s over 16-row pages,
+/// 22.9 over a contiguous cache, on an H100).
+const PAGED_RATE: f64 = 0.7;
+
+/// The share of the peak DRAM bandwidth a stream reaches: a device-to-device copy moves 3.0 of
+/// the H100's 3.35 TB/s.
+const STREAM_EFFICIENCY: f64 = 0.9;
 
 /// How many blocks of a launch one SM holds at once (the device's occupancy of the compiled
 /// kernel at that block size and shared memory).
 pub(crate) type Residency<'a> = &'a dyn Fn(&Launch) -> Result<usize>;
-
-/// Splits whose partials one combine block loads per round trip: four warps, eight splits each
-/// (`COMBINE_UNROLL` in kernels/decode/combine.cuh).
-const COMBINE_SPLITS_PER_TRIP: usize = 32;
 
 /// The decode plan of `p`, or `None` when `p` is not decode-shaped (f32, too many packed rows
 /// per K/V head, or a head wider than every instance): the prefill kernels take it then.
@@ -83,39 +90,13 @@ pub(crate) fn plan(
         return Ok(None);
     }
     let d_load = p.head_dim.next_multiple_of(8);
-    // The instance width: the narrowest that holds the head. Row tiles: the fewest that hold
-    // the packed rows (the widest otherwise, in several blocks).
+    // The instance width: the narrowest that holds the head.
     let Some(width) = DECODE_INSTANCES
         .iter()
         .map(|i| i.d)
         .filter(|&d| d >= d_load)
         .min()
     else {
-        return Ok(None);
-    };
-    let fitting = |rg: usize| {
-        DECODE_INSTANCES
-            .iter()
-            .filter(move |i| i.d == width && i.rg == rg && caps.fits(i.smem()))
-    };
-    let mut rgs: Vec<usize> = DECODE_INSTANCES
-        .iter()
-        .filter(|i| i.d == width)
-        .map(|i| i.rg)
-        .collect();
-    rgs.sort_unstable();
-    rgs.dedup();
-    let rg = rgs
-        .iter()
-        .copied()
-        .find(|&rg| 16 * rg >= rows && fitting(rg).next().is_some())
-        .or_else(|| {
-            rgs.iter()
-                .rev()
-                .copied()
-                .find(|&rg| fitting(rg).next().is_some())
-        });
-    let Some(rg) = rg else {
         return Ok(None);
     };
     let dn = dtype_name(dtype)?;
@@ -129,19 +110,36 @@ pub(crate) fn plan(
         threads: i.threads() as u32,
         smem: i.smem(),
     };
-    let mut best: Option<(f64, DecodeInstance, usize, usize)> = None;
-    for &i in fitting(rg) {
-        let m_tiles = rows.div_ceil(i.rows()).max(1);
-        let slots = caps.sms as usize * residency(&launch(&i))?.max(1);
-        for splits in 1..=max_splits(p, i) {
-            let t = cost(p, caps, i, slots, m_tiles, splits, d_load);
-            if best.is_none_or(|(b, ..)| t < b) {
-                best = Some((t, i, m_tiles, splits));
+    let key = SearchKey {
+        caps: *caps,
+        dtype,
+        mods: !mods.is_empty(),
+        paged: p.paged.is_some(),
+        batch: p.batch,
+        kv_heads: p.kv_heads,
+        heads: p.heads,
+        total_q: p.total_q,
+        rows,
+        max_seq_k: p.max_seq_k,
+        d_load,
+        forced: p.kernels.overrides.decode_instance.clone(),
+    };
+    let cached = SEARCHES
+        .lock()
+        .ok()
+        .and_then(|c| c.iter().find(|(k, _)| *k == key).map(|(_, v)| *v));
+    let (instance, m_tiles, splits) = match cached {
+        Some(found) => found,
+        None => {
+            let found = search(p, caps, width, rows, d_load, &|i| residency(&launch(i)))?;
+            if let Ok(mut c) = SEARCHES.lock() {
+                if c.len() == SEARCH_CACHE {
+                    c.remove(0);
+                }
+                c.push((key, found));
             }
+            found
         }
-    }
-    let Some((_, instance, m_tiles, splits)) = best else {
-        return Ok(None);
     };
     if p.kv_heads * m_tiles > 65535 || p.batch > 65535 || p.heads > 65535 {
         bail!(
@@ -186,6 +184,111 @@ pub(crate) fn plan(
     }))
 }
 
+/// Everything the search reads: the device (its kernels' residency follows from it, the dtype
+/// and the `_mods` variant) and the problem's shape.
+#[derive(Clone, PartialEq, Eq)]
+struct SearchKey {
+    caps: DeviceCaps,
+    dtype: DType,
+    mods: bool,
+    paged: bool,
+    batch: usize,
+    kv_heads: usize,
+    heads: usize,
+    total_q: usize,
+    rows: usize,
+    max_seq_k: usize,
+    d_load: usize,
+    forced: Option<String>,
+}
+
+/// Searches kept: the layers of a model decode one shape per step, so the first layer's search
+/// serves the others (a search costs the host microseconds on long caches).
+const SEARCH_CACHE: usize = 16;
+
+type Found = (DecodeInstance, usize, usize);
+
+static SEARCHES: std::sync::Mutex<Vec<(SearchKey, Found)>> = std::sync::Mutex::new(Vec::new());
+
+/// The cheapest (instance, row blocks, splits) for `p` by [`cost`].
+fn search(
+    p: &Problem,
+    caps: &DeviceCaps,
+    width: usize,
+    rows: usize,
+    d_load: usize,
+    residency: &dyn Fn(&DecodeInstance) -> Result<usize>,
+) -> Result<Found> {
+    // Every instance of that width that fits the device, whatever its row tiles: several row
+    // blocks of a narrow instance (their K/V reads mostly served by the L2) can beat one block
+    // of a wide one, whose warps each compute every key for their own rows. A paged tile's
+    // copies wait for its block-table entries, fetched one tile ahead, which a ring with one
+    // tile in flight exposes: paged caches take the deep rings where they fit.
+    let fits = |i: &DecodeInstance| i.d == width && caps.fits(i.smem());
+    let deeper_fits = |i: &DecodeInstance| {
+        DECODE_INSTANCES
+            .iter()
+            .any(|j| fits(j) && (j.rg, j.kg, j.bc) == (i.rg, i.kg, i.bc) && j.stages > i.stages)
+    };
+    // A forced name applies where an instance of this width has it; a name of other widths
+    // leaves the search as it is, and one no instance has is an error (as `PlanOverride` says).
+    let named = |i: &DecodeInstance, name: &str| i.suffix().ends_with(&format!("_{name}"));
+    let forced = match &p.kernels.overrides.decode_instance {
+        Some(name) if !DECODE_INSTANCES.iter().any(|i| named(i, name)) => {
+            bail!("flash-attn: no decode instance is named {name}")
+        }
+        Some(name) => DECODE_INSTANCES
+            .iter()
+            .find(|i| i.d == width && named(i, name)),
+        None => None,
+    };
+    let candidates: Vec<DecodeInstance> = match forced {
+        Some(&i) if caps.fits(i.smem()) => vec![i],
+        Some(i) => bail!(
+            "flash-attn: decode instance {} needs more shared memory than this device has",
+            i.suffix()
+        ),
+        None => DECODE_INSTANCES
+            .iter()
+            .filter(|i| fits(i) && !(p.paged.is_some() && i.stages == 2 && deeper_fits(i)))
+            .copied()
+            .collect(),
+    };
+    let dram = caps.dram_bytes_per_us as f64 * STREAM_EFFICIENCY;
+    let mut best: Option<(f64, Found)> = None;
+    for &i in &candidates {
+        let m_tiles = rows.div_ceil(i.rows()).max(1);
+        let slots = caps.sms as usize * residency(&i)?.max(1);
+        // Only the fewest splits of each distinct slice length (whole tiles) can be launched:
+        // a plan's slices are re-cut to that length. About 2 sqrt(tiles) counts, not 256.
+        let tiles = p.max_seq_k.div_ceil(i.bc).max(1);
+        let most = max_splits(p, i);
+        // No plan moves its bytes faster than the DRAM, and the combine pass only grows with
+        // the splits: past the count where that floor exceeds the best, none can win.
+        let all_bytes = (p.batch * p.kv_heads * m_tiles * p.max_seq_k * d_load * 4) as f64;
+        let mut splits = 1;
+        while splits <= most {
+            let floor = WAVE_US + all_bytes / dram + combine_cost(p, splits, d_load, dram);
+            if best.is_some_and(|(b, _)| floor >= b) {
+                break;
+            }
+            let t = cost(p, caps, i, slots, m_tiles, splits, d_load);
+            if best.is_none_or(|(b, _)| t < b) {
+                best = Some((t, (i, m_tiles, splits)));
+            }
+            let per = tiles.div_ceil(splits);
+            if per == 1 {
+                break;
+            }
+            splits = tiles.div_ceil(per - 1);
+        }
+    }
+    match best {
+        Some((_, found)) => Ok(found),
+        None => bail!("flash-attn: no decode instance of width {width} fits this device"),
+    }
+}
+
 /// Most splits worth considering: one K/V tile each at least, at most [`MAX_SPLITS`].
 fn max_splits(p: &Problem, i: DecodeInstance) -> usize {
     p.max_seq_k.div_ceil(i.bc).clamp(1, MAX_SPLITS)
@@ -203,39 +306,35 @@ fn cost(
     splits: usize,
     d_load: usize,
 ) -> f64 {
-    let dram = caps.dram_bytes_per_us as f64;
-    let units = p.batch * p.kv_heads * m_tiles;
-    let blocks = units * splits;
+    let dram = caps.dram_bytes_per_us as f64 * STREAM_EFFICIENCY;
+    let blocks = p.batch * p.kv_heads * m_tiles * splits;
     // Keys a block walks: its slice, in whole tiles.
     let keys = p.max_seq_k.div_ceil(splits).next_multiple_of(i.bc);
     let block_bytes = (keys * d_load * 2 * 2) as f64;
-    // A block needs about four warps to issue its copies and run its tile products within the
-    // wait for the next tile: the two-warp d 256 blocks streamed 8.7 GB/s, not the 23 GB/s of
-    // four-warp d 128 blocks with as many bytes in flight.
-    let issue = (i.threads() as f64 / 128.0).min(1.0);
-    let block_bw = ((i.stages - 1) * i.tile_bytes(d_load)) as f64 * issue / LATENCY_US;
     // A wave of n blocks: the block scheduler deals them out over the SMs, so the busiest SM
-    // holds ceil(n / SMs) of them, and an SM streams at most its even share of the DRAM
-    // bandwidth (one H100 SM pulled 23 GB/s of its 25: spreading the bytes evenly over every SM
-    // is what saturates the memory). The wave lasts as long as its busiest SM.
+    // holds ceil(n / SMs) of them; an SM streams at most its even share of the DRAM bandwidth
+    // and its blocks at most their own rate each. The wave lasts as long as its busiest SM.
     let sms = caps.sms as usize;
     let sm_share = dram / sms as f64;
+    let rate = i.rate as f64 * if p.paged.is_some() { PAGED_RATE } else { 1.0 };
     let wave = |n: usize| {
-        let load = n.div_ceil(sms);
-        LATENCY_US + load as f64 * block_bytes / sm_share.min(load as f64 * block_bw)
+        let load = n.div_ceil(sms) as f64;
+        WAVE_US + load * block_bytes / sm_share.min(load * rate)
     };
     let full = blocks / slots;
     let rest = blocks % slots;
-    let mut t = full as f64 * wave(slots) + if rest > 0 { wave(rest) } else { 0.0 };
-    if splits > 1 {
-        // Partial outputs (f32) and base-2 lse of every split, written then read; a combine
-        // block reads the partials of COMBINE_SPLITS_PER_TRIP splits per round trip.
-        let rows = p.total_q * p.heads;
-        let part = (splits * rows * (d_load + 1) * 4) as f64;
-        let trips = splits.div_ceil(COMBINE_SPLITS_PER_TRIP) as f64;
-        t += COMBINE_US + trips * LATENCY_US + 2.0 * part / dram;
+    let t = full as f64 * wave(slots) + if rest > 0 { wave(rest) } else { 0.0 };
+    t + combine_cost(p, splits, d_load, dram)
+}
+
+/// The combine pass of `splits` slices (none for one): its launch, and the partial outputs
+/// (f32) and base-2 lse of every split, written then read, at `dram` bytes per microsecond.
+fn combine_cost(p: &Problem, splits: usize, d_load: usize, dram: f64) -> f64 {
+    if splits == 1 {
+        return 0.0;
     }
-    t
+    let part = (splits * p.total_q * p.heads * (d_load + 1) * 4) as f64;
+    COMBINE_US + 2.0 * part / dram
 }
 
 #[cfg(test)]
@@ -304,23 +403,28 @@ mod tests {
     }
 
     /// Packed rows per K/V head up to 128 take the decode kernel (f16/bf16, heads up to 256),
-    /// in one block per (sequence, K/V head, split): the cache is read once for all of them.
+    /// in row blocks that hold every packed row of their K/V head.
     #[test]
-    fn decode_takes_up_to_128_packed_rows_in_one_pass() {
-        for (sq, h, hk, rg) in [
-            (1, 32, 8, 1),
-            (4, 32, 8, 1),
-            (5, 32, 8, 4),
-            (16, 32, 8, 4),
-            (16, 64, 8, 8),
-            (16, 28, 4, 8),
-            (1, 32, 32, 1),
-            (16, 32, 32, 1),
-            (8, 16, 1, 8),
+    fn decode_takes_up_to_128_packed_rows() {
+        for (sq, h, hk) in [
+            (1, 32, 8),
+            (4, 32, 8),
+            (5, 32, 8),
+            (16, 32, 8),
+            (16, 64, 8),
+            (16, 28, 4),
+            (1, 32, 32),
+            (16, 32, 32),
+            (8, 16, 1),
         ] {
             let pl = bf16(2, sq, 3000, h, hk, 128).unwrap();
-            assert_eq!((pl.instance.rg, pl.m_tiles), (rg, 1), "sq {sq} {h}/{hk}");
-            assert_eq!(pl.partial.grid.1 as usize, hk);
+            let rows = sq * h / hk;
+            assert!(pl.m_tiles * pl.instance.rows() >= rows, "sq {sq} {h}/{hk}");
+            assert!(
+                (pl.m_tiles - 1) * pl.instance.rows() < rows,
+                "sq {sq} {h}/{hk}"
+            );
+            assert_eq!(pl.partial.grid.1 as usize, hk * pl.m_tiles);
         }
         // 129 packed rows and more: the prefill kernels; f32 and heads over 256 too.
         assert!(bf16(2, 17, 3000, 64, 8, 128).is_none());
@@ -373,8 +477,7 @@ mod tests {
     }
 
     /// Few sequences are split until the SMs stream together; many sequences fill the GPU
-    /// alone and pay no combine pass. Derived from the device: the same shape splits less on
-    /// a GPU with fewer SMs or less bandwidth per SM.
+    /// alone and pay no combine pass.
     #[test]
     fn splits_follow_the_device_and_the_problem() {
         let caps = DeviceCaps::SM90;
@@ -392,20 +495,15 @@ mod tests {
         // MHA at one row: 32 K/V heads per sequence.
         let mha = bf16(8, 1, 16384, 32, 32, 128).unwrap();
         assert!(mha.splits * 8 * 32 >= caps.sms as usize, "{mha:?}");
-        // The same shape on an A100 (fewer SMs, less bandwidth) splits no more than on an H100.
+        // On every device the one long sequence is split over (nearly) all of its SMs.
         let p = problem(1, 1, 32768, 32, 8, 128, DType::BF16, &FlashAttn::new(0.1));
-        let a100 = plan(
-            &p,
-            DType::BF16,
-            &DeviceCaps::SM80,
-            &by_smem(DeviceCaps::SM80),
-        )
-        .unwrap()
-        .unwrap();
+        for c in CAPS {
+            let pl = plan(&p, DType::BF16, &c, &by_smem(c)).unwrap().unwrap();
+            assert!(pl.splits * 8 * 10 >= c.sms as usize * 9, "{c:?} {pl:?}");
+        }
         let h100 = plan(&p, DType::BF16, &caps, &by_smem(caps))
             .unwrap()
             .unwrap();
-        assert!(a100.splits <= h100.splits, "{a100:?} {h100:?}");
         // Deterministic: the same problem and device give the same plan.
         assert_eq!(
             h100,
@@ -445,5 +543,35 @@ mod tests {
         assert_eq!(pl.partial.function, base.partial.function);
         let one = at(&opts(1));
         assert_eq!((one.partial.grid.0, one.combine), (1, None));
+    }
+
+    /// The instance override forces that instance (any row tiles) at its best split count; a
+    /// name of another width changes nothing; a name no instance has is an error.
+    #[test]
+    fn decode_override_forces_the_instance() {
+        let dev = Device::Cpu;
+        let q = Tensor::zeros((2, 1, 32, 128), DType::BF16, &dev).unwrap();
+        let k = Tensor::zeros((2, 5000, 8, 128), DType::BF16, &dev).unwrap();
+        let caps = DeviceCaps::SM90;
+        let at = |name: &str| {
+            let o = FlashAttn::new(0.1).plan_override(crate::PlanOverride {
+                decode_instance: Some(name.into()),
+                ..Default::default()
+            });
+            let p = o.problem(&q, &k, &k, None).unwrap();
+            plan(&p, DType::BF16, &caps, &by_smem(caps))
+        };
+        for name in ["r1_k4_c64_s2", "r4_k1_c64_s3", "r8_k1_c32_s4"] {
+            let pl = at(name).unwrap().unwrap();
+            assert!(pl.partial.function.ends_with(name), "{pl:?}");
+            assert_eq!(pl.m_tiles, 1);
+        }
+        // A name of another width leaves the plan as the search makes it.
+        let free = FlashAttn::new(0.1).problem(&q, &k, &k, None).unwrap();
+        let free = plan(&free, DType::BF16, &caps, &by_smem(caps)).unwrap();
+        assert_eq!(at("r4_k1_c16_s4").unwrap(), free);
+        for name in ["r3_k1_c64_s3", "nonsense"] {
+            assert!(at(name).is_err(), "{name}");
+        }
     }
 }
