@@ -16,6 +16,7 @@ rows the causal corner is a handful of keys, and `is_causal` would align top-lef
 as decode_bench counts them: K and V once, q and the output once.
 """
 import argparse
+import os
 import csv
 import statistics
 
@@ -75,7 +76,7 @@ def main():
     # The commit of candle-flash's rows: this script runs beside them, from the same tree.
     commit = head["commit"]
     device = torch.cuda.get_device_name()
-    command = f"torch_decode.py {args.csv} (torch {torch.__version__})"
+    command = f"torch_decode.py {os.path.basename(args.csv)} (torch {torch.__version__})"
     bw = ref_gbps()
     dtypes = {"bf16": torch.bfloat16, "f16": torch.float16}
     out = []

@@ -106,7 +106,9 @@ class Results:
                 csv.writer(self.file, lineterminator="\n").writerow(header)
         if self.file:
             self.writer = csv.writer(self.file, lineterminator="\n")
-            command = " ".join(["python3", os.path.basename(sys.argv[0]), *sys.argv[1:]])
+            # Absolute paths name the machine that ran it: file names only.
+            local = [os.path.basename(a) if os.path.isabs(a) else a for a in sys.argv[1:]]
+            command = " ".join(["python3", os.path.basename(sys.argv[0]), *local])
             today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
             self.prefix = [today, commit(), torch.cuda.get_device_name(), command]
 

@@ -213,7 +213,7 @@ fn sanitizer_every_decode_instance(t: &Target) -> Result<()> {
     use common::instances::DECODE_INSTANCES;
     let sk_long = if t.small() { 333 } else { 1777 };
     for (n, i) in DECODE_INSTANCES.iter().enumerate() {
-        let name = format!("r{}_k{}_c{}_s{}", i.rg, i.kg, i.bc, i.stages);
+        let name = i.name();
         let it = Target {
             dev: t.dev.clone(),
             config: Config::DecodeInstance(name.clone()),

@@ -102,15 +102,25 @@ pub fn commit() -> String {
     }
 }
 
-/// The command line that produced the results, program name without its directory.
+/// The command line that produced the results: the program and every absolute path without
+/// their directories (those name the machine that ran it, not the repository).
 pub fn command() -> String {
+    let local = |a: String| {
+        let p = Path::new(&a);
+        match p.file_name() {
+            Some(n) if p.is_absolute() || p.parent().is_some_and(|d| d.starts_with("..")) => {
+                n.to_string_lossy().into_owned()
+            }
+            _ => a,
+        }
+    };
     let mut args = std::env::args();
     let prog = args.next().unwrap_or_default();
     let prog = Path::new(&prog)
         .file_name()
         .map_or(prog.clone(), |n| n.to_string_lossy().into_owned());
     std::iter::once(prog)
-        .chain(args)
+        .chain(args.map(local))
         .collect::<Vec<_>>()
         .join(" ")
 }

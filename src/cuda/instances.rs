@@ -146,10 +146,11 @@ impl DecodeInstance {
         (self.rows() * self.d + self.stages * 2 * self.bc * self.d) * 2
     }
     pub fn suffix(&self) -> String {
-        format!(
-            "d{}_r{}_k{}_c{}_s{}",
-            self.d, self.rg, self.kg, self.bc, self.stages
-        )
+        format!("d{}_{}", self.d, self.name())
+    }
+    /// The tile shape without the width, as `PlanOverride::decode_instance` names it.
+    pub fn name(&self) -> String {
+        format!("r{}_k{}_c{}_s{}", self.rg, self.kg, self.bc, self.stages)
     }
 }
 

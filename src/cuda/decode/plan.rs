@@ -232,7 +232,7 @@ fn search(
     };
     // A forced name applies where an instance of this width has it; a name of other widths
     // leaves the search as it is, and one no instance has is an error (as `PlanOverride` says).
-    let named = |i: &DecodeInstance, name: &str| i.suffix().ends_with(&format!("_{name}"));
+    let named = |i: &DecodeInstance, name: &str| i.name() == name;
     let forced = match &p.kernels.overrides.decode_instance {
         Some(name) if !DECODE_INSTANCES.iter().any(|i| named(i, name)) => {
             bail!("flash-attn: no decode instance is named {name}")
