@@ -7,7 +7,7 @@
 #   scripts/gpu-pack.sh [tests] [bench]      (default: both)
 #
 # `tests`: the test targets with GPU tests (every property on the device, see
-# tests/common/device.rs); `bench`: gpu_bench, decode_bench and train. The two sets
+# tests/common/device.rs); `bench`: gpu_bench, decode_bench, variants_bench and train. The two sets
 # together can exceed what one call to a GPU machine carries: pack and run them separately then.
 # Uses the nvcc on PATH (or CUDA_HOME / NVCC), else installs one with scripts/setup-cuda.sh.
 set -euo pipefail
@@ -56,7 +56,8 @@ for part in "${parts[@]}"; do
             done <<< "$list"
             ;;
         bench)
-            list=$(built build --example gpu_bench --example decode_bench --example train)
+            list=$(built build --example gpu_bench --example decode_bench --example variants_bench \
+                --example train)
             while read -r name exe; do
                 cp "$exe" ".gpu/$name"
                 bins+=(".gpu/$name")

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine what scripts/gpu-pack.sh packed into .gpu/ (carry .gpu/ there):
 #
-#   bash scripts/gpu-run.sh [tests] [sanitizer] [prefill] [backward] [decode] [train]
+#   bash scripts/gpu-run.sh [tests] [sanitizer] [prefill] [backward] [decode] [variants] [train]
 #
 # (default: every part the packed binaries allow). Every part logs to $OUT (or /tmp/gpu-run) and
 # the benchmarks write their CSV there, PyTorch's rows appended to candle-flash's from the same
-# command: copy gpu-prefill.csv, gpu-backward.csv and gpu-decode.csv into bench/results/ and run
-# `python3 bench/report.py`.
+# command: copy gpu-prefill.csv, gpu-backward.csv, gpu-decode.csv and gpu-variants.csv into
+# bench/results/ and run `python3 bench/report.py`.
 #   tests      every test target's `::cuda` tests (each property on the GPU, every kernel
 #              configuration of its suite)
 #   sanitizer  compute-sanitizer memcheck, racecheck, synccheck and initcheck on the small-shape
@@ -18,6 +18,7 @@
 #   decode     decode_bench over the shapes of bench/decode-grid.csv (every head configuration,
 #              cache length, batch and seq_q axis of the sweep) beside bench/torch_decode.py on
 #              the same shapes (DECODE_ARGS replaces the shape arguments, e.g. --quick or --sweep)
+#   variants   variants_bench: each attention variant (sinks) beside the plain forward
 #   train      examples/train on the GPU (naive and flash in lockstep)
 # Exits non-zero when a test, a sanitizer run or a benchmark fails. TEST_TIMEOUT (seconds, default
 # 600) bounds each test binary's run.
@@ -39,7 +40,7 @@ export BENCH_COMMIT=$(cat "$G/COMMIT" 2>/dev/null || echo unknown)
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
     ls "$G"/test_* >/dev/null 2>&1 && parts+=(tests sanitizer)
-    [ -x "$G/gpu_bench" ] && parts+=(prefill backward decode train)
+    [ -x "$G/gpu_bench" ] && parts+=(prefill backward decode variants train)
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 status=0
@@ -92,6 +93,10 @@ for part in "${parts[@]}"; do
                 --out "$LOG/gpu-decode.csv"
             run decode-torch python3 "$G/torch_decode.py" "$LOG/gpu-decode.csv"
             tail -5 "$LOG/decode.log" ;;
+        variants)
+            step "variants: each variant beside the plain forward"
+            run variants "$G/variants_bench" --csv "$LOG/gpu-variants.csv"
+            tail -20 "$LOG/variants.log" ;;
         train)
             step "train: naive and flash attention in lockstep on the GPU"
             run train "$G/train" --device cuda

@@ -77,7 +77,7 @@ pub mod semantics;
 
 pub use cpu::CpuMatmul;
 pub use naive::naive_attention;
-pub use op::{FlashAttn, PlanOverride, MAX_HEAD_DIM};
+pub use op::{AttnGrads, FlashAttn, PlanOverride, MAX_HEAD_DIM};
 
 use candle::{Result, Tensor};
 

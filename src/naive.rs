@@ -10,7 +10,8 @@ use crate::FlashAttn;
 /// the baseline of the examples, benchmarks and tests. Rows that see no key output 0.
 ///
 /// q is `(batch, seq_q, heads, head_dim)`, k and v `(batch, seq_k, kv_heads, head_dim)`; every
-/// option of `opts` (scale, window, softcap, ALiBi) applies. Returns the output shaped and typed
+/// option of `opts` (scale, window, softcap, ALiBi, sinks) applies, and a tracked `sinks` gets
+/// its gradient through candle's autograd. Returns the output shaped and typed
 /// like q.
 ///
 /// # Errors
@@ -90,9 +91,22 @@ pub fn naive_attention(
     // NaN, and clamping the sum turns 0/0 into 0. The clamp is 1, which changes no other row
     // (the max key contributes exp(0) = 1 to its sum), because autograd divides by the square
     // of the sum: a tiny clamp squares to 0 and gives every such row 0/0 = NaN gradients.
-    let m = s.max_keepdim(D::Minus1)?.maximum(f32::MIN as f64)?;
+    // A sink is one more logit per head with no value: it joins the max and the sum only.
+    let sink = match &opts.sinks {
+        Some(t) => Some(t.reshape((1, h, 1, 1))?),
+        None => None,
+    };
+    let mut m = s.max_keepdim(D::Minus1)?;
+    if let Some(sink) = &sink {
+        m = m.broadcast_maximum(sink)?;
+    }
+    let m = m.maximum(f32::MIN as f64)?;
     let e = s.broadcast_sub(&m)?.exp()?;
-    let l = e.sum_keepdim(D::Minus1)?.maximum(1.0)?;
+    let mut l = e.sum_keepdim(D::Minus1)?;
+    if let Some(sink) = &sink {
+        l = (l + sink.broadcast_sub(&m)?.exp()?)?;
+    }
+    let l = l.maximum(1.0)?;
     let pr = e.broadcast_div(&l)?.to_dtype(dtype)?;
     pr.matmul(&vt)?.transpose(1, 2)?.contiguous()
 }

@@ -200,6 +200,8 @@ pub(crate) struct Problem {
     pub seqused_k: Option<(candle::Tensor, usize)>,
     /// Whether ALiBi slopes come with the call.
     pub has_alibi: bool,
+    /// Attention sinks, f32 `(heads,)` on the inputs' device (see `FlashAttn::sinks`).
+    pub sinks: Option<candle::Tensor>,
     /// ALiBi slopes, `batch * heads` of them with batch stride `alibi_batch_stride` (0 when the
     /// slopes are per head only, or without ALiBi).
     pub alibi_batch_stride: usize,

@@ -12,7 +12,11 @@
 //!   causal is `(None, Some(0))`;
 //! * `s = scale * q·k`; with a softcap `c > 0`: `s = c * tanh(s / c)`; with ALiBi:
 //!   `s -= slope[h] * |diag(i) - j|`;
-//! * a row that sees no key outputs exactly 0 and its log-sum-exp is `-inf`.
+//! * a row that sees no key outputs exactly 0 and its log-sum-exp is `-inf`;
+//! * with attention sinks, the softmax of a row of head `h` has one more logit `sink[h]` that
+//!   carries no value ([`fold_sink`]): the row's lse becomes `L = log(exp(lse) + exp(sink))`
+//!   and its output is scaled by `exp(lse - L)`; a row that sees no key still outputs 0, with
+//!   lse `sink[h]`.
 //!
 //! Multimodal prefix ranges (upstream's `mm_prefix_ranges`, per sequence): inside each range
 //! `[start, end)` of absolute positions, queries and keys see each other whatever the window
@@ -308,6 +312,24 @@ impl ScoreMod {
 #[inline(always)]
 pub fn alibi_bias(slope: f32, i: usize, j: usize, seq_q: usize, seq_k: usize) -> f32 {
     slope * (diagonal(i, seq_q, seq_k) - j as i64).unsigned_abs() as f32
+}
+
+/// Folds an attention sink (a logit `sink` with no value) into a finished row whose
+/// log-sum-exp is `lse` (natural log; `-inf` for a row that saw no key): returns the factor that
+/// scales the row's output and the row's new lse `L = log(exp(lse) + exp(sink))`, both computed
+/// against the larger of the two so that neither overflows. A sink of `-inf` changes nothing
+/// (factor 1), a row and sink both `-inf` give factor 0 and `-inf`; NaN propagates. The CUDA
+/// kernels fold the sink into the row's running sum before they normalise it, which is the
+/// same arithmetic in base 2.
+#[inline]
+pub fn fold_sink(lse: f32, sink: f32) -> (f32, f32) {
+    let m = lse.max(sink);
+    if m == f32::NEG_INFINITY {
+        return (if lse.is_nan() { f32::NAN } else { 0.0 }, lse + sink);
+    }
+    let (a, b) = ((lse - m).exp(), (sink - m).exp());
+    let sum = a + b;
+    (a / sum, m + sum.ln())
 }
 
 #[cfg(test)]

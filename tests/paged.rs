@@ -189,6 +189,10 @@ fn paged_every_option(t: &Target) -> Result<()> {
     let r = Ragged::new(&[(1, 90), (3, 17), (40, 60)]);
     let s = scale(32);
     let slopes = Tensor::new(&[[0.5f32, 0.25, 0.125, 0.1, 0.05, 0.01]; 3], &Device::Cpu)?;
+    let sinks = Tensor::new(
+        &[0.5f32, -2.0, 3.0, f32::NEG_INFINITY, 8.0, 0.0],
+        &Device::Cpu,
+    )?;
     let all = [
         FlashAttn::new(s),
         FlashAttn::new(s).causal(),
@@ -200,6 +204,8 @@ fn paged_every_option(t: &Target) -> Result<()> {
             .window(Some(9), Some(1))
             .alibi(&slopes)
             .softcap(3.0),
+        FlashAttn::new(s).causal().sinks(&sinks),
+        FlashAttn::new(s).window(Some(4), Some(0)).sinks(&sinks),
     ];
     for (n, opts) in all.iter().enumerate() {
         for page in [7, 16] {
@@ -402,19 +408,32 @@ fn kvcache_chunked_prefill_and_decode_match_full_attention(t: &Target) -> Result
     let total: usize = steps.iter().sum();
     let batch = prompt.len();
     let cap = 23 + total + 3;
-    for dtype in DTYPES {
-        for paged in [None, Some(1), Some(7), Some(16), Some(32)] {
+    let sinks = Tensor::new(&[1.0f32, -0.5, 4.0, 0.0, -2.0, 2.0], &cpu)?;
+    for (di, dtype) in DTYPES.into_iter().enumerate() {
+        for (pi, paged) in [None, Some(1), Some(7), Some(16), Some(32)]
+            .into_iter()
+            .enumerate()
+        {
             let q = randn(&[batch, total, h, d], dtype, 21, &cpu)?;
             let k = randn(&[batch, cap, hk, d], dtype, 22, &cpu)?;
             let v = randn(&[batch, cap, hk, d], dtype, 23, &cpu)?;
             let cache = new_cache(paged, cap, &k, &v, &prompt);
             let (kc, vc) = (t.put(&cache.k)?, t.put(&cache.v)?);
+            // Every other run with attention sinks.
             let opts = FlashAttn::new(scale(d)).causal();
+            let opts = if (di + pi) % 2 == 1 {
+                opts.sinks(&sinks)
+            } else {
+                opts
+            };
             let op = t.op(&match &cache.table {
                 Some(table) => opts.clone().paged(table, cache.page),
                 None => opts.clone(),
             });
-            let what = format!("kvcache {dtype:?} paged {paged:?}");
+            let what = format!(
+                "kvcache {dtype:?} paged {paged:?} sinks {}",
+                opts.sinks.is_some()
+            );
             let mut lens = prompt.to_vec();
             let mut outs = Vec::new();
             let mut done = 0;
@@ -448,7 +467,7 @@ fn kvcache_chunked_prefill_and_decode_match_full_attention(t: &Target) -> Result
                 let kb = t.put(&k.narrow(0, b, 1)?.narrow(1, 0, len)?)?;
                 let vb = t.put(&v.narrow(0, b, 1)?.narrow(1, 0, len)?)?;
                 want.extend(reference(&qb, &kb, &vb, &opts)?.0);
-                naive.push(candle_flash::naive_attention(&qb, &kb, &vb, &opts)?);
+                naive.push(candle_flash::naive_attention(&qb, &kb, &vb, &t.op(&opts))?);
             }
             let naive = Tensor::cat(&naive, 0)?;
             assert_close(&what, &got, &naive, &want, true);

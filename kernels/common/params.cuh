@@ -21,6 +21,7 @@ struct FlashParams {
     const int32_t* block_table;  // paged K/V: (batch, max_blocks) block indices, or null
     const int32_t* seqused_k;    // per-sequence key counts (KV cache, before k_add), or null
     const int32_t* prefix;       // multimodal prefix ranges (batch, max_ranges, 2), or null
+    const float* sinks;          // attention sinks (heads,), or null
     // Element strides (64-bit: large tensors overflow 32-bit offsets).
     int64_t q_batch, q_seq, q_head, q_dim;
     int64_t k_batch, k_seq, k_head, k_dim;

@@ -69,11 +69,16 @@ __device__ __forceinline__ void combine(const FlashParams& p) {
     sum = sh_red[1][0];
 #pragma unroll
     for (int w = 1; w < WARPS; ++w) sum += sh_red[1][w];
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    // The splits' sum against their max m is a row's l against its m2: the sink, if any,
+    // joins it here (the partial pass left it out).
+    const RowEnd end = row_end(m, sum, p.sinks, h);
+    const float inv = end.inv;
 #pragma unroll
     for (int u = 0; u < SPT; ++u) sh_w[tid + u * COMBINE_THREADS] = e[u] * inv;
     if (tid == 0) {
-        const float lse2 = nan ? NAN : (m == -INFINITY ? -INFINITY : m + log2f(sum));
+        float lse2 = m == -INFINITY ? -INFINITY : m + log2f(sum);
+        if (p.sinks) lse2 = end.lse2;
+        if (nan) lse2 = NAN;
         // lse output index: dense (b, h, i) or varlen (h, row).
         int64_t li;
         if (p.cu_q || p.q_uniform) {

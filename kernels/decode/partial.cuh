@@ -415,7 +415,9 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             if (!x.valid) continue;
             const float l = w.l[hf];
             const float m_scaled = w.m[hf] == -INFINITY ? 0.f : w.m[hf] * unit;
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            // A sink joins a row once: here with one split, else in the combine pass.
+            const RowEnd end = row_end(m_scaled, l, p.num_splits == 1 ? p.sinks : nullptr, x.h);
+            const float inv = end.inv;
             const int64_t row_g = g.out_row0 + x.i;
 #pragma unroll
             for (int j = 0; j < DT; ++j)
@@ -425,9 +427,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
                     if (c < p.d_out) store<T>(p, x, row_g, split, c, w.o[j][2 * hf + e] * inv);
                 }
             // A NaN l (a NaN score) keeps NaN in the lse, as O keeps it.
-            if (lane % 4 == 0)
-                store_lse(p, x, b, row_g, split,
-                          l > 0.f || l != l ? m_scaled + __log2f(l) : -INFINITY);
+            if (lane % 4 == 0) store_lse(p, x, b, row_g, split, end.lse2);
         }
     } else {
         // Merge the KG warps of each row tile in warp order: M = max of their maxima, each
@@ -457,8 +457,11 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
                 sh_scale[grp * KG + k][r] = s;
                 l += sh_l[grp * KG + k][r] * s;
             }
-            sh_inv[tid] = l > 0.f ? 1.f / l : 0.f;
-            sh_lse2[tid] = l > 0.f || l != l ? m_scaled + __log2f(l) : -INFINITY;
+            const PackedRow x = packed_row(p, m0, tid, kvh, g.sq);
+            const RowEnd end =
+                row_end(m_scaled, l, p.num_splits == 1 && x.valid ? p.sinks : nullptr, x.h);
+            sh_inv[tid] = end.inv;
+            sh_lse2[tid] = end.lse2;
         }
         __syncthreads();
         float* sO = reinterpret_cast<float*>(sKV);  // ROWS x D f32, the ring is drained

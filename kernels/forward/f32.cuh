@@ -181,12 +181,12 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
         float l = row_l[r];
 #pragma unroll
         for (int o = 1; o < 16; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        // A NaN l (a NaN score) keeps NaN in the lse, as O keeps it.
+        const RowEnd end = row_end(row_m[r], l, p.sinks, h);
+        const float inv = end.inv;
         const int row = 4 * rg + r;
         if (row >= g.rows) continue;
-        // A NaN l (a NaN score) keeps NaN in the lse, as O keeps it.
-        if (cg == 0)
-            p.lse[g.lse0 + row] = l > 0.f || l != l ? (row_m[r] + __log2f(l)) * LN2_F : -INFINITY;
+        if (cg == 0) p.lse[g.lse0 + row] = end.lse2 * LN2_F;
 #pragma unroll
         for (int q = 0; q < CPT / 4; ++q)
 #pragma unroll

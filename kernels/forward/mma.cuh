@@ -289,11 +289,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             float l = row_l[mt][hf];
             l += __shfl_xor_sync(0xffffffff, l, 1);
             l += __shfl_xor_sync(0xffffffff, l, 2);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const RowEnd end = row_end(row_m[mt][hf] * unit, l, p.sinks, h);
+            const float inv = end.inv;
             const int r = row_base + mt * 16 + hf * 8;
-            if (lane % 4 == 0 && r < g.rows && v_col0 == 0)
-                p.lse[g.lse0 + r] =
-                    l > 0.f || l != l ? (row_m[mt][hf] * unit + __log2f(l)) * LN2_F : -INFINITY;
+            if (lane % 4 == 0 && r < g.rows && v_col0 == 0) p.lse[g.lse0 + r] = end.lse2 * LN2_F;
 #pragma unroll
             for (int j = 0; j < DT; ++j) {
                 const int c = j * 8 + 2 * (lane % 4);

@@ -93,8 +93,9 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
         }
     }
 
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    if (lane == 0) p.lse[g.lse0 + warp] = l > 0.f || l != l ? (m + __log2f(l)) * LN2_F : -INFINITY;
+    const RowEnd end = row_end(m, l, p.sinks, h);
+    const float inv = end.inv;
+    if (lane == 0) p.lse[g.lse0 + warp] = end.lse2 * LN2_F;
     T* op = static_cast<T*>(p.o) + (g.out_row0 + i) * p.o_seq + (int64_t)h * p.o_head;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {

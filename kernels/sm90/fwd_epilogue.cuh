@@ -62,11 +62,10 @@ struct Epilogue {
             float l = row_l[hf];
             l += __shfl_xor_sync(0xffffffff, l, 1);
             l += __shfl_xor_sync(0xffffffff, l, 2);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const RowEnd end = row_end(row_m[hf] * unit, l, p.sinks, h);
+            const float inv = end.inv;
             const int r = row_base + hf * 8;  // row in the block
-            if (lane % 4 == 0 && r < g.rows)
-                p.lse[g.lse0 + r] =
-                    l > 0.f || l != l ? (row_m[hf] * unit + __log2f(l)) * LN2_F : -INFINITY;
+            if (lane % 4 == 0 && r < g.rows) p.lse[g.lse0 + r] = end.lse2 * LN2_F;
             const int rl = r - 64 * wg;
 #pragma unroll
             for (int j = 0; j < DT; ++j) {

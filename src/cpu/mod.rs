@@ -50,6 +50,45 @@ pub(crate) fn forward<T: elem::Elem>(
     k: &[T],
     v: &[T],
 ) -> candle::Result<(Vec<T>, Vec<f32>)> {
+    let (mut out, mut lse) = forward_rows(p, slopes, q, k, v)?;
+    if let Some(sinks) = &p.sinks {
+        let sinks = sinks.to_vec1::<f32>()?;
+        fold_sinks(p, &sinks, &mut out, &mut lse);
+    }
+    Ok((out, lse))
+}
+
+/// Folds each head's sink into its finished rows ([`fold_sink`](crate::semantics::fold_sink)):
+/// one pass over the output, which costs little next to the attention that produced it.
+fn fold_sinks<T: elem::Elem>(
+    p: &crate::problem::Problem,
+    sinks: &[f32],
+    out: &mut [T],
+    lse: &mut [f32],
+) {
+    let (h, d, stride) = (p.heads, p.head_dim, p.lse_head_stride());
+    for b in 0..p.batch {
+        let seq = p.seq(b);
+        for i in 0..seq.seq_q {
+            let row = &mut out[(seq.out_row + i) * h * d..][..h * d];
+            for (hh, o) in row.chunks_exact_mut(d).enumerate() {
+                let l = &mut lse[seq.lse_base + hh * stride + i];
+                let (w, new) = crate::semantics::fold_sink(*l, sinks[hh]);
+                *l = new;
+                o.iter_mut().for_each(|x| *x = T::from_f32(x.to_f32() * w));
+            }
+        }
+    }
+}
+
+/// The attention of every row, before sinks.
+fn forward_rows<T: elem::Elem>(
+    p: &crate::problem::Problem,
+    slopes: Option<&[f32]>,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+) -> candle::Result<(Vec<T>, Vec<f32>)> {
     let path = dispatch::choose::<T>(p, false)?;
     if decode::is_decode(p) {
         return Ok(decode::forward(p, slopes, q, k, v));

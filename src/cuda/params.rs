@@ -28,6 +28,8 @@ pub struct Params {
     pub block_table: u64,
     pub seqused_k: u64,
     pub prefix: u64,
+    /// Attention sinks, f32 `(heads,)`, or 0.
+    pub sinks: u64,
     pub q_batch: i64,
     pub q_seq: i64,
     pub q_head: i64,
@@ -79,7 +81,7 @@ pub struct Params {
 }
 
 /// The size both sides agree on (also asserted in C by the generated header).
-pub const PARAMS_SIZE: usize = 8 * 30 + 4 * 25 + 4;
+pub const PARAMS_SIZE: usize = 8 * 31 + 4 * 25 + 4;
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);
 
 /// Launch parameters of the backward kernels, mirrored field for field by `BwdParams` in C. The

@@ -6,6 +6,7 @@ mod backward;
 mod custom;
 mod kvcache;
 mod overrides;
+mod sinks;
 mod validate;
 
 use candle::op::BackpropOp;
@@ -47,6 +48,8 @@ pub struct FlashAttn {
     pub softcap: Option<f32>,
     /// ALiBi slopes, f32 of shape `(heads,)` or `(batch, heads)`.
     pub alibi_slopes: Option<Tensor>,
+    /// Attention sinks, f32 of shape `(heads,)` (see [`sinks`](Self::sinks)).
+    pub sinks: Option<Tensor>,
     /// Paged K/V: integer `(batch, max_blocks)` block table (see [`paged`](Self::paged)).
     pub block_table: Option<Tensor>,
     /// Rows per block of a paged K/V cache (with `block_table`).
@@ -70,6 +73,7 @@ impl FlashAttn {
             window_size_right: None,
             softcap: None,
             alibi_slopes: None,
+            sinks: None,
             block_table: None,
             page_block_size: 0,
             mm_prefix_ranges: None,
@@ -99,6 +103,40 @@ impl FlashAttn {
     /// ALiBi with the given f32 slopes, `(heads,)` or `(batch, heads)`.
     pub fn alibi(mut self, slopes: &Tensor) -> Self {
         self.alibi_slopes = Some(slopes.clone());
+        self
+    }
+
+    /// Learnable attention sinks (as in gpt-oss and StreamingLLM): f32 of shape `(heads,)`, on
+    /// q's device. Each row's softmax of head `h` gets one more logit `sinks[h]` that carries no
+    /// value, so a row may put weight on "nothing":
+    /// `out_i = Σ_j exp(s_ij − L_i) v_j` with `L_i = log(exp(sinks[h]) + Σ_j exp(s_ij))`, and the
+    /// returned lse is `L_i`. A row that sees no key outputs 0 (lse `sinks[h]`); a sink of `-inf`
+    /// is no sink. Every path takes them: dense, varlen, decode, paged and KV-cache calls.
+    ///
+    /// Gradients: `loss.backward()` reaches `sinks` when it is a tracked tensor (a `Var`), and
+    /// [`backward_all`](Self::backward_all) returns `dsinks`.
+    ///
+    /// # Errors
+    ///
+    /// The forward call fails, naming `sinks`, when the tensor is not f32, not of shape
+    /// `(heads,)`, or on another device than q.
+    ///
+    /// ```
+    /// use candle::{Device, Tensor};
+    /// use candle_flash::FlashAttn;
+    ///
+    /// let q = Tensor::randn(0f32, 1., (1, 5, 2, 8), &Device::Cpu)?;
+    /// let kv = Tensor::randn(0f32, 1., (1, 5, 2, 8), &Device::Cpu)?;
+    /// let sinks = Tensor::new(&[0.5f32, -1.0], &Device::Cpu)?;
+    /// let (out, lse) = FlashAttn::new(0.35).causal().sinks(&sinks).forward_with_lse(&q, &kv, &kv)?;
+    /// // Every lse is above its sink: the sink is one of the terms of the sum.
+    /// let lse = lse.to_vec3::<f32>()?;
+    /// assert!(lse[0][0].iter().all(|&l| l > 0.5) && lse[0][1].iter().all(|&l| l > -1.0));
+    /// assert_eq!(out.dims(), &[1, 5, 2, 8]);
+    /// # Ok::<(), candle::Error>(())
+    /// ```
+    pub fn sinks(mut self, sinks: &Tensor) -> Self {
+        self.sinks = Some(sinks.clone());
         self
     }
 
@@ -348,6 +386,80 @@ impl FlashAttn {
         self.run_backward(problem, [q, k, v], out, grad_out, lse)
     }
 
+    /// [`backward`](Self::backward) with the gradients of the options that have one: `dsinks`
+    /// `(heads,)` f32 when the op has [`sinks`](Self::sinks) (`None` otherwise), summed over
+    /// every row of each head. Same arguments as `backward`.
+    ///
+    /// ```
+    /// use candle::{Device, Tensor};
+    /// use candle_flash::FlashAttn;
+    /// let q = Tensor::randn(0f32, 1., (1, 5, 2, 8), &Device::Cpu)?;
+    /// let kv = Tensor::randn(0f32, 1., (1, 7, 2, 8), &Device::Cpu)?;
+    /// let op = FlashAttn::new(0.35).causal().sinks(&Tensor::new(&[0.0f32, 1.0], &Device::Cpu)?);
+    /// let (out, lse) = op.forward_with_lse(&q, &kv, &kv)?;
+    /// let g = op.backward_all(&q, &kv, &kv, &out, &out.ones_like()?, &lse)?;
+    /// assert_eq!(g.dsinks.unwrap().dims(), &[2]);
+    /// # Ok::<(), candle::Error>(())
+    /// ```
+    pub fn backward_all(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+        lse: &Tensor,
+    ) -> Result<AttnGrads> {
+        let (dq, dk, dv) = self.backward(q, k, v, out, grad_out, lse)?;
+        self.with_option_grads((dq, dk, dv), out, grad_out, lse, false)
+    }
+
+    /// [`backward_all`](Self::backward_all) for a packed variable-length batch, with the
+    /// arguments of [`backward_varlen`](Self::backward_varlen).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_varlen_all(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad_out: &Tensor,
+        lse: &Tensor,
+        seqlens_q: &Tensor,
+        seqlens_k: &Tensor,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+    ) -> Result<AttnGrads> {
+        let grads = self.backward_varlen(
+            q,
+            k,
+            v,
+            out,
+            grad_out,
+            lse,
+            seqlens_q,
+            seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+        )?;
+        self.with_option_grads(grads, out, grad_out, lse, true)
+    }
+
+    fn with_option_grads(
+        &self,
+        (dq, dk, dv): (Tensor, Tensor, Tensor),
+        out: &Tensor,
+        grad_out: &Tensor,
+        lse: &Tensor,
+        varlen: bool,
+    ) -> Result<AttnGrads> {
+        let dsinks = match &self.sinks {
+            None => None,
+            Some(s) => Some(sinks::grad(out, grad_out, lse, s, varlen)?),
+        };
+        Ok(AttnGrads { dq, dk, dv, dsinks })
+    }
+
     fn run_backward(
         &self,
         problem: Problem,
@@ -393,6 +505,7 @@ impl FlashAttn {
             let out = q.apply_op3(k, v, EmptyAttnOp { out_shape })?;
             return Ok((out, lse));
         }
+        let varlen = problem.varlen.is_some();
         let op = FlashAttnOp::new(problem, self.alibi_slopes.clone());
         let (stash, saved) = (op.lse_stash.clone(), op.lse.clone());
         // Applied with backpropagation recorded: `loss.backward()` reaches `FlashAttnOp::bwd`
@@ -408,8 +521,24 @@ impl FlashAttn {
         };
         // Kept with the op for its backward pass (f32, one value per row).
         let _ = saved.set(lse.clone());
+        let out = match &self.sinks {
+            Some(s) if s.track_op() => sinks::track(&out, &lse, s, varlen)?,
+            _ => out,
+        };
         Ok((out, lse))
     }
+}
+
+/// Gradients of one attention call, from [`FlashAttn::backward_all`]: q, k and v (contiguous,
+/// shaped and typed like them) and those of the options that have one.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct AttnGrads {
+    pub dq: Tensor,
+    pub dk: Tensor,
+    pub dv: Tensor,
+    /// `(heads,)` f32 when the call had [`sinks`](FlashAttn::sinks).
+    pub dsinks: Option<Tensor>,
 }
 
 /// Zeros of `shape`, which may hold no element, without a zero-byte allocation: candle 0.11 on

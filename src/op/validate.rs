@@ -155,6 +155,9 @@ impl FlashAttn {
             None => None,
             Some(t) => Some(read_prefix(t, q, batch)?),
         };
+        if let Some(s) = &self.sinks {
+            check_sinks(s, q, heads)?;
+        }
         Ok(Problem {
             batch,
             heads,
@@ -176,6 +179,7 @@ impl FlashAttn {
             },
             seqused_k: None,
             has_alibi: self.alibi_slopes.is_some(),
+            sinks: self.sinks.clone(),
             alibi_batch_stride,
             kernels: Kernels {
                 portable: self.portable,
@@ -257,6 +261,21 @@ fn check_alibi(s: &Tensor, q: &Tensor, batch: usize, heads: usize) -> Result<usi
             "flash-attn: alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {d:?}"
         ),
     }
+}
+
+/// Checks attention sinks: f32 `(heads,)` on q's device.
+fn check_sinks(s: &Tensor, q: &Tensor, heads: usize) -> Result<()> {
+    if s.dtype() != DType::F32 {
+        bail!("flash-attn: sinks must be f32, got {:?}", s.dtype())
+    }
+    check_device("sinks", s, q)?;
+    if s.dims() != [heads] {
+        bail!(
+            "flash-attn: sinks must have shape ({heads},) (one per query head), got {:?}",
+            s.dims()
+        )
+    }
+    Ok(())
 }
 
 /// Reads and checks cumulative sequence lengths of a varlen call.

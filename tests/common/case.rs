@@ -107,6 +107,9 @@ impl std::fmt::Debug for Case {
         if let Some(s) = &o.alibi_slopes {
             write!(f, " alibi {:?}", s.dims())?;
         }
+        if o.sinks.is_some() {
+            write!(f, " sinks")?;
+        }
         if self.layout != Layout::Contiguous {
             write!(f, " {:?}", self.layout)?;
         }

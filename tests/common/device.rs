@@ -324,6 +324,7 @@ impl Target {
         o.alibi_slopes = put(&opts.alibi_slopes);
         o.block_table = put(&opts.block_table);
         o.mm_prefix_ranges = put(&opts.mm_prefix_ranges);
+        o.sinks = put(&opts.sinks);
         if self.config == Config::Portable {
             o = o.portable(true);
         }

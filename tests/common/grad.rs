@@ -31,6 +31,8 @@ pub struct RefGrads {
     pub dq: Vec<f64>,
     pub dk: Vec<f64>,
     pub dv: Vec<f64>,
+    /// `(h,)`: `-Σ_i exp(sink - lse_i) D_i` over the rows of each head (zeros without sinks).
+    pub dsinks: Vec<f64>,
 }
 
 /// Analytic f64 gradients of `FlashAttn::forward(q, k, v)` with the options `opts` (scale,
@@ -69,6 +71,7 @@ pub fn reference_grads(
         cap: opts.softcap.unwrap_or(0.0) as f64,
         left: opts.window_size_left,
         right: opts.window_size_right,
+        sinks: super::host_sinks(opts)?,
     };
     let (qv, kv, vv, gv) = (values(q)?, values(k)?, values(v)?, values(grad_out)?);
     let slopes = host_slopes(opts, b, h)?;
@@ -108,6 +111,7 @@ pub fn reference_grads_varlen(
         dq: vec![0.0; total_q * h * d],
         dk: vec![0.0; total_k * hk * d],
         dv: vec![0.0; total_k * hk * d],
+        dsinks: vec![0.0; h],
     };
     let seqs = sequences(&q, &k, &v, cu_q, cu_k, &opts)?;
     for (s, w) in seqs.iter().zip(cu_k.windows(2)) {
@@ -117,6 +121,10 @@ pub fn reference_grads_varlen(
         out.dq[s.q0 * h * d..s.q1 * h * d].copy_from_slice(&r.dq);
         out.dk[k0 * hk * d..][..r.dk.len()].copy_from_slice(&r.dk);
         out.dv[k0 * hk * d..][..r.dv.len()].copy_from_slice(&r.dv);
+        out.dsinks
+            .iter_mut()
+            .zip(&r.dsinks)
+            .for_each(|(a, b)| *a += b);
     }
     Ok(out)
 }
@@ -133,6 +141,8 @@ struct Geometry {
     cap: f64,
     left: Option<usize>,
     right: Option<usize>,
+    /// Attention sinks `(h,)`.
+    sinks: Option<Vec<f64>>,
 }
 
 /// The gradients one (batch, K/V head) group owns: dq of its query heads `(group, sq, d)`, and
@@ -141,6 +151,8 @@ struct GroupGrads {
     dq: Vec<f64>,
     dk: Vec<f64>,
     dv: Vec<f64>,
+    /// Of its query heads, `(group,)`.
+    dsinks: Vec<f64>,
 }
 
 impl Geometry {
@@ -169,10 +181,12 @@ impl Geometry {
         let mut dq = vec![0f64; b * sq * h * d];
         let mut dk = vec![0f64; b * sk * hk * d];
         let mut dv = vec![0f64; b * sk * hk * d];
+        let mut dsinks = vec![0f64; h];
         for (bk, gg) in groups.into_iter().enumerate() {
             let (bi, kh) = (bk / hk, bk % hk);
             for n in 0..group {
                 let hi = kh * group + n;
+                dsinks[hi] += gg.dsinks[n];
                 for i in 0..sq {
                     dq[((bi * sq + i) * h + hi) * d..][..d]
                         .copy_from_slice(&gg.dq[(n * sq + i) * d..][..d]);
@@ -184,7 +198,7 @@ impl Geometry {
                 dv[at..at + d].copy_from_slice(&gg.dv[j * d..][..d]);
             }
         }
-        RefGrads { dq, dk, dv }
+        RefGrads { dq, dk, dv, dsinks }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -213,6 +227,7 @@ impl Geometry {
             dq: vec![0f64; group * sq * d],
             dk: vec![0f64; sk * d],
             dv: vec![0f64; sk * d],
+            dsinks: vec![0f64; group],
         };
         let qi = |i: usize, hi: usize| ((bi * sq + i) * h + hi) * d;
         let kj = |j: usize| ((bi * sk + j) * hk + kh) * d;
@@ -222,6 +237,7 @@ impl Geometry {
         for n in 0..group {
             let hi = kh * group + n;
             let slope = slopes.map_or(0.0, |s| s[bi * h + hi]);
+            let sink = self.sinks.as_ref().map(|s| s[hi]);
             for i in 0..sq {
                 let diag = i as i64 + sk as i64 - sq as i64;
                 let keys = visible_keys(i, sq, sk, self.left, self.right);
@@ -248,13 +264,19 @@ impl Geometry {
                     continue; // every score -inf: nothing flows
                 }
                 let l: f64 = keys.clone().map(|j| (s[j].0 - m).exp()).sum();
-                let lse = m + l.ln();
+                let mut lse = m + l.ln();
+                if let Some(sink) = sink {
+                    lse = super::log_add_exp(lse, sink);
+                }
                 let gr = &go[qi(i, hi)..][..d];
                 o.iter_mut().for_each(|x| *x = 0.0);
                 for j in keys.clone() {
                     axpy(&mut o, (s[j].0 - lse).exp(), &v[kj(j)..][..d]);
                 }
                 let big_d = dot(gr, &o);
+                if let Some(sink) = sink {
+                    out.dsinks[n] -= (sink - lse).exp() * big_d;
+                }
                 let dqr = &mut out.dq[(n * sq + i) * d..][..d];
                 for j in keys {
                     let (sc, dsdz) = s[j];

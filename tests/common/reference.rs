@@ -125,6 +125,23 @@ fn axpy_any(o: &mut [f64], p: f64, v: &[f64]) {
     o.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
 }
 
+/// The attention sinks of `opts` as `(h,)` f64 on the host.
+pub fn host_sinks(opts: &FlashAttn) -> Result<Option<Vec<f64>>> {
+    opts.sinks.as_ref().map(values).transpose()
+}
+
+/// `log(exp(a) + exp(b))` in f64; `-inf` when both are.
+pub fn log_add_exp(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        return f64::NAN;
+    }
+    let m = a.max(b);
+    if m == f64::NEG_INFINITY {
+        return m;
+    }
+    m + ((a - m).exp() + (b - m).exp()).ln()
+}
+
 /// ALiBi slopes of `opts` as `(b, h)` f64 on the host (a `(h,)` tensor broadcast over batches).
 pub fn host_slopes(opts: &FlashAttn, b: usize, h: usize) -> Result<Option<Vec<f64>>> {
     let Some(s) = &opts.alibi_slopes else {
@@ -172,6 +189,10 @@ pub fn input_key(
     }
     opts.softmax_scale.to_bits().hash(&mut h);
     opts.softcap.map(f32::to_bits).hash(&mut h);
+    host_sinks(opts)
+        .unwrap()
+        .map(|s| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+        .hash(&mut h);
     (opts.window_size_left, opts.window_size_right).hash(&mut h);
     h.finish()
 }
@@ -235,6 +256,7 @@ fn reference_host(
     let scale = opts.softmax_scale as f64;
     let cap = opts.softcap.unwrap_or(0.0) as f64;
     let group = h / hk.max(1);
+    let sinks = host_sinks(opts).unwrap();
     // One task per (batch, head): its rows' outputs `(sq, d)` and lse `(sq,)`.
     let heads: Vec<(Vec<f64>, Vec<f64>)> = (0..b * h)
         .into_par_iter()
@@ -242,8 +264,10 @@ fn reference_host(
             let (bi, hi) = (bh / h, bh % h);
             let kh = hi / group.max(1);
             let slope = slopes.map_or(0.0, |s| s[bi * h + hi]);
+            // A sink: one more logit of the row's softmax, with no value.
+            let sink = sinks.as_ref().map_or(f64::NEG_INFINITY, |s| s[hi]);
             let mut out = vec![0f64; sq * d];
-            let mut lse = vec![f64::NEG_INFINITY; sq];
+            let mut lse = vec![sink; sq];
             let mut s = vec![0f64; sk];
             for i in 0..sq {
                 // Bottom-right alignment: row i lines up with key i + sk - sq.
@@ -275,8 +299,15 @@ fn reference_host(
                     l += p;
                     axpy(o, p, &vv[((bi * sk + j) * hk + kh) * d..][..d]);
                 }
-                o.iter_mut().for_each(|x| *x /= l);
-                lse[i] = m + l.ln();
+                if sinks.is_some() {
+                    // o holds Σ exp(s - m) v: the sink-inclusive lse L normalises it.
+                    let row_lse = log_add_exp(m + l.ln(), sink);
+                    o.iter_mut().for_each(|x| *x *= (m - row_lse).exp());
+                    lse[i] = row_lse;
+                } else {
+                    o.iter_mut().for_each(|x| *x /= l);
+                    lse[i] = m + l.ln();
+                }
             }
             (out, lse)
         })

@@ -15,7 +15,7 @@ use super::instances::Sm90Bwd;
 use super::plan::{plan, BwdPlan};
 use crate::cuda::launch::to_i32;
 use crate::cuda::params::{BwdParams, Params};
-use crate::cuda::runtime::call::{problem_params, Slopes};
+use crate::cuda::runtime::call::{problem_params, DevF32};
 use crate::cuda::runtime::ints::DevInts;
 use crate::cuda::runtime::tma::{tma_map, TmaMap};
 use crate::cuda::runtime::{caps, launch, Arg};
@@ -104,7 +104,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     // SAFETY: the D pass writes every (head, row) of the call before the other passes read it.
     let mut dsum = unsafe { dev.alloc::<f32>(rows)? };
     let cu = lengths(p, &stream)?;
-    let slopes = Slopes::new(alibi)?;
+    let slopes = DevF32::new("alibi_slopes", alibi)?;
     let esize = std::mem::size_of::<T>() as u64;
     let at = |s: &CudaSlice<T>, offset: usize| s.device_ptr(&stream).0 + offset as u64 * esize;
     let fwd = Params {

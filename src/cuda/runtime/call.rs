@@ -84,17 +84,20 @@ fn window_side(w: i64) -> i64 {
     }
 }
 
-/// The ALiBi slopes as contiguous f32 on the GPU, with their device address.
-pub(crate) struct Slopes {
+/// A per-head f32 vector of the call (ALiBi slopes, sinks) as contiguous f32 on the GPU, with
+/// its device address.
+pub(crate) struct DevF32 {
     tensor: Tensor,
+    name: &'static str,
 }
 
-impl Slopes {
-    pub fn new(alibi: Option<&Tensor>) -> Result<Option<Self>> {
-        match alibi {
+impl DevF32 {
+    pub fn new(name: &'static str, t: Option<&Tensor>) -> Result<Option<Self>> {
+        match t {
             None => Ok(None),
             Some(a) => Ok(Some(Self {
                 tensor: a.to_dtype(DType::F32)?.contiguous()?,
+                name,
             })),
         }
     }
@@ -105,7 +108,10 @@ impl Slopes {
             Storage::Cuda(c) => {
                 Ok(c.as_cuda_slice::<f32>()?.device_ptr(stream).0 + (l.start_offset() * 4) as u64)
             }
-            _ => bail!("flash-attn: alibi_slopes must be on the same CUDA device as q"),
+            _ => bail!(
+                "flash-attn: {} must be on the same CUDA device as q",
+                self.name
+            ),
         }
     }
 }
@@ -201,7 +207,8 @@ pub(crate) struct ForwardCall<T> {
     pub out: CudaSlice<T>,
     pub lse: CudaSlice<f32>,
     lengths: Lengths,
-    slopes: Option<Slopes>,
+    slopes: Option<DevF32>,
+    sinks: Option<DevF32>,
 }
 
 impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCall<T> {
@@ -262,7 +269,8 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
             out,
             lse,
             lengths: Lengths::new(p, &stream)?,
-            slopes: Slopes::new(alibi)?,
+            slopes: DevF32::new("alibi_slopes", alibi)?,
+            sinks: DevF32::new("sinks", p.sinks.as_ref())?,
         })
     }
 
@@ -288,6 +296,7 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
             o: self.out.device_ptr_mut(stream).0,
             lse: self.lse.device_ptr_mut(stream).0,
             alibi: self.slopes.as_ref().map_or(Ok(0), |s| s.ptr(stream))?,
+            sinks: self.sinks.as_ref().map_or(Ok(0), |s| s.ptr(stream))?,
             cu_q: ptr(&l.cu_q)?,
             cu_k: ptr(&l.cu_k)?,
             block_table: ptr(&l.table)?,

@@ -1,0 +1,204 @@
+//! What the attention variants cost: each variant's forward beside the plain forward on the same
+//! inputs, in one process, timed alternately (plain, variant, plain) so that clock and thermal
+//! drift fall on both sides; the ratio is the variant's time over the mean of the two plain
+//! ones.
+//!
+//! ```text
+//! cargo run --release --features cuda,candle-nn/cuda --example variants_bench
+//! cargo run --release --features cuda,candle-nn/cuda --example variants_bench -- --csv bench/results/gpu-variants.csv
+//! cargo run --release --example variants_bench -- --cpu --quick
+//! ```
+//!
+//! Prefill: bf16 (f32 on the CPU), d 128, 16 query heads over 8 K/V heads, seq 4096 to 32768 at
+//! 32k tokens per batch, causal and not. Decode: one query row per sequence, 32/8 heads, d 128,
+//! batch 8 against 8192 keys, and batch 1 against 32768. Variants: `sinks` (one learnable logit
+//! per head).
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle::{DType, Device, Tensor};
+use candle_flash::FlashAttn;
+use clap::Parser;
+
+#[path = "common/results.rs"]
+mod results;
+
+#[derive(Parser)]
+struct Args {
+    /// Run on the CPU (small shapes) instead of CUDA device 0.
+    #[arg(long)]
+    cpu: bool,
+    /// Fewer shapes.
+    #[arg(long)]
+    quick: bool,
+    /// Time budget per measurement, in seconds.
+    #[arg(long, default_value_t = 0.3)]
+    budget: f64,
+    /// Also write every row as CSV (bench/results/gpu-variants.csv's schema).
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
+}
+
+/// Seconds per call of `f`: two warm-up calls, then batches of back-to-back calls (about 20 ms
+/// each) between synchronisations; the median batch (at least 5, until `budget` or 30).
+fn time(dev: &Device, budget: f64, f: &dyn Fn() -> candle::Result<Tensor>) -> candle::Result<f64> {
+    for _ in 0..2 {
+        drop(f()?);
+    }
+    dev.synchronize()?;
+    let t = Instant::now();
+    drop(f()?);
+    dev.synchronize()?;
+    let per_batch = ((0.02 / t.elapsed().as_secs_f64()).ceil() as usize).clamp(1, 200);
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while times.len() < 5 || (start.elapsed().as_secs_f64() < budget && times.len() < 30) {
+        dev.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..per_batch {
+            drop(f()?);
+        }
+        dev.synchronize()?;
+        times.push(t.elapsed().as_secs_f64() / per_batch as f64);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[times.len() / 2])
+}
+
+/// One shape: batch, query rows, keys, heads, K/V heads, head dim, causal.
+#[derive(Clone, Copy)]
+struct Shape {
+    b: usize,
+    sq: usize,
+    sk: usize,
+    h: usize,
+    hk: usize,
+    d: usize,
+    causal: bool,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::new_cuda(0)?
+    };
+    let dtype = if dev.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
+    let mut shapes = Vec::new();
+    let seqs: &[usize] = match (dev.is_cpu(), args.quick) {
+        (true, _) => &[512, 1024],
+        (false, true) => &[4096, 16384],
+        (false, false) => &[4096, 8192, 16384, 32768],
+    };
+    let tokens = if dev.is_cpu() { 1024 } else { 32768 };
+    for &s in seqs {
+        for causal in [false, true] {
+            let b = (tokens / s).max(1);
+            shapes.push(Shape {
+                b,
+                sq: s,
+                sk: s,
+                h: 16,
+                hk: 8,
+                d: 128,
+                causal,
+            });
+        }
+    }
+    let decode: &[(usize, usize)] = if dev.is_cpu() {
+        &[(4, 4096)]
+    } else {
+        &[(8, 8192), (1, 32768)]
+    };
+    for &(b, sk) in decode {
+        shapes.push(Shape {
+            b,
+            sq: 1,
+            sk,
+            h: 32,
+            hk: 8,
+            d: 128,
+            causal: true,
+        });
+    }
+    let mut csv = match &args.csv {
+        Some(p) => Some(results::Csv::create(
+            p,
+            &dev,
+            &[
+                "variant",
+                "dtype",
+                "d",
+                "heads",
+                "kv_heads",
+                "batch",
+                "seq_q",
+                "seq_k",
+                "causal",
+                "plain_ms",
+                "variant_ms",
+                "ratio",
+            ],
+        )?),
+        None => None,
+    };
+    println!("device: {}", results::device_name(&dev));
+    println!(
+        "{:<8} {:>5} {:>7} {:>7} {:>6} {:>10} {:>10} {:>7}",
+        "variant", "batch", "seq_q", "seq_k", "causal", "plain ms", "var. ms", "ratio"
+    );
+    for s in shapes {
+        let q = Tensor::randn(0f32, 1., (s.b, s.sq, s.h, s.d), &dev)?.to_dtype(dtype)?;
+        let k = Tensor::randn(0f32, 1., (s.b, s.sk, s.hk, s.d), &dev)?.to_dtype(dtype)?;
+        let v = Tensor::randn(0f32, 1., (s.b, s.sk, s.hk, s.d), &dev)?.to_dtype(dtype)?;
+        let scale = 1.0 / (s.d as f32).sqrt();
+        let plain = if s.causal {
+            FlashAttn::new(scale).causal()
+        } else {
+            FlashAttn::new(scale)
+        };
+        let sinks = Tensor::randn(0f32, 1., s.h, &dev)?;
+        let variants = [("sinks", plain.clone().sinks(&sinks))];
+        for (name, op) in variants {
+            let run_plain = || plain.forward(&q, &k, &v);
+            let run_variant = || op.forward(&q, &k, &v);
+            let p1 = time(&dev, args.budget, &run_plain)?;
+            let t = time(&dev, args.budget, &run_variant)?;
+            let p2 = time(&dev, args.budget, &run_plain)?;
+            let p = (p1 + p2) / 2.0;
+            println!(
+                "{name:<8} {:>5} {:>7} {:>7} {:>6} {:>10.4} {:>10.4} {:>7.3}",
+                s.b,
+                s.sq,
+                s.sk,
+                s.causal,
+                p * 1e3,
+                t * 1e3,
+                t / p
+            );
+            if let Some(csv) = csv.as_mut() {
+                csv.row(&[
+                    name.to_string(),
+                    format!("{dtype:?}").to_lowercase(),
+                    s.d.to_string(),
+                    s.h.to_string(),
+                    s.hk.to_string(),
+                    s.b.to_string(),
+                    s.sq.to_string(),
+                    s.sk.to_string(),
+                    s.causal.to_string(),
+                    format!("{:.5}", p * 1e3),
+                    format!("{:.5}", t * 1e3),
+                    format!("{:.4}", t / p),
+                ])?;
+            }
+        }
+    }
+    Ok(())
+}

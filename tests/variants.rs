@@ -1,0 +1,332 @@
+//! Attention variants against the f64 reference: learnable sinks (one more logit per head that
+//! carries no value) in every path (dense, varlen, decode, paged and KV-cache calls, which share
+//! the `sinks` of tests/paged.rs), their gradients through autograd and
+//! `FlashAttn::backward_all`, and their bad inputs.
+//!
+//! ```text
+//! cargo test --release --test variants
+//! cargo test --release --features cuda --test variants -- ::cuda
+//! ```
+
+#[macro_use]
+mod common;
+
+use candle::{DType, Device, Result, Tensor, Var};
+use candle_flash::{naive_attention, FlashAttn};
+use common::grad::{autograd, check_grads, grad_bytes, reference_grads, reference_grads_varlen};
+use common::*;
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// Sinks for `h` heads, f32 on the CPU: small and large, positive and negative, one `-inf` (no
+/// sink) and one that outweighs every score (10: its row's output shrinks towards 0).
+fn sinks(h: usize) -> Tensor {
+    let pool = [0.5f32, -1.0, 2.0, f32::NEG_INFINITY, 10.0, 0.0, -3.0, 1.25];
+    let s: Vec<f32> = (0..h).map(|i| pool[i % pool.len()]).collect();
+    Tensor::from_vec(s, h, &Device::Cpu).unwrap()
+}
+
+/// Odd lengths both ways with causal masks, windows (rows that see no key: output 0, lse the
+/// sink), softcap and ALiBi, GQA 6/3/2/1, every dtype and the non-contiguous layouts.
+fn sinks_dense(t: &Target) -> Result<()> {
+    let pairs = [(1, 1), (17, 33), (113, 65), (65, 113), (1, 239)];
+    let hks = [6, 3, 2, 1];
+    for (n, &(sq, sk)) in pairs.iter().enumerate() {
+        for &dtype in t.sweep(&DTYPES, n) {
+            let hk = hks[n % hks.len()];
+            let d = [64, 40, 128][n % 3];
+            let base = Case::new(2, sq, sk, 6, hk, d, dtype);
+            let s = sinks(6);
+            let cases = [
+                base.clone().with(FlashAttn::new(scale(d)).sinks(&s)),
+                base.clone()
+                    .causal()
+                    .with(FlashAttn::new(scale(d)).causal().sinks(&s)),
+                base.clone().with(
+                    FlashAttn::new(scale(d))
+                        .window(Some(5), Some(0))
+                        .softcap(3.0)
+                        .sinks(&s),
+                ),
+                base.clone().with(
+                    FlashAttn::new(scale(d))
+                        .causal()
+                        .alibi(&head_slopes(6))
+                        .sinks(&s),
+                ),
+            ];
+            for (i, c) in cases.iter().enumerate() {
+                let layout = [Layout::Contiguous, Layout::Transposed, Layout::NanBuffers][i % 3];
+                c.clone()
+                    .layout(layout)
+                    .check(t, 10 * n as u64 + i as u64)?;
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(sinks_dense, Forward);
+
+/// One to four query rows against long caches (the decode kernels on a GPU, with one split and
+/// with the most, where the sink joins in the combine pass), GQA groups 1 to 8.
+fn sinks_decode(t: &Target) -> Result<()> {
+    for (n, &(sq, sk, h, hk)) in [
+        (1, 1000, 8, 1),
+        (4, 777, 8, 2),
+        (2, 300, 4, 4),
+        (1, 5, 8, 8),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for &dtype in t.sweep(&DTYPES, n) {
+            let d = [128, 64][n % 2];
+            let opts = FlashAttn::new(scale(d)).causal().sinks(&sinks(h));
+            Case::new(3, sq, sk, h, hk, d, dtype)
+                .with(opts)
+                .check(t, 50 + n as u64)?;
+        }
+    }
+    Ok(())
+}
+test_device!(sinks_decode, Decode);
+
+/// A ragged packed batch (empty sequences, sequences without keys, odd lengths).
+fn sinks_varlen(t: &Target) -> Result<()> {
+    let r = Ragged::standard(t);
+    for (n, dtype) in DTYPES.into_iter().enumerate() {
+        let (h, hk, d) = (6, 2, [64, 40, 128][n]);
+        let q = randn(&[r.total_q, h, d], dtype, 70 + n as u64, &t.dev)?;
+        let k = randn(&[r.total_k, hk, d], dtype, 71 + n as u64, &t.dev)?;
+        let v = randn(&[r.total_k, hk, d], dtype, 72 + n as u64, &t.dev)?;
+        for opts in [
+            FlashAttn::new(scale(d)).sinks(&sinks(h)),
+            FlashAttn::new(scale(d)).causal().sinks(&sinks(h)),
+        ] {
+            let what = format!("varlen {dtype:?} causal {:?}", opts.window_size_right);
+            check_varlen(t, &what, &r, &q, &k, &v, &opts)?;
+        }
+    }
+    Ok(())
+}
+test_device!(sinks_varlen, Forward);
+
+/// `dsinks` against the reference with the rule of the other gradients: within twice the naive
+/// path's error (same dtype, same device) plus the floors.
+fn check_dsinks(what: &str, fast: &Tensor, naive: &Tensor, reference: &[f64], dtype: DType) {
+    assert_eq!(fast.dims(), &[reference.len()], "{what}: dsinks shape");
+    assert_eq!(fast.dtype(), DType::F32, "{what}: dsinks dtype");
+    let actual = values(fast).unwrap();
+    let scale = scale_of(reference);
+    let err = max_abs_err_slice(&actual, reference).unwrap_or_else(|| {
+        panic!(
+            "{what}: non-finite dsinks where the reference is finite ({})",
+            first_non_finite_disagreement(&actual, reference)
+        )
+    });
+    let naive_err = max_abs_err_slice(&values(naive).unwrap(), reference).expect("finite naive");
+    let (floor, rel_backstop, _) = tolerances(dtype);
+    let allowed = 2.0 * naive_err + (floor + SCALE_FLOOR) * scale + rel_backstop * scale * 0.1;
+    assert!(
+        err <= allowed,
+        "{what}: dsinks max abs err {err:.3e} > allowed {allowed:.3e} (naive {naive_err:.3e})"
+    );
+}
+
+/// Gradients of q, k, v and the sinks by autograd (sinks a `Var`) and by
+/// `FlashAttn::backward_all`, against the f64 reference, with the naive path's autograd as the
+/// yardstick: causal and windowed (rows without keys), GQA, every dtype.
+fn sinks_gradients(t: &Target) -> Result<()> {
+    let shapes = [(37, 53, 6, 3, 64), (53, 37, 6, 2, 40), (1, 90, 4, 1, 128)];
+    for (n, &(sq, sk, h, hk, d)) in shapes.iter().enumerate() {
+        for &dtype in t.sweep(&DTYPES, n) {
+            for (m, base) in [
+                FlashAttn::new(scale(d)).causal(),
+                FlashAttn::new(scale(d)).window(Some(3), Some(1)),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let seed = 200 + 10 * n as u64 + m as u64;
+                let c = Case::new(2, sq, sk, h, hk, d, dtype);
+                let (q, k, v, g) = c.grad_inputs(t, seed)?;
+                let host_sinks = sinks(h);
+                let opts = base.clone().sinks(&host_sinks);
+                let what = format!("{:?}", c.clone().with(opts.clone()));
+                let sv = Var::from_tensor(&t.put(&host_sinks)?)?;
+                let run = |f: &dyn Fn(&Tensor, &Tensor, &Tensor, &FlashAttn) -> Result<Tensor>| {
+                    let (qv, kv, vv) = (
+                        Var::from_tensor(&q)?,
+                        Var::from_tensor(&k)?,
+                        Var::from_tensor(&v)?,
+                    );
+                    let op = t.op(&base).sinks(sv.as_tensor());
+                    let out = f(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &op)?;
+                    let loss = (out.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?;
+                    let grads = loss.backward()?;
+                    let get = |x: &Tensor, name: &str| {
+                        grads.get(x).cloned().ok_or_else(|| {
+                            candle::Error::Msg(format!("{what}: no gradient reached {name}"))
+                        })
+                    };
+                    Ok::<_, candle::Error>((
+                        (
+                            get(qv.as_tensor(), "q")?,
+                            get(kv.as_tensor(), "k")?,
+                            get(vv.as_tensor(), "v")?,
+                        ),
+                        get(sv.as_tensor(), "sinks")?,
+                    ))
+                };
+                t.poison(&grad_bytes(dtype, 2 * sq, h, 2 * sk, hk, d))?;
+                let (fast, fast_ds) = run(&|q, k, v, op| op.forward(q, k, v))?;
+                let (naive, naive_ds) = run(&|q, k, v, op| naive_attention(q, k, v, op))?;
+                let r = reference_grads(&q, &k, &v, &g, &opts)?;
+                check_grads(&what, &fast, &naive, &r, [&q, &k, &v]);
+                check_dsinks(
+                    &format!("{what} autograd"),
+                    &fast_ds,
+                    &naive_ds,
+                    &r.dsinks,
+                    dtype,
+                );
+                // The explicit backward from the saved output and lse.
+                let op = t.op(&opts);
+                let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
+                let all = op.backward_all(&q, &k, &v, &out, &g, &lse)?;
+                let ds = all.dsinks.expect("dsinks with sinks");
+                check_dsinks(
+                    &format!("{what} backward_all"),
+                    &ds,
+                    &naive_ds,
+                    &r.dsinks,
+                    dtype,
+                );
+                let explicit = (all.dq, all.dk, all.dv);
+                check_grads(
+                    &format!("{what} backward_all"),
+                    &explicit,
+                    &naive,
+                    &r,
+                    [&q, &k, &v],
+                );
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(sinks_gradients, Backward);
+
+/// Varlen gradients with sinks through autograd, and `backward_varlen_all`'s dsinks equal to the
+/// sum of each sequence's dense dsinks.
+fn sinks_varlen_gradients(t: &Target) -> Result<()> {
+    let r = Ragged::new(&[(13, 20), (0, 4), (9, 0), (30, 25)]);
+    let (h, hk, d) = (4, 2, 32);
+    let q = randn(&[r.total_q, h, d], DType::F32, 300, &t.dev)?;
+    let k = randn(&[r.total_k, hk, d], DType::F32, 301, &t.dev)?;
+    let v = randn(&[r.total_k, hk, d], DType::F32, 302, &t.dev)?;
+    let g = randn(&[r.total_q, h, d], DType::F32, 303, &t.dev)?;
+    let opts = FlashAttn::new(scale(d)).causal().sinks(&sinks(h));
+    let op = t.op(&opts);
+    let (cq, ck) = r.tensors(t)?;
+    let fast = autograd(&q, &k, &v, &g, |q, k, v| {
+        op.forward_varlen(q, k, v, &cq, &ck, r.max_q, r.max_k)
+    })?;
+    let naive = autograd(&q, &k, &v, &g, |q, k, v| {
+        naive_varlen(q, k, v, &r.cu_q, &r.cu_k, &op)
+    })?;
+    let reference = reference_grads_varlen(&q, &k, &v, &g, &r.cu_q, &r.cu_k, &opts)?;
+    check_grads("varlen sinks", &fast, &naive, &reference, [&q, &k, &v]);
+    let (out, lse) = op.forward_varlen_with_lse(&q, &k, &v, &cq, &ck, r.max_q, r.max_k)?;
+    let all = op.backward_varlen_all(&q, &k, &v, &out, &g, &lse, &cq, &ck, r.max_q, r.max_k)?;
+    let ds = values(&all.dsinks.expect("dsinks"))?;
+    let err = max_abs_err_slice(&ds, &reference.dsinks).expect("finite");
+    assert!(
+        err <= 1e-4 * scale_of(&reference.dsinks).max(1.0),
+        "varlen dsinks {ds:?} vs {:?}",
+        reference.dsinks
+    );
+    Ok(())
+}
+test_device!(sinks_varlen_gradients, Once);
+
+/// A `-inf` sink is no sink: bitwise the plain op's output and lse.
+fn minus_infinity_sinks_change_nothing(t: &Target) -> Result<()> {
+    let c = Case::new(2, 33, 47, 4, 2, 64, DType::BF16).causal();
+    let (q, k, v) = c.inputs(t, 400)?;
+    let none = Tensor::full(f32::NEG_INFINITY, 4, &Device::Cpu)?;
+    let (a, la) = t.op(&c.opts).forward_with_lse(&q, &k, &v)?;
+    let (b, lb) = t
+        .op(&c.opts.clone().sinks(&none))
+        .forward_with_lse(&q, &k, &v)?;
+    assert_bitwise_eq("-inf sinks: out", &a, &b);
+    assert_bitwise_eq("-inf sinks: lse", &la, &lb);
+    Ok(())
+}
+test_device!(minus_infinity_sinks_change_nothing, Once);
+
+/// Sinks of the wrong length, dtype or device are refused, naming `sinks`.
+fn bad_sinks_name_the_argument(t: &Target) -> Result<()> {
+    let q = randn(&[1, 5, 4, 8], DType::F32, 1, &t.dev)?;
+    let kv = randn(&[1, 5, 2, 8], DType::F32, 2, &t.dev)?;
+    let mut bad = vec![
+        Tensor::zeros(3, DType::F32, &Device::Cpu)?,
+        Tensor::zeros((1, 4), DType::F32, &Device::Cpu)?,
+        Tensor::zeros(4, DType::F16, &Device::Cpu)?,
+    ];
+    if t.is_cuda() {
+        // On the host while q is on the GPU.
+        bad.push(Tensor::zeros(4, DType::F32, &Device::Cpu)?);
+    }
+    for (n, s) in bad.iter().enumerate() {
+        // The first three go to the target's device with the options, the last stays behind.
+        let op = if n < 3 {
+            t.op(&FlashAttn::new(0.3).sinks(s))
+        } else {
+            t.op(&FlashAttn::new(0.3)).sinks(s)
+        };
+        let err = op.forward(&q, &kv, &kv).expect_err("bad sinks accepted");
+        assert!(
+            err.to_string().contains("sinks"),
+            "sinks {:?} {:?}: {err}",
+            s.dims(),
+            s.dtype()
+        );
+    }
+    Ok(())
+}
+test_device!(bad_sinks_name_the_argument, Once);
+
+/// Small shapes for compute-sanitizer: the prefill kernels (every forward configuration) with
+/// sinks, windows that leave rows without keys, and a ragged batch.
+fn sanitizer_sinks_forward(t: &Target) -> Result<()> {
+    for (n, dtype) in DTYPES.into_iter().enumerate() {
+        let d = [40, 64, 128][n];
+        let opts = FlashAttn::new(scale(d))
+            .window(Some(3), Some(0))
+            .sinks(&sinks(4));
+        Case::new(2, 70, 33, 4, 2, d, dtype)
+            .with(opts)
+            .check(t, 500 + n as u64)?;
+    }
+    let r = Ragged::new(&[(5, 9), (0, 3), (40, 0), (17, 80)]);
+    let q = randn(&[r.total_q, 4, 64], DType::BF16, 510, &t.dev)?;
+    let k = randn(&[r.total_k, 1, 64], DType::BF16, 511, &t.dev)?;
+    let opts = FlashAttn::new(scale(64)).causal().sinks(&sinks(4));
+    check_varlen(t, "sanitizer varlen sinks", &r, &q, &k, &k, &opts)?;
+    Ok(())
+}
+test_device!(sanitizer_sinks_forward, Forward);
+
+/// Small shapes for compute-sanitizer: the decode kernels with one split and with the most (the
+/// sink then joins in the combine pass), GQA groups of 1 and 8.
+fn sanitizer_sinks_decode(t: &Target) -> Result<()> {
+    for (n, &(sq, h, hk)) in [(1, 8, 1), (3, 4, 4)].iter().enumerate() {
+        let opts = FlashAttn::new(scale(64)).causal().sinks(&sinks(h));
+        Case::new(2, sq, 300, h, hk, 64, DType::BF16)
+            .with(opts)
+            .check(t, 520 + n as u64)?;
+    }
+    Ok(())
+}
+test_device!(sanitizer_sinks_decode, Decode);
