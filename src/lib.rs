@@ -74,6 +74,7 @@ mod merge;
 mod naive;
 mod op;
 mod problem;
+pub mod ring;
 pub mod semantics;
 
 pub use cpu::CpuMatmul;
