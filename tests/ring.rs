@@ -1,4 +1,5 @@
-//! `merge_states` and ring attention over the in-process loopback ring, on the CPU: the merge
+//! `merge_states` and ring attention over the in-process loopback ring, on the CPU (and, with
+//! the `cuda` feature, the ring's ranks sharing one GPU): the merge
 //! of two real partial attentions against the f64 golden attention over their union, its edge
 //! rows against the formula in f64, and the ring's output, log-sum-exp and gradients with 1 to
 //! 4 ranks against the single-device op and the f64 references; bad inputs error on every rank.
@@ -212,6 +213,7 @@ fn run_ring(world: usize, op: &FlashAttn, [q, k, v, g]: [&Tensor; 4]) -> Vec<Res
 }
 
 fn check_ring(
+    dev: &Device,
     world: usize,
     dtype: DType,
     (b, s, h, hk, d): (usize, usize, usize, usize, usize),
@@ -222,10 +224,10 @@ fn check_ring(
         op.window_size_left, op.window_size_right, op.softcap
     );
     let seed = (world * 100 + s) as u64;
-    let q = randn(&[b, s, h, d], dtype, seed, &CPU)?;
-    let k = randn(&[b, s, hk, d], dtype, seed + 1, &CPU)?;
-    let v = randn(&[b, s, hk, d], dtype, seed + 2, &CPU)?;
-    let g = randn(&[b, s, h, d], dtype, seed + 3, &CPU)?;
+    let q = randn(&[b, s, h, d], dtype, seed, dev)?;
+    let k = randn(&[b, s, hk, d], dtype, seed + 1, dev)?;
+    let v = randn(&[b, s, hk, d], dtype, seed + 2, dev)?;
+    let g = randn(&[b, s, h, d], dtype, seed + 3, dev)?;
     let ranks = run_ring(world, &op, [&q, &k, &v, &g])
         .into_iter()
         .collect::<Result<Vec<_>>>()?;
@@ -278,12 +280,14 @@ fn ring_matches_single_device_and_reference() -> Result<()> {
         // Chunks of 3 rows: odd lengths; GQA 6/2; head dim not a power of two.
         let s = 2 * world * 3;
         check_ring(
+            &CPU,
             world,
             DType::F32,
             (2, s, 6, 2, 24),
             FlashAttn::new(scale(24)).causal(),
         )?;
         check_ring(
+            &CPU,
             world,
             DType::F32,
             (2, s, 6, 2, 24),
@@ -292,22 +296,51 @@ fn ring_matches_single_device_and_reference() -> Result<()> {
     }
     // Longer chunks, MQA, softcap, low precision.
     check_ring(
+        &CPU,
         3,
         DType::F32,
         (1, 6 * 11, 4, 1, 16),
         FlashAttn::new(0.4).causal().softcap(2.5),
     )?;
     check_ring(
+        &CPU,
         2,
         DType::BF16,
         (1, 4 * 9, 4, 2, 32),
         FlashAttn::new(scale(32)).causal(),
     )?;
     check_ring(
+        &CPU,
         4,
         DType::F16,
         (1, 8 * 5, 2, 2, 16),
         FlashAttn::new(scale(16)),
+    )?;
+    Ok(())
+}
+
+/// The ring on one GPU: loopback ranks as threads sharing GPU 0, against the single-GPU op and
+/// the f64 references. Fails (never skips) when the feature is on and no GPU answers.
+#[cfg(feature = "cuda")]
+#[test]
+fn ring_on_cuda_matches_single_device_and_reference() -> Result<()> {
+    let gpu = Device::new_cuda(0)?;
+    for world in [1, 2, 3] {
+        let s = 2 * world * 37;
+        for op in [
+            FlashAttn::new(scale(64)).causal(),
+            FlashAttn::new(scale(64)),
+        ] {
+            check_ring(&gpu, world, DType::BF16, (2, s, 8, 2, 64), op.clone())?;
+            check_ring(&gpu, world, DType::F32, (1, s, 4, 4, 40), op)?;
+        }
+    }
+    check_ring(
+        &gpu,
+        4,
+        DType::F16,
+        (1, 8 * 33, 6, 2, 128),
+        FlashAttn::new(0.1).causal().softcap(5.0),
     )?;
     Ok(())
 }

@@ -10,6 +10,10 @@
 //! its rank and dK/dV accumulate while travelling with their blocks, in f32, reaching their
 //! owner after one last shift (as ring-flash-attention does).
 //!
+//! Communicators: [`Loopback`] (ranks as threads of one process, any device; the CPU stand-in
+//! the tests run) and, with the `nccl` feature, `Nccl` (one thread per GPU over NCCL, with the
+//! transfers on a stream of their own).
+//!
 //! # Sharding
 //!
 //! Without a mask any sharding works, as long as q's rows and k/v's rows are each split the
@@ -77,9 +81,13 @@
 //! ```
 
 mod comm;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod zigzag;
 
 pub use comm::{Communicator, Loopback};
+#[cfg(feature = "nccl")]
+pub use nccl::{Nccl, NcclRing};
 pub use zigzag::{zigzag_global, zigzag_local, zigzag_shard, zigzag_unshard};
 
 use candle::{bail, DType, Device, Result, Tensor};
