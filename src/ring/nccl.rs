@@ -92,6 +92,8 @@ impl NcclRing {
             )
         }
         let dev = device.as_cuda_device()?.clone();
+        // NCCL initialises on the thread's current device: this rank's.
+        dev.cuda_stream().context().bind_to_thread().w()?;
         let stream = dev.cuda_stream().context().new_stream().w()?;
         let comm = Comm::from_rank(stream.clone(), rank, self.world, self.id)
             .map_err(|e| nccl_err("ncclCommInitRank", e))?;
