@@ -5,7 +5,7 @@
 //! (one [`Communicator`] shift per step, started before and finished after the attention of the
 //! block in hand, so the transfer overlaps the compute), each rank attends its queries to every
 //! block with [`FlashAttn::forward_with_lse`], and the partial results merge through their
-//! log-sum-exps ([`merge_states`](crate::merge_states), accumulated in f32). The backward pass
+//! log-sum-exps ([`merge_states`], accumulated in f32). The backward pass
 //! runs [`FlashAttn::backward`] per block with the merged output and log-sum-exp; dq stays on
 //! its rank and dK/dV accumulate while travelling with their blocks, in f32, reaching their
 //! owner after one last shift (as ring-flash-attention does).
