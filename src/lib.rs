@@ -70,12 +70,15 @@
 
 mod cpu;
 mod cuda;
+mod merge;
 mod naive;
 mod op;
 mod problem;
+pub mod ring;
 pub mod semantics;
 
 pub use cpu::CpuMatmul;
+pub use merge::merge_states;
 pub use naive::naive_attention;
 pub use op::{AttnGrads, FlashAttn, PlanOverride, MAX_HEAD_DIM};
 

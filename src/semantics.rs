@@ -14,7 +14,7 @@
 //!   `s -= slope[h] * |diag(i) - j|`;
 //! * a row that sees no key outputs exactly 0 and its log-sum-exp is `-inf`;
 //! * with attention sinks, the softmax of a row of head `h` has one more logit `sink[h]` that
-//!   carries no value ([`fold_sink`]): the row's lse becomes `L = log(exp(lse) + exp(sink))`
+//!   carries no value (a merge with a side without values, [`merge_weights`]): the row's lse becomes `L = log(exp(lse) + exp(sink))`
 //!   and its output is scaled by `exp(lse - L)`; a row that sees no key still outputs 0, with
 //!   lse `sink[h]`.
 //!
@@ -314,22 +314,64 @@ pub fn alibi_bias(slope: f32, i: usize, j: usize, seq_q: usize, seq_k: usize) ->
     slope * (diagonal(i, seq_q, seq_k) - j as i64).unsigned_abs() as f32
 }
 
-/// Folds an attention sink (a logit `sink` with no value) into a finished row whose
-/// log-sum-exp is `lse` (natural log; `-inf` for a row that saw no key): returns the factor that
-/// scales the row's output and the row's new lse `L = log(exp(lse) + exp(sink))`, both computed
-/// against the larger of the two so that neither overflows. A sink of `-inf` changes nothing
-/// (factor 1), a row and sink both `-inf` give factor 0 and `-inf`; NaN propagates. The CUDA
-/// kernels fold the sink into the row's running sum before they normalise it, which is the
-/// same arithmetic in base 2.
-#[inline]
-pub fn fold_sink(lse: f32, sink: f32) -> (f32, f32) {
-    let m = lse.max(sink);
-    if m == f32::NEG_INFINITY {
-        return (if lse.is_nan() { f32::NAN } else { 0.0 }, lse + sink);
+/// The weights of a merge of two partial attentions over disjoint key sets (FlashInfer's
+/// `merge_state`): from the log-sum-exps `lse_a`, `lse_b` of the two sides, the merged
+/// log-sum-exp `L = log(e^lse_a + e^lse_b)` and the weights `w_a = e^(lse_a - L)`,
+/// `w_b = e^(lse_b - L)` with which `o = w_a · o_a + w_b · o_b` ([`MergeWeights::value`]).
+///
+/// * A side with `lse = -inf` saw no key: its weight is exactly 0 and the other side's exactly
+///   1; a side of weight 0 is not read (whatever it holds, zeros or not, never reaches `o`).
+/// * Both `-inf`: weights 0 and 0, `L = -inf`, `o = 0`.
+/// * A NaN on either side gives NaN weights and a NaN `L` (the row is poisoned, not hidden).
+///
+/// An attention sink is side b with no values: `L = logaddexp(lse, sink)` and `o' = w_a · o`.
+/// Every merge (the CPU loop, the CUDA kernel in `kernels/merge.cu`, the ring) computes this.
+#[inline(always)]
+pub fn merge_weights(lse_a: f32, lse_b: f32) -> MergeWeights {
+    if lse_a.is_nan() || lse_b.is_nan() {
+        return MergeWeights {
+            a: f32::NAN,
+            b: f32::NAN,
+            lse: f32::NAN,
+        };
     }
-    let (a, b) = ((lse - m).exp(), (sink - m).exp());
-    let sum = a + b;
-    (a / sum, m + sum.ln())
+    let m = lse_a.max(lse_b);
+    if m == f32::NEG_INFINITY {
+        return MergeWeights {
+            a: 0.0,
+            b: 0.0,
+            lse: f32::NEG_INFINITY,
+        };
+    }
+    // One side may be -inf here: its exponential is exactly 0 and the other's exactly 1.
+    let (ea, eb) = ((lse_a - m).exp(), (lse_b - m).exp());
+    let sum = ea + eb;
+    MergeWeights {
+        a: ea / sum,
+        b: eb / sum,
+        lse: m + sum.ln(),
+    }
+}
+
+/// The result of [`merge_weights`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MergeWeights {
+    /// Weight of side a's output.
+    pub a: f32,
+    /// Weight of side b's output.
+    pub b: f32,
+    /// The merged log-sum-exp.
+    pub lse: f32,
+}
+
+impl MergeWeights {
+    /// One merged output element from the two sides' elements: `a · o_a + b · o_b`, where a
+    /// side of weight exactly 0 (no key there, or one far below the other) is not read.
+    #[inline(always)]
+    pub fn value(&self, o_a: f32, o_b: f32) -> f32 {
+        let side = |w: f32, o: f32| if w == 0.0 { 0.0 } else { w * o };
+        side(self.a, o_a) + side(self.b, o_b)
+    }
 }
 
 #[cfg(test)]
@@ -457,6 +499,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn merge_weights_edges() {
+        let inf = f32::INFINITY;
+        let w = merge_weights(-inf, 1.5);
+        assert_eq!((w.a, w.b, w.lse), (0.0, 1.0, 1.5));
+        let w = merge_weights(0.25, -inf);
+        assert_eq!((w.a, w.b, w.lse), (1.0, 0.0, 0.25));
+        let w = merge_weights(-inf, -inf);
+        assert_eq!((w.a, w.b, w.lse), (0.0, 0.0, -inf));
+        assert!(merge_weights(f32::NAN, 1.0).lse.is_nan());
+        let w = merge_weights(0.0, 0.0);
+        assert_eq!((w.a, w.b), (0.5, 0.5));
+        assert!((w.lse - 2f32.ln()).abs() < 1e-7);
+        // Far apart: no overflow, the smaller side vanishes smoothly.
+        let w = merge_weights(80.0, -80.0);
+        assert!(w.lse == 80.0 && w.a == 1.0 && w.b < 1e-30);
     }
 
     #[test]

@@ -24,7 +24,7 @@ __device__ __forceinline__ float tanh_fast(float x) {
 // row's accumulated O and its base-2 log-sum-exp (-inf for a row that saw no key; a NaN l stays
 // NaN). With attention sinks (`sinks` non-null) the row's softmax has one more term, the sink
 // s2 = sinks[h] log2(e), which carries no value: it joins the sum against M = max(m2, s2), so
-// that neither side overflows (src/semantics.rs, fold_sink, is the same rule in natural log).
+// that neither side overflows (src/semantics.rs, merge_weights, is the same rule in natural log).
 struct RowEnd {
     float inv;
     float lse2;

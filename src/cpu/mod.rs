@@ -58,7 +58,8 @@ pub(crate) fn forward<T: elem::Elem>(
     Ok((out, lse))
 }
 
-/// Folds each head's sink into its finished rows ([`fold_sink`](crate::semantics::fold_sink)):
+/// Folds each head's sink into its finished rows (a merge with a side that has no values,
+/// [`merge_weights`](crate::semantics::merge_weights)):
 /// one pass over the output, which costs little next to the attention that produced it.
 fn fold_sinks<T: elem::Elem>(
     p: &crate::problem::Problem,
@@ -73,9 +74,10 @@ fn fold_sinks<T: elem::Elem>(
             let row = &mut out[(seq.out_row + i) * h * d..][..h * d];
             for (hh, o) in row.chunks_exact_mut(d).enumerate() {
                 let l = &mut lse[seq.lse_base + hh * stride + i];
-                let (w, new) = crate::semantics::fold_sink(*l, sinks[hh]);
-                *l = new;
-                o.iter_mut().for_each(|x| *x = T::from_f32(x.to_f32() * w));
+                let w = crate::semantics::merge_weights(*l, sinks[hh]);
+                *l = w.lse;
+                o.iter_mut()
+                    .for_each(|x| *x = T::from_f32(w.value(x.to_f32(), 0.0)));
             }
         }
     }

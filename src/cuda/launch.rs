@@ -17,6 +17,8 @@ pub(crate) enum Module {
     Sm90Bwd,
     /// Operand packing and KV-cache appends (kernels/pack.cu).
     Pack,
+    /// The merge of two attention states (kernels/merge.cu).
+    Merge,
 }
 
 impl Module {

@@ -5,7 +5,8 @@
 //! - `forward/`: prefill kernels (Hopper wgmma + TMA, mma.sync tensor cores, exact f32, row-wise);
 //! - `decode/`: split-KV decode for few query rows per K/V head, and its combine pass;
 //! - `backward/`: the D, dK/dV and dQ passes;
-//! - `append`: writing new keys and values into a KV cache.
+//! - `append`: writing new keys and values into a KV cache;
+//! - `merge`: merging two attention states through their log-sum-exps.
 //!
 //! Shared by all: `device` (what a plan knows of the GPU), `launch` (one launch description),
 //! `instances` (the kernel tables, from which `build.rs` also generates the entry points),
@@ -25,6 +26,8 @@ mod device;
 mod forward;
 mod instances;
 mod launch;
+#[cfg(feature = "cuda")]
+mod merge;
 mod operands;
 mod params;
 #[cfg(feature = "cuda")]
@@ -34,6 +37,8 @@ mod runtime;
 pub(crate) use append::append_kv;
 #[cfg(feature = "cuda")]
 pub(crate) use backward::{backward, Saved as BwdSaved};
+#[cfg(feature = "cuda")]
+pub(crate) use merge::merge;
 
 /// The forward pass of `p` on the GPU: the decode plan where the problem is decode-shaped,
 /// else the prefill plan. Returns (out, lse).

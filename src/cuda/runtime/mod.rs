@@ -53,6 +53,10 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
             "candle_flash_pack",
             include_str!(concat!(env!("OUT_DIR"), "/pack.ptx")),
         ),
+        Module::Merge => (
+            "candle_flash_merge",
+            include_str!(concat!(env!("OUT_DIR"), "/merge.ptx")),
+        ),
     }
 }
 
