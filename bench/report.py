@@ -40,9 +40,11 @@ SCHEMAS = {
     "gpu-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,ref_gbps",
     "cpu-prefill": "impl,dtype,pass,mask,batch,seq,heads,head_dim,ms,gflops",
     "cpu-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,ref_gbps",
+    "gpu-variants": "variant,dtype,head_dim,heads,kv_heads,batch,seq_q,seq_k,causal,plain_ms,"
+                    "variant_ms,ratio",
 }
-INTEGER = {"batch", "seq", "heads", "kv_heads", "head_dim", "seq_q", "kv"}
-REAL = {"ms", "tflops", "gflops", "us", "gbps", "ref_gbps"}
+INTEGER = {"batch", "seq", "heads", "kv_heads", "head_dim", "seq_q", "kv", "seq_k"}
+REAL = {"ms", "tflops", "gflops", "us", "gbps", "ref_gbps", "plain_ms", "variant_ms", "ratio"}
 TORCH = ("torch-flash", "torch-cudnn")
 # Implementations in the order their columns appear; others follow alphabetically.
 IMPL_ORDER = ["candle-flash", "candle-flash-autograd", "candle-flash-portable", "candle-naive",
@@ -620,8 +622,9 @@ cargo run --release --example cpu_bench -- --csv bench/results/cpu-prefill.csv
 cargo run --release --example decode_bench -- --sweep
 # GPU: build here, run there (PyTorch's rows appended to candle-flash's CSV in the same command)
 scripts/gpu-pack.sh bench            # then, on the GPU machine:
-bash scripts/gpu-run.sh prefill backward decode
-# copy gpu-prefill.csv, gpu-backward.csv and gpu-decode.csv into bench/results/, then
+bash scripts/gpu-run.sh prefill backward decode variants
+# copy gpu-prefill.csv, gpu-backward.csv, gpu-decode.csv and gpu-variants.csv into
+# bench/results/, then
 python3 bench/report.py
 ```
 """
@@ -641,6 +644,11 @@ DECODE_NOTE = ("Decode: `seq_q` query rows per sequence against a KV cache of `k
                "causal. GB/s count K and V read once in their dtype; \"of ref GB/s\" divides "
                "that by the copy bandwidth measured in the same run (`ref_gbps`). `paged16`: the "
                "cache in 16-row pages behind a shuffled block table.")
+
+VARIANTS_NOTE = ("`examples/variants_bench.rs`: each variant's forward beside the plain forward on "
+                 "the same inputs in one process, timed plain, variant, plain; the ratio divides "
+                 "the variant's time by the mean of the two plain ones. Prefill: d 128, 16/8 "
+                 "heads, 32k tokens per batch; decode: one query row, 32/8 heads, d 128.")
 
 
 def no_results(name):
@@ -713,6 +721,26 @@ def build(plots):
                           + "\n")
     else:
         page.append(no_results("cpu-decode"))
+
+    rows = read("gpu-variants")
+    page.append("## Attention variants on the GPU\n")
+    if rows:
+        page.append(VARIANTS_NOTE + "\n")
+        for device, drows in by_device(rows):
+            head = ["variant", "dtype", "heads", "batch", "seq_q", "seq_k", "causal", "plain ms",
+                    "variant ms", "variant / plain"]
+            body = [[r["variant"], r["dtype"], f"{r['heads']}/{r['kv_heads']}", str(r["batch"]),
+                     str(r["seq_q"]), str(r["seq_k"]), r["causal"], fnum(r["plain_ms"]),
+                     fnum(r["variant_ms"]), fratio(r["ratio"])] for r in drows]
+            page.append(f"{provenance(drows, device)}\n\n"
+                        + table(head, body, ["l"] * 7 + ["r"] * 3) + "\n")
+            worst = ", ".join(
+                f"{v} {fratio(max(r['ratio'] for r in drows if r['variant'] == v))}"
+                for v in sorted({r["variant"] for r in drows}))
+            readme.append(f"**Attention variants**: time with the variant / time without, the "
+                          f"largest over the shapes: {worst} ({provenance(drows, device)})\n")
+    else:
+        page.append(no_results("gpu-variants"))
 
     page_text = "\n".join(x.rstrip("\n") + "\n" for x in page if x)
     block = "\n".join(x.rstrip("\n") + "\n" for x in readme if x)

@@ -134,7 +134,7 @@ fn main() -> Result<()> {
             &[
                 "variant",
                 "dtype",
-                "d",
+                "head_dim",
                 "heads",
                 "kv_heads",
                 "batch",
