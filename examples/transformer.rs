@@ -13,6 +13,7 @@
 //! cargo run --release --example transformer                      # CPU, defaults below
 //! cargo run --release --example transformer -- --seq-len 4096 --causal false
 //! cargo run --release --example transformer -- --seq-len 4096 --decode 64
+//! cargo run --release --example transformer -- --seq-len 1024 --sinks
 //! cargo run --release --features cuda,candle-nn/cuda --example transformer -- --device cuda --dtype bf16
 //! ```
 
@@ -150,6 +151,10 @@ struct Args {
     /// Causal (decoder) attention; `--causal false` for an encoder.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     causal: bool,
+    /// Learnable attention sinks (one logit per head with no value, as in gpt-oss) in every
+    /// layer, for both backends.
+    #[arg(long)]
+    sinks: bool,
     /// Transformer blocks (attention + MLP each).
     #[arg(long, default_value_t = 2)]
     layers: usize,
@@ -243,6 +248,7 @@ struct Config {
     layers: usize,
     norm: NormArg,
     causal: bool,
+    sinks: bool,
 }
 
 enum Norm {
@@ -285,6 +291,17 @@ impl Attention {
             FlashAttn::new(scale).causal()
         } else {
             FlashAttn::new(scale)
+        };
+        // Learnable attention sinks: one f32 logit per head, drawn like the other weights.
+        let op = if cfg.sinks {
+            let init = candle_nn::Init::Randn {
+                mean: 0.0,
+                stdev: 1.0,
+            };
+            let sinks = vb.get_with_hints(cfg.heads, "sinks", init)?;
+            op.sinks(&sinks.to_dtype(DType::F32)?)
+        } else {
+            op
         };
         Ok(Self {
             wq: linear_no_bias(d, d, vb.pp("q"))?,
@@ -840,6 +857,7 @@ fn run(args: Args) -> Result<()> {
         layers: args.layers,
         norm: args.norm,
         causal: args.causal,
+        sinks: args.sinks,
     };
     let backends: &[AttentionBackend] = match args.attention {
         AttentionArg::Naive => &[AttentionBackend::Naive],
@@ -856,7 +874,7 @@ fn run(args: Args) -> Result<()> {
             args.kv_heads,
             args.head_dim,
             args.norm,
-            if args.causal { "causal" } else { "non-causal" },
+            mask_name(&args),
             args.batch,
             dtype,
             dev.location()
@@ -877,7 +895,7 @@ fn run(args: Args) -> Result<()> {
         args.kv_heads,
         args.head_dim,
         args.norm,
-        if args.causal { "causal" } else { "non-causal" },
+        mask_name(&args),
         args.batch,
         args.seq_len,
         dtype,
@@ -947,4 +965,14 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Result<(f32, f32)> {
     let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, fold);
     let scale = a.iter().map(|x| x.abs()).fold(0.0, fold);
     Ok((diff, scale))
+}
+
+/// The mask (and sinks) of the run, for the header line.
+fn mask_name(args: &Args) -> &'static str {
+    match (args.causal, args.sinks) {
+        (true, false) => "causal",
+        (false, false) => "non-causal",
+        (true, true) => "causal, sinks",
+        (false, true) => "non-causal, sinks",
+    }
 }
