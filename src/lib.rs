@@ -52,12 +52,13 @@
 //!
 //! - q, k or v has the wrong rank (4, or 3 for varlen), or k and v differ in shape;
 //! - the dtype is not f32, f16 or bf16, or k/v's dtype differs from q's;
-//! - k, v, the ALiBi slopes or the sequence offsets live on another device than q;
+//! - k, v, the ALiBi slopes, the sinks or the sequence offsets live on another device than q;
 //! - batch sizes or head dims of q and k/v differ, or the head dim is 0 or above
 //!   [`MAX_HEAD_DIM`];
 //! - `kv_heads` is 0 or does not divide `heads`;
 //! - `softmax_scale` is not finite, or `softcap` is negative or not finite;
 //! - ALiBi slopes are not f32 of shape `(heads,)` or `(batch, heads)`;
+//! - attention sinks are not f32 of shape `(heads,)`;
 //! - varlen offsets are not u32 of shape `(batch + 1,)`, do not start at 0, decrease, hold a
 //!   sequence longer than `max_seqlen_q`/`max_seqlen_k`, do not end at the packed tensor's token
 //!   count, or q's and k's offsets differ in length;
