@@ -40,11 +40,16 @@ SCHEMAS = {
     "gpu-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,ref_gbps",
     "cpu-prefill": "impl,dtype,pass,mask,batch,seq,heads,head_dim,ms,gflops",
     "cpu-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,ref_gbps",
+    "gpu-ring": "gpus,comm,dtype,heads,kv_heads,head_dim,mask,seq,fwd_ms,fwd_bwd_ms,tokens_per_s,"
+                "gib_per_gpu,single_fwd_ms,single_fwd_bwd_ms,diff_out,diff_lse,diff_dq,diff_dk,"
+                "diff_dv,rerun_identical",
     "gpu-variants": "variant,dtype,head_dim,heads,kv_heads,batch,seq_q,seq_k,causal,plain_ms,"
                     "variant_ms,ratio",
 }
-INTEGER = {"batch", "seq", "heads", "kv_heads", "head_dim", "seq_q", "kv", "seq_k"}
-REAL = {"ms", "tflops", "gflops", "us", "gbps", "ref_gbps", "plain_ms", "variant_ms", "ratio"}
+INTEGER = {"batch", "seq", "heads", "kv_heads", "head_dim", "seq_q", "kv", "seq_k", "gpus"}
+REAL = {"ms", "tflops", "gflops", "us", "gbps", "ref_gbps", "plain_ms", "variant_ms", "ratio",
+        "fwd_ms", "fwd_bwd_ms", "tokens_per_s", "gib_per_gpu", "single_fwd_ms",
+        "single_fwd_bwd_ms"}
 TORCH = ("torch-flash", "torch-cudnn")
 # Implementations in the order their columns appear; others follow alphabetically.
 IMPL_ORDER = ["candle-flash", "candle-flash-autograd", "candle-flash-portable", "candle-naive",
@@ -645,6 +650,9 @@ DECODE_NOTE = ("Decode: `seq_q` query rows per sequence against a KV cache of `k
                "that by the copy bandwidth measured in the same run (`ref_gbps`). `paged16`: the "
                "cache in 16-row pages behind a shuffled block table.")
 
+RING_NOTE = ("`examples/long_context.rs`: one causal attention layer (bf16, 32/8 heads, d 128) "
+             "sharded zigzag over N GPUs, K/V rotating over NCCL; the slowest rank's median "
+             "time. Efficiency = single-GPU time / N / ring time.")
 VARIANTS_NOTE = ("`examples/variants_bench.rs`: each variant's forward beside the plain forward on "
                  "the same inputs in one process, timed plain, variant, plain; the ratio divides "
                  "the variant's time by the mean of the two plain ones. Prefill: d 128, 16/8 "
@@ -741,6 +749,34 @@ def build(plots):
                           f"largest over the shapes: {worst} ({provenance(drows, device)})\n")
     else:
         page.append(no_results("gpu-variants"))
+
+    rows = read("gpu-ring")
+    page.append("## Ring attention across GPUs\n")
+    if rows:
+        page.append(RING_NOTE + "\n")
+        for device, drows in by_device(rows):
+            head = ["GPUs", "seq", "fwd ms", "fwd+bwd ms", "tokens/s", "GiB/GPU", "1 GPU fwd ms",
+                    "1 GPU fwd+bwd ms", "efficiency fwd", "efficiency fwd+bwd"]
+            eff = lambda one, n, t: fpct(one / n / t) if one else ""
+            body = [[str(r["gpus"]), str(r["seq"]), fnum(r["fwd_ms"]), fnum(r["fwd_bwd_ms"]),
+                     f"{r['tokens_per_s']:.0f}", fnum(r["gib_per_gpu"]),
+                     fnum(r["single_fwd_ms"]) if r["single_fwd_ms"] else "",
+                     fnum(r["single_fwd_bwd_ms"]) if r["single_fwd_bwd_ms"] else "",
+                     eff(r["single_fwd_ms"], r["gpus"], r["fwd_ms"]),
+                     eff(r["single_fwd_bwd_ms"], r["gpus"], r["fwd_bwd_ms"])]
+                    for r in sorted(drows, key=lambda r: (r["gpus"], r["seq"]))]
+            page.append(f"{provenance(drows, device)}\n\n" + table(head, body, ["r"] * 10)
+                        + "\n")
+            checks = [r for r in drows if r["diff_out"]]
+            if checks:
+                page.append("Largest difference to the single-GPU op (out / lse / dq / dk / dv) "
+                            "and rerun: " + "; ".join(
+                                f"{r['gpus']} GPUs, seq {r['seq']}: {r['diff_out']} / "
+                                f"{r['diff_lse']} / {r['diff_dq']} / {r['diff_dk']} / "
+                                f"{r['diff_dv']}, bitwise identical {r['rerun_identical']}"
+                                for r in checks) + "\n")
+    else:
+        page.append(no_results("gpu-ring"))
 
     page_text = "\n".join(x.rstrip("\n") + "\n" for x in page if x)
     block = "\n".join(x.rstrip("\n") + "\n" for x in readme if x)

@@ -10,11 +10,14 @@
 //! ```text
 //! cargo build --release --features nccl,candle-nn/cuda --example long_context
 //! NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH=<folder of libnccl.so.2> \
-//!     target/release/examples/long_context --gpus 2 --seq 32768,131072
+//!     target/release/examples/long_context --gpus 2 --seq 32768,131072 [--csv gpu-ring.csv]
 //! ```
 //!
 //! `--comm loopback` runs the ranks as threads on GPU 0 over the in-process loopback instead of
 //! NCCL: the same ring algorithm on one GPU (a correctness check that needs no NCCL).
+
+#[path = "common/results.rs"]
+mod results;
 
 use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
@@ -70,7 +73,34 @@ struct Args {
     compare_up_to: usize,
     #[arg(long, value_enum, default_value_t = CommArg::Nccl)]
     comm: CommArg,
+    /// Also append every length's row to this CSV (bench/results/gpu-ring.csv's schema).
+    #[arg(long)]
+    csv: Option<std::path::PathBuf>,
 }
+
+/// Columns of `--csv` after the common ones.
+const CSV_COLUMNS: [&str; 20] = [
+    "gpus",
+    "comm",
+    "dtype",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mask",
+    "seq",
+    "fwd_ms",
+    "fwd_bwd_ms",
+    "tokens_per_s",
+    "gib_per_gpu",
+    "single_fwd_ms",
+    "single_fwd_bwd_ms",
+    "diff_out",
+    "diff_lse",
+    "diff_dq",
+    "diff_dk",
+    "diff_dv",
+    "rerun_identical",
+];
 
 /// One rank's shards of the outputs and gradients, on the host.
 type Shards = [Tensor; 5];
@@ -146,6 +176,10 @@ fn rank_main(
     from_ranks: Option<mpsc::Receiver<(usize, Report)>>,
 ) -> Result<()> {
     let (r, w) = (comm.rank(), comm.world_size());
+    let mut csv = match (&a.csv, r) {
+        (Some(path), 0) => Some(results::Csv::create(path, &dev, &CSV_COLUMNS)?),
+        _ => None,
+    };
     let name = match &dev {
         Device::Cuda(d) => d.cuda_stream().context().name()?,
         _ => "cpu".into(),
@@ -256,6 +290,8 @@ fn rank_main(
         };
         let (fwd, fwd_bwd) = (worst(|t| &t.fwd), worst(|t| &t.fwd_bwd));
         let mem = all_times.iter().map(|t| t.mem_gib).fold(0f64, f64::max);
+        let mut single_ms = None;
+        let mut checked = None;
         let mut line = format!(
             "{s:>8} {:>9.1} {:>11.1} {:>12.0} {mem:>8.1}",
             fwd * 1e3,
@@ -284,6 +320,7 @@ fn rank_main(
                     single.get_or_insert(res);
                 }
                 let (f1, fb1) = (median(&mut f1), median(&mut fb1));
+                single_ms = Some((f1, fb1));
                 write_cols(&mut line, f1, fb1, fwd, fwd_bwd);
                 if compare {
                     let single = single.expect("one iteration at least");
@@ -298,6 +335,7 @@ fn rank_main(
                         let ring_t = ring::zigzag_unshard(&parts, dim)?;
                         diffs.push(max_diff(&ring_t, &t.to_device(&Device::Cpu)?)?);
                     }
+                    checked = Some((diffs.clone(), reruns_ok));
                     line += &format!(
                         "  {:.2e} / {:.2e} / {:.2e} / {:.2e} / {:.2e}; {}",
                         diffs[0],
@@ -315,6 +353,34 @@ fn rank_main(
             }
         }
         println!("{line}");
+        if let Some(csv) = csv.as_mut() {
+            let opt = |x: Option<f64>, f: &dyn Fn(f64) -> String| x.map(f).unwrap_or_default();
+            let ms = |x: f64| format!("{:.3}", x * 1e3);
+            let sci = |x: f64| format!("{x:.3e}");
+            let diff = |i: usize| opt(checked.as_ref().map(|c| f64::from(c.0[i])), &sci);
+            csv.row(&[
+                w.to_string(),
+                format!("{:?}", a.comm).to_lowercase(),
+                format!("{dtype:?}").to_lowercase(),
+                a.heads.to_string(),
+                a.kv_heads.to_string(),
+                a.head_dim.to_string(),
+                if a.full { "full" } else { "causal" }.to_string(),
+                s.to_string(),
+                ms(fwd),
+                ms(fwd_bwd),
+                format!("{:.0}", s as f64 / fwd_bwd),
+                format!("{mem:.2}"),
+                opt(single_ms.map(|x| x.0), &ms),
+                opt(single_ms.map(|x| x.1), &ms),
+                diff(0),
+                diff(1),
+                diff(2),
+                diff(3),
+                diff(4),
+                checked.as_ref().map_or(String::new(), |c| c.1.to_string()),
+            ])?;
+        }
         drop(full_inputs);
         barrier.wait();
     }
