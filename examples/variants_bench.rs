@@ -14,8 +14,6 @@
 //! batch 8 against 8192 keys, and batch 1 against 32768. Variants: `sinks` (one learnable logit
 //! per head).
 
-use std::time::Instant;
-
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
 use candle_flash::FlashAttn;
@@ -23,6 +21,9 @@ use clap::Parser;
 
 #[path = "common/results.rs"]
 mod results;
+#[path = "common/timing.rs"]
+mod timing;
+use timing::time;
 
 #[derive(Parser)]
 struct Args {
@@ -38,32 +39,6 @@ struct Args {
     /// Also write every row as CSV (bench/results/gpu-variants.csv's schema).
     #[arg(long)]
     csv: Option<std::path::PathBuf>,
-}
-
-/// Seconds per call of `f`: two warm-up calls, then batches of back-to-back calls (about 20 ms
-/// each) between synchronisations; the median batch (at least 5, until `budget` or 30).
-fn time(dev: &Device, budget: f64, f: &dyn Fn() -> candle::Result<Tensor>) -> candle::Result<f64> {
-    for _ in 0..2 {
-        drop(f()?);
-    }
-    dev.synchronize()?;
-    let t = Instant::now();
-    drop(f()?);
-    dev.synchronize()?;
-    let per_batch = ((0.02 / t.elapsed().as_secs_f64()).ceil() as usize).clamp(1, 200);
-    let mut times = Vec::new();
-    let start = Instant::now();
-    while times.len() < 5 || (start.elapsed().as_secs_f64() < budget && times.len() < 30) {
-        dev.synchronize()?;
-        let t = Instant::now();
-        for _ in 0..per_batch {
-            drop(f()?);
-        }
-        dev.synchronize()?;
-        times.push(t.elapsed().as_secs_f64() / per_batch as f64);
-    }
-    times.sort_by(|a, b| a.total_cmp(b));
-    Ok(times[times.len() / 2])
 }
 
 /// One shape: batch, query rows, keys, heads, K/V heads, head dim, causal.
@@ -168,9 +143,9 @@ fn main() -> Result<()> {
         for (name, op) in variants {
             let run_plain = || plain.forward(&q, &k, &v);
             let run_variant = || op.forward(&q, &k, &v);
-            let p1 = time(&dev, args.budget, &run_plain)?;
-            let t = time(&dev, args.budget, &run_variant)?;
-            let p2 = time(&dev, args.budget, &run_plain)?;
+            let p1 = time(&dev, args.budget, run_plain)?;
+            let t = time(&dev, args.budget, run_variant)?;
+            let p2 = time(&dev, args.budget, run_plain)?;
             let p = (p1 + p2) / 2.0;
             println!(
                 "{name:<8} {:>5} {:>7} {:>7} {:>6} {:>10.4} {:>10.4} {:>7.3}",
