@@ -127,15 +127,16 @@ fn portable_from_env() -> bool {
 pub(crate) fn residency(dev: &CudaDevice, l: &Launch) -> Result<usize> {
     use std::collections::HashMap;
     use std::sync::Mutex;
-    type Key = (usize, String, usize);
-    static CACHE: Mutex<Option<HashMap<Key, usize>>> = Mutex::new(None);
-    let key = (
-        dev.cuda_stream().context().ordinal(),
-        l.function.clone(),
-        l.smem,
-    );
-    let cached = |c: &Mutex<Option<HashMap<_, usize>>>| -> Option<usize> {
-        c.lock().ok()?.as_ref()?.get(&key).copied()
+    type Key = (candle::cuda_backend::DeviceId, usize);
+    static CACHE: Mutex<Option<HashMap<Key, HashMap<String, usize>>>> = Mutex::new(None);
+    let key = (dev.id(), l.smem);
+    let cached = |c: &Mutex<Option<HashMap<Key, HashMap<String, usize>>>>| -> Option<usize> {
+        c.lock()
+            .ok()?
+            .as_ref()?
+            .get(&key)?
+            .get(l.function.as_str())
+            .copied()
     };
     if let Some(n) = cached(&CACHE) {
         return Ok(n);
@@ -145,38 +146,73 @@ pub(crate) fn residency(dev: &CudaDevice, l: &Launch) -> Result<usize> {
         .occupancy_max_active_blocks_per_multiprocessor(l.threads, l.smem, None)
         .w()? as usize;
     if let Ok(mut c) = CACHE.lock() {
-        c.get_or_insert_with(HashMap::new).insert(key, n);
+        let by_name = c.get_or_insert_with(HashMap::new).entry(key).or_default();
+        by_name.insert(l.function.clone(), n);
     }
     Ok(n)
 }
 
 /// The loaded entry point of `l`, opted into `l`'s dynamic shared memory, after checking that
 /// a plan that sizes dynamic shared memory left room for the kernel's static shared memory.
+/// Kept per device and entry point with the dynamic shared memory it was opted into: loading a
+/// function and reading and setting its attributes are driver calls of about a microsecond each,
+/// which a decode step of a few microseconds would otherwise pay on every launch.
 fn function(dev: &CudaDevice, l: &Launch) -> Result<CudaFunction> {
-    let (module, text) = ptx(l.module);
-    let func = dev
-        .get_or_load_custom_func(&l.function, module, text)?
-        .into_cuda_function();
-    let static_smem = func
-        .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-        .w()? as usize;
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    struct Loaded {
+        func: CudaFunction,
+        static_smem: usize,
+        /// The dynamic shared memory the function is opted into (0: the default 48 KB).
+        opted: usize,
+    }
+    type Functions = HashMap<candle::cuda_backend::DeviceId, HashMap<String, Loaded>>;
+    static CACHE: Mutex<Option<Functions>> = Mutex::new(None);
+    let mut guard = CACHE
+        .lock()
+        .map_err(|_| candle::Error::Msg("flash-attn: the kernel cache is poisoned".into()))?;
+    let by_name = guard
+        .get_or_insert_with(HashMap::new)
+        .entry(dev.id())
+        .or_default();
+    if !by_name.contains_key(l.function.as_str()) {
+        let (module, text) = ptx(l.module);
+        let func = dev
+            .get_or_load_custom_func(&l.function, module, text)?
+            .into_cuda_function();
+        let static_smem = func
+            .get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+            .w()? as usize;
+        let loaded = Loaded {
+            func,
+            static_smem,
+            opted: 0,
+        };
+        by_name.insert(l.function.clone(), loaded);
+    }
+    let Some(f) = by_name.get_mut(l.function.as_str()) else {
+        bail!("flash-attn: kernel {} was not loaded", l.function)
+    };
     // (Kernels without dynamic shared memory need no room.)
-    if l.smem > 0 && static_smem > STATIC_SMEM_RESERVE {
+    if l.smem > 0 && f.static_smem > STATIC_SMEM_RESERVE {
         bail!(
-            "flash-attn: kernel {} holds {static_smem} bytes of static shared memory, more than \
+            "flash-attn: kernel {} holds {} bytes of static shared memory, more than \
              the {STATIC_SMEM_RESERVE} its plan reserves",
-            l.function
+            l.function,
+            f.static_smem
         )
     }
-    if l.smem + static_smem > 48 * 1024 {
+    if l.smem + f.static_smem > 48 * 1024 && l.smem > f.opted {
         // Above 48 KB per block, dynamic shared memory must be opted into per function.
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            l.smem as i32,
-        )
-        .w()?;
+        f.func
+            .set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                l.smem as i32,
+            )
+            .w()?;
+        f.opted = l.smem;
     }
-    Ok(func)
+    Ok(f.func.clone())
 }
 
 /// One kernel argument, pushed by value in order.
