@@ -131,9 +131,9 @@ fn mem_in_use(dev: &Device) -> Result<f64> {
     Ok((total - free) as f64 / (1u64 << 30) as f64)
 }
 
-/// The layer's inputs at length `s`, the same on every GPU (seeded generator on the device).
-fn inputs(a: &Args, s: usize, dtype: DType, dev: &Device) -> Result<[Tensor; 4]> {
-    dev.set_seed(s as u64)?;
+/// Random q, k, v and output gradient of `s` tokens, drawn from `seed`.
+fn inputs(a: &Args, s: usize, seed: u64, dtype: DType, dev: &Device) -> Result<[Tensor; 4]> {
+    dev.set_seed(seed)?;
     let (h, hk, d) = (a.heads, a.kv_heads, a.head_dim);
     let t = |heads: usize| -> Result<Tensor> {
         Ok(Tensor::randn(0f32, 1., (1, s, heads, d), dev)?.to_dtype(dtype)?)
@@ -202,11 +202,19 @@ fn rank_main(
         if s % (2 * w) != 0 {
             bail!("--seq {s} is not a multiple of 2 x {w}")
         }
-        let [q, k, v, g] = inputs(a, s, dtype, &dev)?;
-        let shard = |t: &Tensor| ring::zigzag_shard(t, 1, r, w);
-        let (qs, ks, vs, gs) = (shard(&q)?, shard(&k)?, shard(&v)?, shard(&g)?);
-        let keep_full = r == 0 && (s <= a.single_up_to || s <= a.compare_up_to);
-        let full_inputs = keep_full.then_some([q, k, v, g]);
+        // Lengths compared with, or timed on, one GPU shard one set of full inputs; beyond them
+        // each rank draws only its own shard (timing does not depend on the values), so the
+        // longest length is set by the ring's memory, not by full copies on every GPU.
+        let whole = s <= a.single_up_to || s <= a.compare_up_to;
+        let (qs, ks, vs, gs, full_inputs) = if whole {
+            let [q, k, v, g] = inputs(a, s, s as u64, dtype, &dev)?;
+            let shard = |t: &Tensor| ring::zigzag_shard(t, 1, r, w);
+            let (qs, ks, vs, gs) = (shard(&q)?, shard(&k)?, shard(&v)?, shard(&g)?);
+            (qs, ks, vs, gs, (r == 0).then_some([q, k, v, g]))
+        } else {
+            let [q, k, v, g] = inputs(a, s / w, (s * w + r) as u64, dtype, &dev)?;
+            (q, k, v, g, None)
+        };
         let run = |comm: &mut Box<dyn Communicator + '_>| -> Result<(Shards, f64, f64)> {
             sync(&dev)?;
             let t0 = Instant::now();
