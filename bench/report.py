@@ -758,15 +758,32 @@ def build(plots):
             head = ["GPUs", "seq", "fwd ms", "fwd+bwd ms", "tokens/s", "GiB/GPU", "1 GPU fwd ms",
                     "1 GPU fwd+bwd ms", "efficiency fwd", "efficiency fwd+bwd"]
             eff = lambda one, n, t: fpct(one / n / t) if one else ""
-            body = [[str(r["gpus"]), str(r["seq"]), fnum(r["fwd_ms"]), fnum(r["fwd_bwd_ms"]),
-                     f"{r['tokens_per_s']:.0f}", fnum(r["gib_per_gpu"]),
-                     fnum(r["single_fwd_ms"]) if r["single_fwd_ms"] else "",
-                     fnum(r["single_fwd_bwd_ms"]) if r["single_fwd_bwd_ms"] else "",
-                     eff(r["single_fwd_ms"], r["gpus"], r["fwd_ms"]),
-                     eff(r["single_fwd_bwd_ms"], r["gpus"], r["fwd_bwd_ms"])]
-                    for r in sorted(drows, key=lambda r: (r["gpus"], r["seq"]))]
+            # Lengths one GPU was not run at: its time derived from the longest length it was
+            # run at (same layer), scaled by seq² (the attention's flops), marked *.
+            def single(r, col):
+                if r[col]:
+                    return r[col], ""
+                same = [x for x in drows if x[col] and all(
+                    x[c] == r[c] for c in ("dtype", "heads", "kv_heads", "head_dim", "mask"))]
+                if not same:
+                    return None, ""
+                base = max(same, key=lambda x: x["seq"])
+                return base[col] * (r["seq"] / base["seq"]) ** 2, "*"
+            body = []
+            for r in sorted(drows, key=lambda r: (r["gpus"], r["seq"])):
+                (f1, mf), (fb1, mfb) = single(r, "single_fwd_ms"), single(r, "single_fwd_bwd_ms")
+                body.append([str(r["gpus"]), str(r["seq"]), fnum(r["fwd_ms"]),
+                             fnum(r["fwd_bwd_ms"]), f"{r['tokens_per_s']:.0f}",
+                             fnum(r["gib_per_gpu"]), fnum(f1) + mf if f1 else "",
+                             fnum(fb1) + mfb if fb1 else "", eff(f1, r["gpus"], r["fwd_ms"]),
+                             eff(fb1, r["gpus"], r["fwd_bwd_ms"])])
             page.append(f"{provenance(drows, device)}\n\n" + table(head, body, ["r"] * 10)
                         + "\n")
+            if any("*" in x for row in body for x in row):
+                page.append("\\* not run on one GPU: derived from the single-GPU time at the "
+                            "longest length it was run at, scaled by seq² (the attention's "
+                            "flops); the longest length run on the ring is that table's last "
+                            "row.\n")
             checks = [r for r in drows if r["diff_out"]]
             if checks:
                 page.append("Largest difference to the single-GPU op (out / lse / dq / dk / dv) "
