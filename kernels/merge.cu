@@ -1,8 +1,7 @@
 // Merge of two partial attention states over disjoint key sets (src/merge.rs): the scalar math
 // of `semantics::merge_weights`, one thread per output element. Memory-bound: each element of
 // o_a and o_b is read once; the two log-sum-exps of a row are re-read by its head_dim threads
-// (from cache). A sink merge passes no o_b (has_b = 0) and a log-sum-exp of one value per head
-// (stride 0 over batch and sequence).
+// (from cache).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -48,7 +47,7 @@ __device__ void merge_states(T* __restrict__ o, float* __restrict__ lse,
                              int64_t batch, int64_t seq, int64_t heads, int64_t d, int64_t a_b,
                              int64_t a_s, int64_t a_h, int64_t a_x, int64_t b_b, int64_t b_s,
                              int64_t b_h, int64_t b_x, int64_t la_b, int64_t la_h, int64_t la_s,
-                             int64_t lb_b, int64_t lb_h, int64_t lb_s, int32_t has_b) {
+                             int64_t lb_b, int64_t lb_h, int64_t lb_s) {
     const int64_t total = batch * seq * heads * d;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
          i += (int64_t)gridDim.x * blockDim.x) {
@@ -64,7 +63,7 @@ __device__ void merge_states(T* __restrict__ o, float* __restrict__ lse,
         // A side of weight exactly 0 is not read (MergeWeights::value).
         float acc = 0.f;
         if (wa != 0.f) acc += wa * to_f32(oa[b * a_b + s * a_s + h * a_h + x * a_x]);
-        if (has_b && wb != 0.f) acc += wb * to_f32(ob[b * b_b + s * b_s + h * b_h + x * b_x]);
+        if (wb != 0.f) acc += wb * to_f32(ob[b * b_b + s * b_s + h * b_h + x * b_x]);
         o[i] = from_f32<T>(acc);
         if (x == 0) lse[(b * heads + h) * seq + s] = l;
     }
@@ -75,10 +74,9 @@ __device__ void merge_states(T* __restrict__ o, float* __restrict__ lse,
         T* o, float* lse, const T* oa, const float* la, const T* ob, const float* lb,           \
         int64_t batch, int64_t seq, int64_t heads, int64_t d, int64_t a_b, int64_t a_s,         \
         int64_t a_h, int64_t a_x, int64_t b_b, int64_t b_s, int64_t b_h, int64_t b_x,           \
-        int64_t la_b, int64_t la_h, int64_t la_s, int64_t lb_b, int64_t lb_h, int64_t lb_s,     \
-        int32_t has_b) {                                                                        \
+        int64_t la_b, int64_t la_h, int64_t la_s, int64_t lb_b, int64_t lb_h, int64_t lb_s) {   \
         merge_states<T>(o, lse, oa, la, ob, lb, batch, seq, heads, d, a_b, a_s, a_h, a_x, b_b,  \
-                        b_s, b_h, b_x, la_b, la_h, la_s, lb_b, lb_h, lb_s, has_b);              \
+                        b_s, b_h, b_x, la_b, la_h, la_s, lb_b, lb_h, lb_s);                     \
     }
 MERGE(merge_states_f32, float)
 MERGE(merge_states_f16, __half)

@@ -94,7 +94,7 @@ pub fn merge_states(
     check_device("o_b", o_b, o_a)?;
     rows.check_lse("lse_a", lse_a, o_a)?;
     rows.check_lse("lse_b", lse_b, o_a)?;
-    rows.merge(o_a, lse_a, Some(o_b), lse_b)
+    rows.merge(o_a, lse_a, o_b, lse_b)
 }
 
 /// The rows of a merge: o `(batch, seq, heads, d)` (varlen: `batch = 1`, `seq = total_q`).
@@ -172,13 +172,12 @@ impl Rows {
         }
     }
 
-    /// Runs the merge on the (checked) operands' device; `o_b = None` would be a side without
-    /// values (all-zero outputs, never read), which the kernels and the loop support.
+    /// Runs the merge on the (checked) operands' device.
     fn merge(
         &self,
         o_a: &Tensor,
         lse_a: &Tensor,
-        o_b: Option<&Tensor>,
+        o_b: &Tensor,
         lse_b: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let (out_shape, lse_shape) = (self.out_shape(), self.lse_shape());
@@ -194,12 +193,11 @@ impl Rows {
             true => t.unsqueeze(0),
             false => Ok(t.clone()),
         };
-        let (o_a4, lse_a3, lse_b3) = (four(o_a)?, four(lse_a)?, four(lse_b)?);
-        let o_b4 = o_b.map(four).transpose()?;
+        let (o_a4, lse_a3, o_b4, lse_b3) = (four(o_a)?, four(lse_a)?, four(o_b)?, four(lse_b)?);
         let (o, lse) = match o_a.device() {
-            Device::Cpu => self.cpu(&o_a4, &lse_a3, o_b4.as_ref(), &lse_b3)?,
+            Device::Cpu => self.cpu(&o_a4, &lse_a3, &o_b4, &lse_b3)?,
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => self.cuda(&o_a4, &lse_a3, o_b4.as_ref(), &lse_b3)?,
+            Device::Cuda(_) => self.cuda(&o_a4, &lse_a3, &o_b4, &lse_b3)?,
             dev => bail!("merge_states: no implementation for device {dev:?}"),
         };
         Ok((o.reshape(out_shape)?, lse.reshape(lse_shape)?))
@@ -211,7 +209,7 @@ impl Rows {
         &self,
         o_a: &Tensor,
         lse_a: &Tensor,
-        o_b: Option<&Tensor>,
+        o_b: &Tensor,
         lse_b: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let Rows {
@@ -224,8 +222,7 @@ impl Rows {
         let f32s =
             |t: &Tensor| -> Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
         let (la, lb) = (f32s(lse_a)?, f32s(lse_b)?);
-        let a = f32s(o_a)?;
-        let b = o_b.map(f32s).transpose()?;
+        let (a, b) = (f32s(o_a)?, f32s(o_b)?);
         let mut out = vec![0f32; batch * seq * heads * d];
         // (d >= 1: checked in `Rows::of`.)
         out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
@@ -235,9 +232,9 @@ impl Rows {
             let l = (bi * heads + h) * seq + s;
             let w = merge_weights(la[l], lb[l]);
             let oa = &a[row * d..(row + 1) * d];
-            let ob = b.as_ref().map(|b| &b[row * d..(row + 1) * d]);
+            let ob = &b[row * d..(row + 1) * d];
             for (x, o) in o.iter_mut().enumerate() {
-                *o = w.value(oa[x], ob.map_or(0.0, |ob| ob[x]));
+                *o = w.value(oa[x], ob[x]);
             }
         });
         let lse: Vec<f32> = la
@@ -258,26 +255,19 @@ impl Rows {
         &self,
         o_a: &Tensor,
         lse_a: &Tensor,
-        o_b: Option<&Tensor>,
+        o_b: &Tensor,
         lse_b: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         use candle::{op::BackpropOp, Storage};
-        let guards =
-            [Some(o_a), Some(lse_a), o_b, Some(lse_b)].map(|t| t.map(|t| t.storage_and_layout()));
-        let operand = |i: usize| -> Result<Option<(&candle::CudaStorage, &candle::Layout)>> {
-            match &guards[i] {
-                None => Ok(None),
-                Some((s, l)) => match &**s {
-                    Storage::Cuda(s) => Ok(Some((s, l))),
-                    _ => bail!("merge_states: every operand must be on o_a's CUDA device"),
-                },
+        let guards = [o_a, lse_a, o_b, lse_b].map(|t| t.storage_and_layout());
+        let operand = |i: usize| -> Result<(&candle::CudaStorage, &candle::Layout)> {
+            let (s, l) = &guards[i];
+            match &**s {
+                Storage::Cuda(s) => Ok((s, l)),
+                _ => bail!("merge_states: every operand must be on o_a's CUDA device"),
             }
         };
-        let (Some(oa), Some(la), ob, Some(lb)) =
-            (operand(0)?, operand(1)?, operand(2)?, operand(3)?)
-        else {
-            unreachable!("o_a, lse_a and lse_b are always present")
-        };
+        let (oa, la, ob, lb) = (operand(0)?, operand(1)?, operand(2)?, operand(3)?);
         let (o, lse) =
             crate::cuda::merge([self.batch, self.seq, self.heads, self.d], oa, la, ob, lb)?;
         drop(guards);

@@ -1,9 +1,10 @@
 //! `merge_states` and ring attention over the in-process loopback ring, on the CPU (and, with
-//! the `cuda` feature, the ring's ranks sharing one GPU): the merge
+//! the `cuda` feature, the merge and the ring's ranks sharing one GPU): the merge
 //! of two real partial attentions against the f64 golden attention over their union, its edge
 //! rows against the formula in f64, and the ring's output, log-sum-exp and gradients with 1 to
 //! 4 ranks against the single-device op and the f64 references; bad inputs error on every rank.
 
+#[macro_use]
 mod common;
 
 use candle::{DType, Device, Result, Tensor};
@@ -19,6 +20,7 @@ const CPU: Device = Device::Cpu;
 /// (bottom-right: with `sq > sk - split` the leading rows see none of the second part); with
 /// `sq > sk` some rows see no key anywhere.
 fn check_split(
+    dev: &Device,
     dtype: DType,
     (b, sq, sk, h, hk, d): (usize, usize, usize, usize, usize, usize),
     split: usize,
@@ -30,9 +32,9 @@ fn check_split(
          {layout_views}"
     );
     let seed = (sq * 1000 + sk * 10 + split) as u64;
-    let q = randn(&[b, sq, h, d], dtype, seed, &CPU)?;
-    let k = randn(&[b, sk, hk, d], dtype, seed + 1, &CPU)?;
-    let v = randn(&[b, sk, hk, d], dtype, seed + 2, &CPU)?;
+    let q = randn(&[b, sq, h, d], dtype, seed, dev)?;
+    let k = randn(&[b, sk, hk, d], dtype, seed + 1, dev)?;
+    let v = randn(&[b, sk, hk, d], dtype, seed + 2, dev)?;
     let whole = if causal {
         FlashAttn::new(scale(d)).causal()
     } else {
@@ -75,23 +77,24 @@ fn check_split(
     Ok(())
 }
 
-#[test]
-fn merge_matches_reference() -> Result<()> {
+fn merge_matches_reference(t: &Target) -> Result<()> {
+    let dev = &t.dev;
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         // Odd lengths and head dims, GQA 6/2 and MQA 4/1, a single key on one side.
-        check_split(dtype, (2, 7, 13, 6, 2, 24), 5, false, false)?;
-        check_split(dtype, (1, 9, 9, 4, 1, 40), 1, true, false)?;
+        check_split(dev, dtype, (2, 7, 13, 6, 2, 24), 5, false, false)?;
+        check_split(dev, dtype, (1, 9, 9, 4, 1, 40), 1, true, false)?;
         // Causal, more queries than suffix keys: leading rows see no suffix key (lse_b = -inf).
-        check_split(dtype, (3, 11, 17, 6, 6, 16), 7, true, true)?;
+        check_split(dev, dtype, (3, 11, 17, 6, 6, 16), 7, true, true)?;
         // More queries than keys: the leading rows see no key at all (both -inf: o = 0).
-        check_split(dtype, (1, 19, 7, 2, 2, 8), 3, true, false)?;
+        check_split(dev, dtype, (1, 19, 7, 2, 2, 8), 3, true, false)?;
     }
     Ok(())
 }
+test_device!(merge_matches_reference, Once);
 
 /// Edge rows against the formula in f64: one side `-inf`, both `-inf`, NaN, far apart, equal.
-#[test]
-fn merge_edge_rows() -> Result<()> {
+fn merge_edge_rows(t: &Target) -> Result<()> {
+    let dev = &t.dev;
     let inf = f32::INFINITY;
     let pairs = [
         (0.3f32, -inf),
@@ -105,14 +108,14 @@ fn merge_edge_rows() -> Result<()> {
     ];
     let (n, h, d) = (pairs.len(), 1, 3);
     for dtype in [DType::F32, DType::BF16] {
-        let o_a = randn(&[n, h, d], dtype, 7, &CPU)?;
-        let o_b = randn(&[n, h, d], dtype, 8, &CPU)?;
+        let o_a = randn(&[n, h, d], dtype, 7, dev)?;
+        let o_b = randn(&[n, h, d], dtype, 8, dev)?;
         let la: Vec<f32> = pairs.iter().map(|p| p.0).collect();
         let lb: Vec<f32> = pairs.iter().map(|p| p.1).collect();
         // Varlen form: o (total_q, heads, d), lse (heads, total_q).
         let (l_a, l_b) = (
-            Tensor::from_vec(la.clone(), (1, n), &CPU)?,
-            Tensor::from_vec(lb.clone(), (1, n), &CPU)?,
+            Tensor::from_vec(la.clone(), (1, n), dev)?,
+            Tensor::from_vec(lb.clone(), (1, n), dev)?,
         );
         let (o, lse) = merge_states(&o_a, &l_a, &o_b, &l_b)?;
         let (oa, ob, ov, lv) = (values(&o_a)?, values(&o_b)?, values(&o)?, values(&lse)?);
@@ -157,6 +160,8 @@ fn merge_edge_rows() -> Result<()> {
     }
     Ok(())
 }
+
+test_device!(merge_edge_rows, Once);
 
 #[test]
 fn merge_bad_inputs() -> Result<()> {

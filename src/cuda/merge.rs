@@ -1,5 +1,5 @@
 //! The CUDA merge of two attention states (`kernels/merge.cu`), behind
-//! [`merge_states`](crate::merge_states) and the sink merge.
+//! [`merge_states`](crate::merge_states).
 
 use candle::backend::{BackendDevice, BackendStorage};
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
@@ -12,14 +12,14 @@ use super::runtime::{launch, Arg};
 /// One operand: its storage and layout.
 pub(crate) type Operand<'a> = (&'a CudaStorage, &'a Layout);
 
-/// Merges `o_a` with `o_b` (`None`: a value-less sink side) through `lse_a`/`lse_b`; `dims` are
+/// Merges `o_a` with `o_b` through `lse_a`/`lse_b`; `dims` are
 /// `(batch, seq, heads, d)` of the rank-4 o operands (lse operands are rank 3, any strides).
 /// Returns the contiguous output and log-sum-exp.
 pub(crate) fn merge(
     dims: [usize; 4],
     o_a: Operand,
     lse_a: Operand,
-    o_b: Option<Operand>,
+    o_b: Operand,
     lse_b: Operand,
 ) -> Result<(CudaStorage, CudaStorage)> {
     match o_a.0.dtype() {
@@ -34,18 +34,13 @@ fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
     [batch, seq, heads, d]: [usize; 4],
     (oa, oal): Operand,
     (la, lal): Operand,
-    o_b: Option<Operand>,
+    (ob, obl): Operand,
     (lb, lbl): Operand,
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dev: CudaDevice = oa.device().clone();
-    for (name, s) in [("lse_a", la), ("lse_b", lb)] {
+    for (name, s) in [("lse_a", la), ("o_b", ob), ("lse_b", lb)] {
         if !s.device().same_device(&dev) {
             bail!("merge_states: {name} is on another GPU than o_a")
-        }
-    }
-    if let Some((ob, _)) = o_b {
-        if !ob.device().same_device(&dev) {
-            bail!("merge_states: o_b is on another GPU than o_a")
         }
     }
     let stream = dev.cuda_stream();
@@ -62,24 +57,18 @@ fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
     let la_ptr = la_ptr + lal.start_offset() as u64 * 4;
     let (lb_ptr, lb_guard) = lb.as_cuda_slice::<f32>()?.device_ptr(&stream);
     let lb_ptr = lb_ptr + lbl.start_offset() as u64 * 4;
-    let (b_ptr, b_guard, b_strides) = match o_b {
-        Some((ob, obl)) => {
-            let (p, g) = ob.as_cuda_slice::<T>()?.device_ptr(&stream);
-            (p + obl.start_offset() as u64 * elem, Some(g), strides(obl))
-        }
-        None => (0, None, [0; 4]),
-    };
+    let (b_ptr, b_guard) = ob.as_cuda_slice::<T>()?.device_ptr(&stream);
+    let b_ptr = b_ptr + obl.start_offset() as u64 * elem;
     let (o_ptr, o_guard) = out.device_ptr_mut(&stream);
     let (l_ptr, l_guard) = lse.device_ptr_mut(&stream);
     let ints: Vec<i64> = [batch, seq, heads, d]
         .map(|x| x as i64)
         .into_iter()
         .chain(strides(oal))
-        .chain(b_strides)
+        .chain(strides(obl))
         .chain(strides(lal).into_iter().take(3))
         .chain(strides(lbl).into_iter().take(3))
         .collect();
-    let has_b = i32::from(o_b.is_some());
     let threads = 256usize;
     let l = Launch {
         module: Module::Merge,
@@ -97,7 +86,6 @@ fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
         Arg::Ptr(&lb_ptr),
     ];
     args.extend(ints.iter().map(Arg::I64));
-    args.push(Arg::I32(&has_b));
     // The kernel reads each operand through its own layout's strides over the (batch, seq,
     // heads, d) rows the caller checked all operands share, and writes `total` and `rows`
     // elements of the two fresh buffers.
