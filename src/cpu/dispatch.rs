@@ -148,16 +148,20 @@ fn check_available(m: CpuMatmul) -> Result<()> {
 /// on AMD (Zen 4: one 512-bit `VDPBF16PS` per cycle, 64 flops against 32 of an FMA; prefill
 /// 1.6 to 2.0 times the f32 path, backward 1.2 to 1.5 times), not on Intel (Sapphire Rapids,
 /// where AMX is refused: prefill 0.46 to 0.77 times the f32 path with its two FMA ports,
-/// backward 0.4 to 0.55 times).
+/// backward 0.4 to 0.55 times). Asked once per process: CPUID exits to the hypervisor in a
+/// virtual machine, microseconds that a short decode call would pay every time.
 fn dot_pays() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let v = std::arch::x86_64::__cpuid(0);
-        let vendor = [v.ebx, v.edx, v.ecx].map(u32::to_le_bytes).concat();
-        avx512bf16() && vendor == b"AuthenticAMD"
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    static PAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PAYS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let v = std::arch::x86_64::__cpuid(0);
+            let vendor = [v.ebx, v.edx, v.ecx].map(u32::to_le_bytes).concat();
+            avx512bf16() && vendor == b"AuthenticAMD"
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
 }
 
 /// AVX2 with FMA.
