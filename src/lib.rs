@@ -59,6 +59,10 @@
 //! - `softmax_scale` is not finite, or `softcap` is negative or not finite;
 //! - ALiBi slopes are not f32 of shape `(heads,)` or `(batch, heads)`;
 //! - attention sinks are not f32 of shape `(heads,)`;
+//! - a bias is not f32 or q's dtype, or does not broadcast to `(batch, heads, seq_q, seq_k)`; a
+//!   block mask is not u8, does not broadcast to its block grid, or has a block size of 0; either
+//!   comes with a varlen, paged or KV-cache call, on CUDA, with a tracked bias, or into a
+//!   backward pass (none of which takes them yet);
 //! - varlen offsets are not u32 of shape `(batch + 1,)`, do not start at 0, decrease, hold a
 //!   sequence longer than `max_seqlen_q`/`max_seqlen_k`, do not end at the packed tensor's token
 //!   count, or q's and k's offsets differ in length;
@@ -81,7 +85,7 @@ pub mod semantics;
 pub use cpu::CpuMatmul;
 pub use merge::merge_states;
 pub use naive::naive_attention;
-pub use op::{AttnGrads, FlashAttn, PlanOverride, MAX_HEAD_DIM};
+pub use op::{AttnGrads, BlockMask, FlashAttn, PlanOverride, MAX_HEAD_DIM};
 
 use candle::{Result, Tensor};
 

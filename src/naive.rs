@@ -10,8 +10,8 @@ use crate::FlashAttn;
 /// the baseline of the examples, benchmarks and tests. Rows that see no key output 0.
 ///
 /// q is `(batch, seq_q, heads, head_dim)`, k and v `(batch, seq_k, kv_heads, head_dim)`; every
-/// option of `opts` (scale, window, softcap, ALiBi, sinks) applies, and a tracked `sinks` gets
-/// its gradient through candle's autograd. Returns the output shaped and typed
+/// option of `opts` (scale, window, softcap, ALiBi, sinks, bias, block mask) applies, and a
+/// tracked `sinks` or `bias` gets its gradient through candle's autograd. Returns the output shaped and typed
 /// like q.
 ///
 /// # Errors
@@ -84,6 +84,12 @@ pub fn naive_attention(
         };
         s = s.broadcast_sub(&distance(sq, sk, q.device())?.broadcast_mul(&slopes)?)?;
     }
+    if let Some(bias) = &opts.bias {
+        s = s.broadcast_add(&bias.to_dtype(DType::F32)?)?;
+    }
+    if let Some(m) = &opts.block_mask {
+        s = s.broadcast_add(&block_mask(m, sq, sk)?)?;
+    }
     if !opts.mask().is_full() {
         s = s.broadcast_add(&mask(opts, sq, sk, q.device())?)?;
     }
@@ -136,6 +142,31 @@ fn mask(opts: &FlashAttn, sq: usize, sk: usize, device: &Device) -> candle::Resu
     let zeros = Tensor::zeros((sq, sk), DType::F32, device)?;
     let neg_inf = Tensor::full(f32::NEG_INFINITY, (sq, sk), device)?;
     visible.where_cond(&zeros, &neg_inf)
+}
+
+/// The block mask as an additive `(.., sq, sk)` f32 mask: 0 where a key is visible, -inf where
+/// its block is 0.
+fn block_mask(m: &crate::BlockMask, sq: usize, sk: usize) -> candle::Result<Tensor> {
+    let dev = m.mask.device();
+    let mut t = m.mask.clone();
+    while t.rank() < 4 {
+        t = t.unsqueeze(0)?;
+    }
+    let block = |n: usize, size: usize| -> candle::Result<Tensor> {
+        let idx: Vec<u32> = (0..n).map(|i| (i / size) as u32).collect();
+        Tensor::new(idx.as_slice(), dev)
+    };
+    // Rows and columns of a broadcast (size-1) block dimension stay size 1.
+    if t.dim(2)? > 1 {
+        t = t.index_select(&block(sq, m.block_q)?, 2)?;
+    }
+    if t.dim(3)? > 1 {
+        t = t.index_select(&block(sk, m.block_k)?, 3)?;
+    }
+    let shape = t.dims().to_vec();
+    let zeros = Tensor::zeros(shape.as_slice(), DType::F32, dev)?;
+    let neg_inf = Tensor::full(f32::NEG_INFINITY, shape.as_slice(), dev)?;
+    t.ne(0u8)?.where_cond(&zeros, &neg_inf)
 }
 
 /// The ALiBi distances `|diag(i) - j|`, `(sq, sk)` f32.

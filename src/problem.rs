@@ -202,6 +202,11 @@ pub(crate) struct Problem {
     pub has_alibi: bool,
     /// Attention sinks, f32 `(heads,)` on the inputs' device (see `FlashAttn::sinks`).
     pub sinks: Option<candle::Tensor>,
+    /// Additive score bias, broadcastable to `(batch, heads, seq_q, seq_k)` (dense calls).
+    pub bias: Option<candle::Tensor>,
+    /// Block-sparse mask, u8 broadcastable to `(batch, heads, q blocks, k blocks)`, with its
+    /// block sizes (dense calls).
+    pub block_mask: Option<(candle::Tensor, usize, usize)>,
     /// ALiBi slopes, `batch * heads` of them with batch stride `alibi_batch_stride` (0 when the
     /// slopes are per head only, or without ALiBi).
     pub alibi_batch_stride: usize,

@@ -1,7 +1,8 @@
 //! Attention variants against the f64 reference: learnable sinks (one more logit per head that
 //! carries no value) in every path (dense, varlen, decode, paged and KV-cache calls, which share
 //! the `sinks` of tests/paged.rs), their gradients through autograd and
-//! `FlashAttn::backward_all`, and their bad inputs.
+//! `FlashAttn::backward_all`, and their bad inputs; the additive bias and the block-sparse mask
+//! of dense calls on the CPU, and their bad inputs.
 //!
 //! ```text
 //! cargo test --release --test variants
@@ -330,3 +331,173 @@ fn sanitizer_sinks_decode(t: &Target) -> Result<()> {
     Ok(())
 }
 test_device!(sanitizer_sinks_decode, Decode);
+
+/// A bias for `(b, h, sq, sk)` of the given shape (broadcast dimensions 1), N(0, 1) f32 on the
+/// CPU, with `-inf` on every third key of the last batch where the key dimension is whole (a
+/// key-padding mask when the other dimensions are 1).
+fn bias_of(shape: &[usize], seed: u64) -> Result<Tensor> {
+    let t = randn(shape, DType::F32, seed, &Device::Cpu)?;
+    let dims = t.dims().to_vec();
+    let (nb, sk) = (dims[0], dims[dims.len() - 1]);
+    if sk == 1 {
+        return Ok(t);
+    }
+    let mut v = t.flatten_all()?.to_vec1::<f32>()?;
+    let per_batch = v.len() / nb;
+    for (x, val) in v[(nb - 1) * per_batch..].iter_mut().enumerate() {
+        if (x % sk) % 3 == 2 {
+            *val = f32::NEG_INFINITY;
+        }
+    }
+    Tensor::from_vec(v, dims, &Device::Cpu)
+}
+
+/// The additive bias on the CPU: full, key-padding `(b, 1, 1, sk)` with `-inf` keys, per head
+/// without the batch dimension, a stride-0 view and one in q's dtype; with causal masks,
+/// windows, softcap, ALiBi and sinks, odd lengths both ways and a decode-shaped call, GQA
+/// 6/3/2/1, every dtype and layout.
+#[test]
+fn bias_dense_cpu() -> Result<()> {
+    let t = Target::cpu();
+    let pairs = [(1, 1), (17, 33), (113, 65), (65, 113), (1, 239)];
+    let hks = [6, 3, 2, 1];
+    for (n, &(sq, sk)) in pairs.iter().enumerate() {
+        for &dtype in &DTYPES {
+            let hk = hks[n % hks.len()];
+            let d = [64, 40, 128][n % 3];
+            let base = Case::new(2, sq, sk, 6, hk, d, dtype);
+            let seed = 100 * n as u64;
+            let full = bias_of(&[2, 6, sq, sk], seed)?;
+            let padding = bias_of(&[2, 1, 1, sk], seed + 1)?;
+            let per_head = bias_of(&[6, sq, sk], seed + 2)?;
+            let view = bias_of(&[1, 1, sq, sk], seed + 3)?.broadcast_as((2, 6, sq, sk))?;
+            let typed = randn(&[2, 6, 1, sk], dtype, seed + 4, &Device::Cpu)?;
+            let opts = |b: &Tensor| FlashAttn::new(scale(d)).bias(b);
+            let cases = [
+                base.clone().with(opts(&full)),
+                base.clone().causal().with(opts(&padding).causal()),
+                base.clone()
+                    .with(opts(&per_head).window(Some(5), Some(0)).softcap(3.0)),
+                base.clone()
+                    .causal()
+                    .with(opts(&view).causal().alibi(&head_slopes(6))),
+                base.clone().with(opts(&typed).sinks(&sinks(6))),
+            ];
+            for (i, c) in cases.iter().enumerate() {
+                let layout = [Layout::Contiguous, Layout::Transposed, Layout::NanBuffers][i % 3];
+                c.clone().layout(layout).check(&t, seed + i as u64)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A random u8 block mask of `(b, h, nq, nk)` blocks, about half of them 0, seeded.
+fn blocks_of(shape: &[usize], seed: u64) -> Result<Tensor> {
+    randn(shape, DType::F32, seed, &Device::Cpu)?
+        .ge(0.0)?
+        .to_dtype(DType::U8)
+}
+
+/// The block mask on the CPU: block sizes that divide the lengths and ones that do not, one
+/// mask for all heads and batches, combined with causal masks, windows and a bias; rows whose
+/// every block is hidden output 0 with lse `-inf`.
+#[test]
+fn block_mask_dense_cpu() -> Result<()> {
+    let t = Target::cpu();
+    let shapes: [(usize, usize, usize, usize); 4] = [
+        (17, 33, 3, 5),
+        (113, 65, 16, 16),
+        (130, 200, 64, 64),
+        (65, 113, 1, 7),
+    ];
+    for (n, &(sq, sk, bq, bk)) in shapes.iter().enumerate() {
+        let (nq, nk) = (sq.div_ceil(bq), sk.div_ceil(bk));
+        for &dtype in &DTYPES {
+            let d = [64, 40, 128][n % 3];
+            let base = Case::new(2, sq, sk, 6, [2, 3, 6, 1][n], d, dtype);
+            let seed = 200 * n as u64;
+            let every = blocks_of(&[2, 6, nq, nk], seed)?;
+            let shared = blocks_of(&[nq, nk], seed + 1)?;
+            // Query block 0 sees nothing at all.
+            let mut v = blocks_of(&[1, 6, nq, nk], seed + 2)?
+                .flatten_all()?
+                .to_vec1::<u8>()?;
+            for h in 0..6 {
+                v[h * nq * nk..][..nk].fill(0);
+            }
+            let blind = Tensor::from_vec(v, (1, 6, nq, nk), &Device::Cpu)?;
+            let m = |x: &Tensor| FlashAttn::new(scale(d)).block_mask(x, bq, bk);
+            let cases = [
+                base.clone().with(m(&every)),
+                base.clone().causal().with(m(&shared).causal()),
+                base.clone().with(m(&blind).window(Some(9), Some(4))),
+                base.clone()
+                    .with(m(&every).bias(&bias_of(&[2, 1, 1, sk], seed + 3)?)),
+            ];
+            for (i, c) in cases.iter().enumerate() {
+                let layout = [Layout::Contiguous, Layout::Transposed, Layout::NanBuffers][i % 3];
+                c.clone().layout(layout).check(&t, seed + i as u64)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Bad biases and block masks are errors naming them; what runs nowhere yet says so.
+#[test]
+fn bias_and_block_mask_errors() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = Tensor::zeros((2, 5, 4, 8), DType::F32, &dev)?;
+    let k = Tensor::zeros((2, 7, 2, 8), DType::F32, &dev)?;
+    let err = |opts: FlashAttn, name: &str| {
+        let e = opts.forward(&q, &k, &k).expect_err(name).to_string();
+        assert!(e.contains(name), "error for {name} does not name it: {e}");
+    };
+    let base = FlashAttn::new(0.3);
+    err(
+        base.clone()
+            .bias(&Tensor::zeros((2, 4, 5, 6), DType::F32, &dev)?),
+        "bias",
+    );
+    err(
+        base.clone()
+            .bias(&Tensor::zeros((3, 1, 1, 7), DType::F32, &dev)?),
+        "bias",
+    );
+    err(
+        base.clone()
+            .bias(&Tensor::zeros((1, 2, 4, 5, 7), DType::F32, &dev)?),
+        "bias",
+    );
+    err(
+        base.clone().bias(&Tensor::zeros((7,), DType::F16, &dev)?),
+        "bias",
+    );
+    let blocks = Tensor::ones((1, 1, 2, 2), DType::U8, &dev)?;
+    err(base.clone().block_mask(&blocks, 0, 4), "block_mask");
+    err(base.clone().block_mask(&blocks, 4, 2), "block_mask");
+    err(
+        base.clone().block_mask(&blocks.to_dtype(DType::F32)?, 4, 4),
+        "block_mask",
+    );
+    // Varlen calls do not take them yet.
+    let cu = Tensor::new(&[0u32, 5], &dev)?;
+    let cuk = Tensor::new(&[0u32, 7], &dev)?;
+    let e = base
+        .clone()
+        .bias(&Tensor::zeros((7,), DType::F32, &dev)?)
+        .forward_varlen(&q.get(0)?, &k.get(0)?, &k.get(0)?, &cu, &cuk, 5, 7)
+        .expect_err("varlen with a bias");
+    assert!(e.to_string().contains("bias"), "{e}");
+    // No gradient yet: a tracked bias and a backward pass are refused, never silently wrong.
+    let tracked = Var::zeros((1, 1, 1, 7), DType::F32, &dev)?;
+    err(base.clone().bias(tracked.as_tensor()), "bias");
+    let qv = Var::from_tensor(&q)?;
+    let out = base
+        .clone()
+        .bias(&Tensor::zeros((7,), DType::F32, &dev)?)
+        .forward(qv.as_tensor(), &k, &k)?;
+    assert!(out.sum_all()?.backward().is_err());
+    Ok(())
+}

@@ -34,6 +34,7 @@ mod decode;
 mod dispatch;
 mod elem;
 mod exp2;
+mod extras;
 mod kernel;
 mod prefill;
 mod scratch;
@@ -92,11 +93,21 @@ fn forward_rows<T: elem::Elem>(
     v: &[T],
 ) -> candle::Result<(Vec<T>, Vec<f32>)> {
     let path = dispatch::choose::<T>(p, false)?;
+    // A bias or block mask runs on the f32 micro-kernels of the prefill loop, whatever the shape.
+    let extras = extras::Extras::of(p)?;
+    if extras.is_some() {
+        let isa = match path {
+            dispatch::Path::F32(isa) => isa,
+            dispatch::Path::Bf16(_) => kernel::Isa::detect(),
+        };
+        return Ok(prefill::forward_with(isa, p, slopes, q, k, v, &extras));
+    }
+    let none = extras::Extras::default();
     if decode::is_decode(p) {
         return Ok(decode::forward(p, slopes, q, k, v));
     }
     Ok(match path {
-        dispatch::Path::F32(isa) => prefill::forward_with(isa, p, slopes, q, k, v),
+        dispatch::Path::F32(isa) => prefill::forward_with(isa, p, slopes, q, k, v, &none),
         #[cfg(target_arch = "x86_64")]
         dispatch::Path::Bf16(engine) => {
             let same = elem::same_slice::<T, half::bf16>;
@@ -106,11 +117,13 @@ fn forward_rows<T: elem::Elem>(
                     (elem::same_vec(out).unwrap_or_default(), lse)
                 }
                 // `choose` picks an engine for bf16 inputs only.
-                _ => prefill::forward_with(kernel::Isa::detect(), p, slopes, q, k, v),
+                _ => prefill::forward_with(kernel::Isa::detect(), p, slopes, q, k, v, &none),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        dispatch::Path::Bf16(_) => prefill::forward_with(kernel::Isa::detect(), p, slopes, q, k, v),
+        dispatch::Path::Bf16(_) => {
+            prefill::forward_with(kernel::Isa::detect(), p, slopes, q, k, v, &none)
+        }
     })
 }
 

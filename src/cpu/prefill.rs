@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 use super::elem::{load_keys, load_rows, Elem};
 use super::exp2::exp2;
+use super::extras::{Extras, ExtrasAt};
 #[cfg(target_arch = "x86_64")]
 use super::kernel::{Avx512, Fused};
 use super::kernel::{Isa, Kernel, Portable};
@@ -24,6 +25,7 @@ struct Ctx<'a, T> {
     lse: SyncPtr<f32>,
     /// Sub-tiles per work item (`1..=QSUB`).
     qsub: usize,
+    extras: &'a Extras,
 }
 
 /// Runs the whole problem with the f32 micro-kernels of the CPU; returns the contiguous output
@@ -36,7 +38,7 @@ pub(crate) fn forward<T: Elem>(
     k: &[T],
     v: &[T],
 ) -> (Vec<T>, Vec<f32>) {
-    forward_with(Isa::detect(), p, slopes, q, k, v)
+    forward_with(Isa::detect(), p, slopes, q, k, v, &Extras::default())
 }
 
 /// Runs the whole problem with the micro-kernels of `isa` (the caller checked that the CPU has
@@ -48,6 +50,7 @@ pub(super) fn forward_with<T: Elem>(
     q: &[T],
     k: &[T],
     v: &[T],
+    extras: &Extras,
 ) -> (Vec<T>, Vec<f32>) {
     let d = p.head_dim;
     let mut out = vec![T::from_f32(0.0); p.total_q * p.heads * d];
@@ -76,6 +79,7 @@ pub(super) fn forward_with<T: Elem>(
         out: SyncPtr(out.as_mut_ptr()),
         lse: SyncPtr(lse.as_mut_ptr()),
         qsub,
+        extras,
     };
     // One item per rayon job, so idle threads can steal any single item.
     items.into_par_iter().with_max_len(1).for_each(|item| {
@@ -113,6 +117,8 @@ pub(super) struct ItemCtx<'a> {
     pub sk: usize,
     pub slope: f32,
     pub softcap: bool,
+    /// The bias and block mask of this `(batch, head)`, if the call has them.
+    pub extras: ExtrasAt<'a>,
 }
 
 /// One work item: query rows `t · BR · qsub ..` of head `h` in sequence `b`, as up to `qsub`
@@ -138,6 +144,7 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
         sk,
         slope: ctx.slopes.map_or(0.0, |s| s[b * p.alibi_batch_stride + h]),
         softcap,
+        extras: ctx.extras.at(b, h),
     };
     // Without softcap the scale and log2(e) fold into Q once; with it, tanh needs the true score.
     let q_scale = if softcap {
@@ -281,22 +288,28 @@ pub(super) fn mask_scores(
     j0: usize,
     cut: bool,
 ) -> Option<Bounds> {
-    let (p, sq, sk, slope) = (it.p, it.sq, it.sk, it.slope);
+    let (p, sq, sk, slope, ex) = (it.p, it.sq, it.sk, it.slope, &it.extras);
     let cols = s.len();
-    if it.softcap || slope != 0.0 {
+    if it.softcap || slope != 0.0 || ex.is_some() {
         for (c, s) in s.iter_mut().enumerate() {
             for (r, s) in s.0[..rows].iter_mut().enumerate() {
+                let (i, j) = (r0 + r, j0 + c);
                 let raw = if it.softcap {
                     p.score.cap(*s) * LOG2_E
                 } else {
                     *s
                 };
-                let bias = if slope != 0.0 {
-                    alibi_bias(slope, r0 + r, j0 + c, sq, sk) * LOG2_E
+                let alibi = if slope != 0.0 {
+                    alibi_bias(slope, i, j, sq, sk) * LOG2_E
                 } else {
                     0.0
                 };
-                *s = raw - bias;
+                // The additive bias comes after softcap and ALiBi; a hidden block masks.
+                *s = if ex.hidden(i, j) {
+                    f32::NEG_INFINITY
+                } else {
+                    raw - alibi + ex.bias(i, j) * LOG2_E
+                };
             }
         }
     }
@@ -460,7 +473,15 @@ mod tests {
             let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
             let (qv, kv, vv) = (flat(&q)?, flat(&k)?, flat(&v)?);
             for isa in Isa::available() {
-                let (got, _) = forward_with(isa, &p, slopes.as_deref(), &qv, &kv, &vv);
+                let (got, _) = forward_with(
+                    isa,
+                    &p,
+                    slopes.as_deref(),
+                    &qv,
+                    &kv,
+                    &vv,
+                    &Extras::default(),
+                );
                 let err = got
                     .iter()
                     .zip(&want)

@@ -23,6 +23,12 @@ pub(crate) fn backward(
     grad_out: &Tensor,
     lse: &Tensor,
 ) -> Result<Grads> {
+    if p.bias.is_some() || p.block_mask.is_some() {
+        bail!(
+            "flash-attn backward: calls with a bias or a block mask have no backward pass yet \
+             (their forward runs on the CPU only); use naive_attention for gradients"
+        )
+    }
     if p.paged.is_some() || p.seqused_k.is_some() {
         bail!(
             "flash-attn backward: paged and KV-cache calls have no backward pass (they are \

@@ -50,6 +50,10 @@ pub struct FlashAttn {
     pub alibi_slopes: Option<Tensor>,
     /// Attention sinks, f32 of shape `(heads,)` (see [`sinks`](Self::sinks)).
     pub sinks: Option<Tensor>,
+    /// Additive score bias (see [`bias`](Self::bias)).
+    pub bias: Option<Tensor>,
+    /// Block-sparse mask (see [`block_mask`](Self::block_mask)).
+    pub block_mask: Option<BlockMask>,
     /// Paged K/V: integer `(batch, max_blocks)` block table (see [`paged`](Self::paged)).
     pub block_table: Option<Tensor>,
     /// Rows per block of a paged K/V cache (with `block_table`).
@@ -74,6 +78,8 @@ impl FlashAttn {
             softcap: None,
             alibi_slopes: None,
             sinks: None,
+            bias: None,
+            block_mask: None,
             block_table: None,
             page_block_size: 0,
             mm_prefix_ranges: None,
@@ -137,6 +143,34 @@ impl FlashAttn {
     /// ```
     pub fn sinks(mut self, sinks: &Tensor) -> Self {
         self.sinks = Some(sinks.clone());
+        self
+    }
+
+    /// An additive score bias: a tensor broadcastable to `(batch, heads, seq_q, seq_k)` (size-1
+    /// dimensions, leading ones left out, and stride-0 views are read without being expanded),
+    /// f32 or q's dtype, on q's device. It is added after the scale, the softcap and ALiBi and
+    /// before the mask: `s = softcap(scale · q·k) − ALiBi + bias`, then masked. A `-inf` entry
+    /// masks its key; a `(batch, 1, 1, seq_k)` bias of 0 and `-inf` is a key-padding mask.
+    ///
+    /// Dense calls on the CPU only, so far: varlen, paged and KV-cache calls, CUDA tensors,
+    /// backward passes and a tracked (`Var`) bias are refused with an error that says so.
+    /// [`naive_attention`](crate::naive_attention) takes it on every device.
+    pub fn bias(mut self, bias: &Tensor) -> Self {
+        self.bias = Some(bias.clone());
+        self
+    }
+
+    /// A block-sparse mask: `mask` of dtype u8, broadcastable to
+    /// `(batch, heads, ceil(seq_q / block_q), ceil(seq_k / block_k))`; where an entry is 0, the
+    /// keys of that block are hidden from the queries of that block (on top of the other masks).
+    /// Rows that see no key output 0 with lse `-inf`. Dense calls on the CPU only, so far, as
+    /// for [`bias`](Self::bias).
+    pub fn block_mask(mut self, mask: &Tensor, block_q: usize, block_k: usize) -> Self {
+        self.block_mask = Some(BlockMask {
+            mask: mask.clone(),
+            block_q,
+            block_k,
+        });
         self
     }
 
@@ -505,6 +539,12 @@ impl FlashAttn {
             let out = q.apply_op3(k, v, EmptyAttnOp { out_shape })?;
             return Ok((out, lse));
         }
+        if self.bias.as_ref().is_some_and(|b| b.track_op()) {
+            bail!(
+                "flash-attn: the bias is a tracked tensor, and its gradient is not supported yet; \
+                 detach it or use naive_attention"
+            )
+        }
         let varlen = problem.varlen.is_some();
         let op = FlashAttnOp::new(problem, self.alibi_slopes.clone());
         let (stash, saved) = (op.lse_stash.clone(), op.lse.clone());
@@ -527,6 +567,15 @@ impl FlashAttn {
         };
         Ok((out, lse))
     }
+}
+
+/// A block-sparse mask and its block sizes (see [`FlashAttn::block_mask`]).
+#[derive(Clone, Debug)]
+pub struct BlockMask {
+    /// u8, broadcastable to `(batch, heads, ceil(seq_q / block_q), ceil(seq_k / block_k))`.
+    pub mask: Tensor,
+    pub block_q: usize,
+    pub block_k: usize,
 }
 
 /// Gradients of one attention call, from [`FlashAttn::backward_all`]: q, k and v (contiguous,

@@ -158,6 +158,47 @@ impl FlashAttn {
         if let Some(s) = &self.sinks {
             check_sinks(s, q, heads)?;
         }
+        let dense = varlen.is_none() && paged.is_none() && prefix.is_none();
+        if let Some(b) = &self.bias {
+            if !dense {
+                bail!("flash-attn: bias is supported on dense calls only (not varlen, paged or KV-cache calls)")
+            }
+            if b.dtype() != DType::F32 && b.dtype() != q.dtype() {
+                bail!(
+                    "flash-attn: bias must be f32 or q's dtype {:?}, got {:?}",
+                    q.dtype(),
+                    b.dtype()
+                )
+            }
+            check_device("bias", b, q)?;
+            check_broadcast("bias", b.dims(), [batch, heads, seq_q, seq_k])?;
+        }
+        if let Some(m) = &self.block_mask {
+            if !dense {
+                bail!("flash-attn: block_mask is supported on dense calls only (not varlen, paged or KV-cache calls)")
+            }
+            if m.block_q == 0 || m.block_k == 0 {
+                bail!(
+                    "flash-attn: block_mask block sizes must be positive, got block_q {} and block_k {}",
+                    m.block_q,
+                    m.block_k
+                )
+            }
+            if m.mask.dtype() != DType::U8 {
+                bail!(
+                    "flash-attn: block_mask must be u8, got {:?}",
+                    m.mask.dtype()
+                )
+            }
+            check_device("block_mask", &m.mask, q)?;
+            let blocks = [
+                batch,
+                heads,
+                seq_q.div_ceil(m.block_q),
+                seq_k.div_ceil(m.block_k),
+            ];
+            check_broadcast("block_mask", m.mask.dims(), blocks)?;
+        }
         Ok(Problem {
             batch,
             heads,
@@ -180,6 +221,11 @@ impl FlashAttn {
             seqused_k: None,
             has_alibi: self.alibi_slopes.is_some(),
             sinks: self.sinks.clone(),
+            bias: self.bias.clone(),
+            block_mask: self
+                .block_mask
+                .as_ref()
+                .map(|m| (m.mask.clone(), m.block_q, m.block_k)),
             alibi_batch_stride,
             kernels: Kernels {
                 portable: self.portable,
@@ -261,6 +307,21 @@ fn check_alibi(s: &Tensor, q: &Tensor, batch: usize, heads: usize) -> Result<usi
             "flash-attn: alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {d:?}"
         ),
     }
+}
+
+/// Checks that `dims` (rank at most 4, leading dimensions left out) broadcast to `to`: each
+/// dimension 1 or equal.
+fn check_broadcast(name: &str, dims: &[usize], to: [usize; 4]) -> Result<()> {
+    let fits = dims.len() <= 4
+        && dims
+            .iter()
+            .rev()
+            .zip(to.iter().rev())
+            .all(|(&d, &t)| d == 1 || d == t);
+    if !fits {
+        bail!("flash-attn: {name} of shape {dims:?} does not broadcast to {to:?}")
+    }
+    Ok(())
 }
 
 /// Checks attention sinks: f32 `(heads,)` on q's device.

@@ -230,8 +230,10 @@ pub fn reference(
     let (_, sk, hk, _) = k.dims4()?;
     let (qv, kv, vv) = (values(q)?, values(k)?, values(v)?);
     let slopes = host_slopes(opts, b, h)?;
+    let extras = HostExtras::of(opts, (b, h, sq, sk))?;
     let dims = [q.dims(), k.dims(), v.dims()];
-    let key = input_key("forward", &dims, &[&qv, &kv, &vv], opts, slopes.as_deref());
+    let mut key = input_key("forward", &dims, &[&qv, &kv, &vv], opts, slopes.as_deref());
+    key ^= extras.key();
     memoized(key, || {
         Ok(reference_host(
             &qv,
@@ -240,8 +242,68 @@ pub fn reference(
             (b, sq, sk, h, hk, d),
             opts,
             slopes.as_deref(),
+            &extras,
         ))
     })
+}
+
+/// The additive bias and the block mask of `opts`, expanded to `(b, h, sq, sk)` on the host.
+pub struct HostExtras {
+    dims: (usize, usize, usize, usize),
+    bias: Option<Vec<f64>>,
+    /// 0 where the block mask hides the key from the row.
+    visible: Option<Vec<f64>>,
+}
+
+impl HostExtras {
+    pub fn of(opts: &FlashAttn, dims: (usize, usize, usize, usize)) -> Result<Self> {
+        let (b, h, sq, sk) = dims;
+        let bias = match &opts.bias {
+            Some(t) => Some(values(
+                &t.to_dtype(DType::F64)?.broadcast_as((b, h, sq, sk))?,
+            )?),
+            None => None,
+        };
+        let visible = match &opts.block_mask {
+            Some(m) => {
+                let (nq, nk) = (sq.div_ceil(m.block_q), sk.div_ceil(m.block_k));
+                let blocks = values(&m.mask.to_dtype(DType::F64)?.broadcast_as((b, h, nq, nk))?)?;
+                let mut v = vec![0f64; b * h * sq * sk];
+                for (bh, rows) in v.chunks_mut(sq * sk).enumerate() {
+                    for (i, row) in rows.chunks_mut(sk).enumerate() {
+                        for (j, x) in row.iter_mut().enumerate() {
+                            *x = blocks[(bh * nq + i / m.block_q) * nk + j / m.block_k];
+                        }
+                    }
+                }
+                Some(v)
+            }
+            None => None,
+        };
+        Ok(Self {
+            dims,
+            bias,
+            visible,
+        })
+    }
+
+    fn key(&self) -> u64 {
+        let mut h = DefaultHasher::new();
+        for v in [&self.bias, &self.visible].into_iter().flatten() {
+            v.iter().for_each(|x| x.to_bits().hash(&mut h));
+        }
+        h.finish()
+    }
+
+    /// The bias added to score (bi, hi, i, j), or `-inf` where the block mask hides it.
+    fn at(&self, bi: usize, hi: usize, i: usize, j: usize) -> f64 {
+        let (_, h, sq, sk) = self.dims;
+        let x = ((bi * h + hi) * sq + i) * sk + j;
+        if self.visible.as_ref().is_some_and(|v| v[x] == 0.0) {
+            return f64::NEG_INFINITY;
+        }
+        self.bias.as_ref().map_or(0.0, |b| b[x])
+    }
 }
 
 /// [`reference`] on host values.
@@ -252,6 +314,7 @@ fn reference_host(
     (b, sq, sk, h, hk, d): (usize, usize, usize, usize, usize, usize),
     opts: &FlashAttn,
     slopes: Option<&[f64]>,
+    extras: &HostExtras,
 ) -> (Vec<f64>, Vec<f64>) {
     let scale = opts.softmax_scale as f64;
     let cap = opts.softcap.unwrap_or(0.0) as f64;
@@ -284,10 +347,14 @@ fn reference_host(
                         sc = cap * (sc / cap).tanh();
                     }
                     sc -= slope * (diag - j as i64).abs() as f64;
+                    sc += extras.at(bi, hi, i, j);
                     s[j] = sc;
                     if sc > m || sc.is_nan() {
                         m = sc;
                     }
+                }
+                if m == f64::NEG_INFINITY {
+                    continue; // every visible key masked (bias -inf, hidden blocks): as no key
                 }
                 let mut l = 0f64;
                 let o = &mut out[i * d..][..d];

@@ -227,6 +227,7 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
         sk,
         slope: ctx.slopes.map_or(0.0, |s| s[b * p.alibi_batch_stride + h]),
         softcap,
+        extras: crate::cpu::extras::ExtrasAt::NONE,
     };
     let q_scale = if softcap {
         p.score.scale

@@ -1,0 +1,128 @@
+//! The additive bias and the block-sparse mask of a call, read once onto the host in their own
+//! (un-broadcast) shape, and addressed per `(batch, head)` through broadcast strides.
+
+use candle::{DType, Result, Tensor};
+
+use crate::problem::Problem;
+
+/// A tensor's values and its strides over `(batch, heads, rows, cols)`, 0 on broadcast
+/// dimensions.
+struct Broadcast<T> {
+    data: Vec<T>,
+    strides: [usize; 4],
+}
+
+impl<T: candle::WithDType> Broadcast<T> {
+    /// `t` (rank at most 4, validated to broadcast) as `dtype`, without expanding size-1 or
+    /// stride-0 dimensions.
+    fn of(t: &Tensor, dtype: DType) -> Result<Self> {
+        let mut t = t.clone();
+        while t.rank() < 4 {
+            t = t.unsqueeze(0)?;
+        }
+        // A stride-0 (broadcast) view holds one distinct value along that dimension.
+        for dim in 0..4 {
+            if t.stride()[dim] == 0 && t.dims()[dim] > 1 {
+                t = t.narrow(dim, 0, 1)?;
+            }
+        }
+        let t = t.to_dtype(dtype)?.contiguous()?;
+        let dims = t.dims().to_vec();
+        let mut strides = [0usize; 4];
+        let mut s = 1;
+        for dim in (0..4).rev() {
+            strides[dim] = if dims[dim] == 1 { 0 } else { s };
+            s *= dims[dim];
+        }
+        Ok(Self {
+            data: t.flatten_all()?.to_vec1::<T>()?,
+            strides,
+        })
+    }
+
+    fn base(&self, b: usize, h: usize) -> usize {
+        b * self.strides[0] + h * self.strides[1]
+    }
+}
+
+/// What the score loop of one `(batch, head)` reads of the extras.
+#[derive(Clone, Copy)]
+pub(super) struct ExtrasAt<'a> {
+    /// Bias values and (base, row stride, key stride).
+    pub bias: Option<(&'a [f32], usize, usize, usize)>,
+    /// Block mask values, (base, row-block stride, key-block stride) and the block sizes.
+    pub blocks: Option<(&'a [u8], [usize; 3], usize, usize)>,
+}
+
+impl ExtrasAt<'_> {
+    pub const NONE: ExtrasAt<'static> = ExtrasAt {
+        bias: None,
+        blocks: None,
+    };
+
+    pub fn is_some(&self) -> bool {
+        self.bias.is_some() || self.blocks.is_some()
+    }
+
+    /// The bias of query row `i` and key `j` (0 without one).
+    #[inline(always)]
+    pub fn bias(&self, i: usize, j: usize) -> f32 {
+        match self.bias {
+            Some((d, base, si, sj)) => d[base + i * si + j * sj],
+            None => 0.0,
+        }
+    }
+
+    /// Whether the block mask hides key `j` from query row `i`.
+    #[inline(always)]
+    pub fn hidden(&self, i: usize, j: usize) -> bool {
+        match self.blocks {
+            Some((d, [base, si, sj], bq, bk)) => d[base + (i / bq) * si + (j / bk) * sj] == 0,
+            None => false,
+        }
+    }
+}
+
+/// The extras of a call on the host (none for most calls).
+#[derive(Default)]
+pub(crate) struct Extras {
+    bias: Option<Broadcast<f32>>,
+    blocks: Option<(Broadcast<u8>, usize, usize)>,
+}
+
+impl Extras {
+    pub fn of(p: &Problem) -> Result<Self> {
+        Ok(Self {
+            bias: match &p.bias {
+                Some(t) => Some(Broadcast::of(t, DType::F32)?),
+                None => None,
+            },
+            blocks: match &p.block_mask {
+                Some((t, bq, bk)) => Some((Broadcast::of(t, DType::U8)?, *bq, *bk)),
+                None => None,
+            },
+        })
+    }
+
+    pub fn is_some(&self) -> bool {
+        self.bias.is_some() || self.blocks.is_some()
+    }
+
+    /// The view of head `h` of sequence `b`.
+    pub fn at(&self, b: usize, h: usize) -> ExtrasAt<'_> {
+        ExtrasAt {
+            bias: self
+                .bias
+                .as_ref()
+                .map(|x| (&x.data[..], x.base(b, h), x.strides[2], x.strides[3])),
+            blocks: self.blocks.as_ref().map(|(x, bq, bk)| {
+                (
+                    &x.data[..],
+                    [x.base(b, h), x.strides[2], x.strides[3]],
+                    *bq,
+                    *bk,
+                )
+            }),
+        }
+    }
+}
