@@ -43,6 +43,8 @@ SCHEMAS = {
     "gpu-ring": "gpus,comm,dtype,heads,kv_heads,head_dim,mask,seq,fwd_ms,fwd_bwd_ms,tokens_per_s,"
                 "gib_per_gpu,single_fwd_ms,single_fwd_bwd_ms,diff_out,diff_lse,diff_dq,diff_dk,"
                 "diff_dv,rerun_identical",
+    "cpu-variants": "variant,dtype,head_dim,heads,kv_heads,batch,seq_q,seq_k,causal,plain_ms,"
+                    "variant_ms,ratio",
     "gpu-variants": "variant,dtype,head_dim,heads,kv_heads,batch,seq_q,seq_k,causal,plain_ms,"
                     "variant_ms,ratio",
 }
@@ -656,7 +658,10 @@ RING_NOTE = ("`examples/long_context.rs`: one causal attention layer (bf16, 32/8
 VARIANTS_NOTE = ("`examples/variants_bench.rs`: each variant's forward beside the plain forward on "
                  "the same inputs in one process, timed plain, variant, plain; the ratio divides "
                  "the variant's time by the mean of the two plain ones. Prefill: d 128, 16/8 "
-                 "heads, 32k tokens per batch; decode: one query row, 32/8 heads, d 128.")
+                 "heads, 32k tokens per batch on the GPU, 1k on the CPU; decode: one query row, "
+                 "32/8 heads, d 128. `pad-bias`: a key-padding bias; `bias`: a full "
+                 "`(1, heads, seq_q, seq_k)` f32 bias; `blocks`: a 64 x 64 block mask of ones "
+                 "(the same visible work).")
 
 
 def no_results(name):
@@ -730,9 +735,12 @@ def build(plots):
     else:
         page.append(no_results("cpu-decode"))
 
-    rows = read("gpu-variants")
-    page.append("## Attention variants on the GPU\n")
-    if rows:
+    for name, where in (("gpu-variants", "GPU"), ("cpu-variants", "CPU")):
+        rows = read(name)
+        page.append(f"## Attention variants on the {where}\n")
+        if not rows:
+            page.append(no_results(name))
+            continue
         page.append(VARIANTS_NOTE + "\n")
         for device, drows in by_device(rows):
             head = ["variant", "dtype", "heads", "batch", "seq_q", "seq_k", "causal", "plain ms",
@@ -745,10 +753,9 @@ def build(plots):
             worst = ", ".join(
                 f"{v} {fratio(max(r['ratio'] for r in drows if r['variant'] == v))}"
                 for v in sorted({r["variant"] for r in drows}))
-            readme.append(f"**Attention variants**: time with the variant / time without, the "
-                          f"largest over the shapes: {worst} ({provenance(drows, device)})\n")
-    else:
-        page.append(no_results("gpu-variants"))
+            readme.append(f"**Attention variants ({where})**: time with the variant / time "
+                          f"without, the largest over the shapes: {worst} "
+                          f"({provenance(drows, device)})\n")
 
     rows = read("gpu-ring")
     page.append("## Ring attention across GPUs\n")

@@ -12,7 +12,9 @@
 //! Prefill: bf16 (f32 on the CPU), d 128, 16 query heads over 8 K/V heads, seq 4096 to 32768 at
 //! 32k tokens per batch, causal and not. Decode: one query row per sequence, 32/8 heads, d 128,
 //! batch 8 against 8192 keys, and batch 1 against 32768. Variants: `sinks` (one learnable logit
-//! per head).
+//! per head); on the CPU also `pad-bias` (a `(batch, 1, 1, seq_k)` key-padding bias, its last
+//! quarter of keys at `-inf`), `bias` (a full `(1, heads, seq_q, seq_k)` f32 bias) and `blocks`
+//! (a 64 x 64 block mask of ones: the same visible work as the plain call).
 
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
@@ -139,7 +141,29 @@ fn main() -> Result<()> {
             FlashAttn::new(scale)
         };
         let sinks = Tensor::randn(0f32, 1., s.h, &dev)?;
-        let variants = [("sinks", plain.clone().sinks(&sinks))];
+        let mut variants = vec![("sinks", plain.clone().sinks(&sinks))];
+        if dev.is_cpu() {
+            // Bias and block masks run on the CPU only so far.
+            let pad: Vec<f32> = (0..s.b * s.sk)
+                .map(|i| {
+                    if i % s.sk >= s.sk * 3 / 4 {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let pad = Tensor::from_vec(pad, (s.b, 1, 1, s.sk), &dev)?;
+            let full = Tensor::randn(0f32, 1., (1, s.h, s.sq, s.sk), &dev)?;
+            let ones = Tensor::ones(
+                (1, 1, s.sq.div_ceil(64), s.sk.div_ceil(64)),
+                DType::U8,
+                &dev,
+            )?;
+            variants.push(("pad-bias", plain.clone().bias(&pad)));
+            variants.push(("bias", plain.clone().bias(&full)));
+            variants.push(("blocks", plain.clone().block_mask(&ones, 64, 64)));
+        }
         for (name, op) in variants {
             let run_plain = || plain.forward(&q, &k, &v);
             let run_variant = || op.forward(&q, &k, &v);

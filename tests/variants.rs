@@ -400,22 +400,24 @@ fn blocks_of(shape: &[usize], seed: u64) -> Result<Tensor> {
 }
 
 /// The block mask on the CPU: block sizes that divide the lengths and ones that do not, one
-/// mask for all heads and batches, combined with causal masks, windows and a bias; rows whose
-/// every block is hidden output 0 with lse `-inf`.
+/// mask for all heads and batches, combined with causal masks, windows and a bias, prefill and
+/// decode shapes; rows whose every block is hidden output 0 with lse `-inf`.
 #[test]
 fn block_mask_dense_cpu() -> Result<()> {
     let t = Target::cpu();
-    let shapes: [(usize, usize, usize, usize); 4] = [
+    let shapes: [(usize, usize, usize, usize); 6] = [
         (17, 33, 3, 5),
         (113, 65, 16, 16),
         (130, 200, 64, 64),
         (65, 113, 1, 7),
+        (1, 239, 1, 7),
+        (5, 300, 2, 32),
     ];
     for (n, &(sq, sk, bq, bk)) in shapes.iter().enumerate() {
         let (nq, nk) = (sq.div_ceil(bq), sk.div_ceil(bk));
         for &dtype in &DTYPES {
             let d = [64, 40, 128][n % 3];
-            let base = Case::new(2, sq, sk, 6, [2, 3, 6, 1][n], d, dtype);
+            let base = Case::new(2, sq, sk, 6, [2, 3, 6, 1, 2, 3][n], d, dtype);
             let seed = 200 * n as u64;
             let every = blocks_of(&[2, 6, nq, nk], seed)?;
             let shared = blocks_of(&[nq, nk], seed + 1)?;

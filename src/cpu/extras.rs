@@ -3,7 +3,9 @@
 
 use candle::{DType, Result, Tensor};
 
+use super::Lanes;
 use crate::problem::Problem;
+use crate::semantics::LOG2_E;
 
 /// A tensor's values and its strides over `(batch, heads, rows, cols)`, 0 on broadcast
 /// dimensions.
@@ -55,31 +57,74 @@ pub(super) struct ExtrasAt<'a> {
 }
 
 impl ExtrasAt<'_> {
-    pub const NONE: ExtrasAt<'static> = ExtrasAt {
-        bias: None,
-        blocks: None,
-    };
-
-    pub fn is_some(&self) -> bool {
-        self.bias.is_some() || self.blocks.is_some()
-    }
-
     /// The bias of query row `i` and key `j` (0 without one).
     #[inline(always)]
     pub fn bias(&self, i: usize, j: usize) -> f32 {
-        match self.bias {
-            Some((d, base, si, sj)) => d[base + i * si + j * sj],
-            None => 0.0,
-        }
+        self.bias
+            .map_or(0.0, |(d, base, si, sj)| d[base + i * si + j * sj])
     }
 
     /// Whether the block mask hides key `j` from query row `i`.
     #[inline(always)]
     pub fn hidden(&self, i: usize, j: usize) -> bool {
-        match self.blocks {
-            Some((d, [base, si, sj], bq, bk)) => d[base + (i / bq) * si + (j / bk) * sj] == 0,
-            None => false,
+        self.blocks
+            .is_some_and(|(d, [base, si, sj], bq, bk)| d[base + i / bq * si + j / bk * sj] == 0)
+    }
+
+    /// Adds the bias (in base-2 units, as the scores are) to the scores `s` of keys `j0 ..`
+    /// (one `Lanes` per key, query rows `r0 .. r0 + rows` in lanes) and sets the keys of hidden
+    /// blocks to `-inf`. A bias or block mask that does not vary over the query rows is one
+    /// value per key, added to or written over the whole vector.
+    #[inline(always)]
+    pub fn apply(&self, s: &mut [Lanes], r0: usize, rows: usize, j0: usize) {
+        if let Some((d, base, si, sj)) = self.bias {
+            if si == 0 {
+                for (c, s) in s.iter_mut().enumerate() {
+                    let b = d[base + (j0 + c) * sj] * LOG2_E;
+                    s.0.iter_mut().for_each(|x| *x += b);
+                }
+            } else {
+                // Row by row: each row's bias is read along its keys, in memory order.
+                for r in 0..rows {
+                    let row = &d[base + (r0 + r) * si + j0 * sj..];
+                    for (c, s) in s.iter_mut().enumerate() {
+                        s.0[r] += row[c * sj] * LOG2_E;
+                    }
+                }
+            }
         }
+        if let Some((d, [base, si, sj], bq, bk)) = self.blocks {
+            for (c, s) in s.iter_mut().enumerate() {
+                let col = &d[base + (j0 + c) / bk * sj..];
+                // The rows of one query block at a time.
+                let mut r = 0;
+                while r < rows {
+                    let qb = (r0 + r) / bq;
+                    let end = ((qb + 1) * bq - r0).min(rows);
+                    if col[qb * si] == 0 {
+                        s.0[r..end].fill(f32::NEG_INFINITY);
+                    }
+                    r = end;
+                }
+            }
+        }
+    }
+
+    /// Whether the block mask hides every key of `keys` from every row of `rows` (a tile that
+    /// is then neither read nor computed).
+    pub fn hides(&self, rows: std::ops::Range<usize>, keys: std::ops::Range<usize>) -> bool {
+        let Some((d, [base, si, sj], bq, bk)) = self.blocks else {
+            return false;
+        };
+        if rows.is_empty() || keys.is_empty() {
+            return true;
+        }
+        let (qb, kb) = (
+            rows.start / bq..(rows.end - 1) / bq + 1,
+            keys.start / bk..(keys.end - 1) / bk + 1,
+        );
+        qb.clone()
+            .all(|i| kb.clone().all(|j| d[base + i * si + j * sj] == 0))
     }
 }
 

@@ -93,36 +93,28 @@ fn forward_rows<T: elem::Elem>(
     v: &[T],
 ) -> candle::Result<(Vec<T>, Vec<f32>)> {
     let path = dispatch::choose::<T>(p, false)?;
-    // A bias or block mask runs on the f32 micro-kernels of the prefill loop, whatever the shape.
+    // The bias and block mask, which every path's score pass applies.
     let extras = extras::Extras::of(p)?;
-    if extras.is_some() {
-        let isa = match path {
-            dispatch::Path::F32(isa) => isa,
-            dispatch::Path::Bf16(_) => kernel::Isa::detect(),
-        };
-        return Ok(prefill::forward_with(isa, p, slopes, q, k, v, &extras));
-    }
-    let none = extras::Extras::default();
     if decode::is_decode(p) {
-        return Ok(decode::forward(p, slopes, q, k, v));
+        return Ok(decode::forward(p, slopes, q, k, v, &extras));
     }
     Ok(match path {
-        dispatch::Path::F32(isa) => prefill::forward_with(isa, p, slopes, q, k, v, &none),
+        dispatch::Path::F32(isa) => prefill::forward_with(isa, p, slopes, q, k, v, &extras),
         #[cfg(target_arch = "x86_64")]
         dispatch::Path::Bf16(engine) => {
             let same = elem::same_slice::<T, half::bf16>;
             match (same(q), same(k), same(v)) {
                 (Some(q), Some(k), Some(v)) => {
-                    let (out, lse) = bf16::prefill::forward(engine, p, slopes, q, k, v);
+                    let (out, lse) = bf16::prefill::forward(engine, p, slopes, q, k, v, &extras);
                     (elem::same_vec(out).unwrap_or_default(), lse)
                 }
                 // `choose` picks an engine for bf16 inputs only.
-                _ => prefill::forward_with(kernel::Isa::detect(), p, slopes, q, k, v, &none),
+                _ => prefill::forward_with(kernel::Isa::detect(), p, slopes, q, k, v, &extras),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         dispatch::Path::Bf16(_) => {
-            prefill::forward_with(kernel::Isa::detect(), p, slopes, q, k, v, &none)
+            prefill::forward_with(kernel::Isa::detect(), p, slopes, q, k, v, &extras)
         }
     })
 }

@@ -185,16 +185,28 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
     let mut j0 = lo - lo % BC;
     while j0 < hi {
         let cols = BC.min(hi - j0);
+        // The part of this key tile each sub-tile sees (under a causal mask the first sub-tile
+        // sees fewer keys than the last), unless the block mask hides all of it. A tile no
+        // sub-tile sees is neither read nor computed.
+        let mut part = [None; QSUB];
+        for (u, part) in part.iter_mut().enumerate().take(nsub) {
+            let c0 = sub_keys[u].0.max(j0);
+            let c1 = sub_keys[u].1.min(j0 + cols);
+            let (r0, n) = sub_rows[u];
+            if c0 < c1 && !it.extras.hides(r0..r0 + n, c0..c1) {
+                *part = Some((c0, c1));
+            }
+        }
+        if part.iter().all(Option::is_none) {
+            j0 += cols;
+            continue;
+        }
         load_keys(&mut sc.k, ctx.k, &p.k, &keys, j0, cols, kvh, d);
         load_keys(&mut sc.v, ctx.v, &p.v, &keys, j0, cols, kvh, d);
         for u in 0..nsub {
-            // The part of this key tile the sub-tile sees (under a causal mask the first
-            // sub-tile sees fewer keys than the last).
-            let c0 = sub_keys[u].0.max(j0);
-            let c1 = sub_keys[u].1.min(j0 + cols);
-            if c0 >= c1 {
+            let Some((c0, c1)) = part[u] else {
                 continue;
-            }
+            };
             let (r0, n) = sub_rows[u];
             let (kt, vt) = (&sc.k[(c0 - j0) * d..], &sc.v[(c0 - j0) * d..]);
             update::<K>(&it, &mut sc.sub[u], &mut sc.s, kt, vt, r0, n, c0, c1 - c0);
@@ -288,31 +300,29 @@ pub(super) fn mask_scores(
     j0: usize,
     cut: bool,
 ) -> Option<Bounds> {
-    let (p, sq, sk, slope, ex) = (it.p, it.sq, it.sk, it.slope, &it.extras);
+    let (p, sq, sk, slope) = (it.p, it.sq, it.sk, it.slope);
     let cols = s.len();
-    if it.softcap || slope != 0.0 || ex.is_some() {
+    if it.softcap || slope != 0.0 {
         for (c, s) in s.iter_mut().enumerate() {
             for (r, s) in s.0[..rows].iter_mut().enumerate() {
-                let (i, j) = (r0 + r, j0 + c);
                 let raw = if it.softcap {
                     p.score.cap(*s) * LOG2_E
                 } else {
                     *s
                 };
-                let alibi = if slope != 0.0 {
-                    alibi_bias(slope, i, j, sq, sk) * LOG2_E
+                let bias = if slope != 0.0 {
+                    alibi_bias(slope, r0 + r, j0 + c, sq, sk) * LOG2_E
                 } else {
                     0.0
                 };
-                // The additive bias comes after softcap and ALiBi; a hidden block masks.
-                *s = if ex.hidden(i, j) {
-                    f32::NEG_INFINITY
-                } else {
-                    raw - alibi + ex.bias(i, j) * LOG2_E
-                };
+                *s = raw - bias;
             }
         }
     }
+    // The additive bias after softcap and ALiBi, then the hidden blocks (keys past the last,
+    // which a padded tile may hold, are masked below).
+    let real = cols.min(sk.saturating_sub(j0));
+    it.extras.apply(&mut s[..real], r0, rows, j0);
     // Only tiles the band cuts through need a per-element mask.
     (cut || !it.mask.covers(r0..r0 + rows, j0..j0 + cols)).then(|| {
         // Per-lane bounds (each row sees one interval, prefix ranges or not), then one

@@ -18,6 +18,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use super::super::extras::Extras;
 use super::super::kernel::Avx512;
 use super::super::prefill::{mask_scores, masked_pv, ItemCtx};
 use super::super::{Lanes, SyncPtr, BR};
@@ -50,6 +51,7 @@ struct Ctx<'a> {
     lse: SyncPtr<f32>,
     /// Sub-tiles per work item (`1..=QSUB`).
     qsub: usize,
+    extras: &'a Extras,
 }
 
 /// Runs the whole problem on `engine` (the caller checked that the CPU has it); returns the
@@ -61,11 +63,12 @@ pub(in super::super) fn forward(
     q: &[bf16],
     k: &[bf16],
     v: &[bf16],
+    extras: &Extras,
 ) -> (Vec<bf16>, Vec<f32>) {
     use super::super::dispatch::Engine as E;
     match engine {
-        E::Amx => run::<AmxBf16>(p, slopes, q, k, v),
-        E::Avx512Bf16 => run::<Avx512Bf16>(p, slopes, q, k, v),
+        E::Amx => run::<AmxBf16>(p, slopes, q, k, v, extras),
+        E::Avx512Bf16 => run::<Avx512Bf16>(p, slopes, q, k, v, extras),
     }
 }
 
@@ -76,6 +79,7 @@ pub(super) fn run<E: Engine>(
     q: &[bf16],
     k: &[bf16],
     v: &[bf16],
+    extras: &Extras,
 ) -> (Vec<bf16>, Vec<f32>) {
     let d = p.head_dim;
     let mut out = vec![bf16::ZERO; p.total_q * p.heads * d];
@@ -102,6 +106,7 @@ pub(super) fn run<E: Engine>(
         out: SyncPtr(out.as_mut_ptr()),
         lse: SyncPtr(lse.as_mut_ptr()),
         qsub,
+        extras,
     };
     items.into_par_iter().with_max_len(1).for_each(|item| {
         with_scratch::<E>(d, |sc| {
@@ -227,7 +232,7 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
         sk,
         slope: ctx.slopes.map_or(0.0, |s| s[b * p.alibi_batch_stride + h]),
         softcap,
-        extras: crate::cpu::extras::ExtrasAt::NONE,
+        extras: ctx.extras.at(b, h),
     };
     let q_scale = if softcap {
         p.score.scale
@@ -235,8 +240,8 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
         p.score.scale * LOG2_E
     };
     // The scale goes into the softmax's first read of the scores where masking (to -inf)
-    // commutes with it; the softcap and ALiBi need the scaled scores.
-    let fold = q_scale > 0.0 && !softcap && it.slope == 0.0;
+    // commutes with it; the softcap, ALiBi and an additive bias need the scaled scores.
+    let fold = q_scale > 0.0 && !softcap && it.slope == 0.0 && !ctx.extras.is_some();
     let (mm_scale, sm_scale) = if fold { (1.0, q_scale) } else { (q_scale, 1.0) };
 
     let mut sub_rows = [(0usize, 0usize); QSUB];
@@ -261,6 +266,16 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
     let mut j0 = lo - lo % BK;
     while j0 < hi {
         let cols = BK.min(hi - j0);
+        // As in the f32 prefill: a tile the block mask hides from every sub-tile is skipped.
+        let hidden = (0..nsub).all(|u| {
+            let (c0, c1) = (sub_keys[u].0.max(j0), sub_keys[u].1.min(j0 + cols));
+            let (r0, n) = sub_rows[u];
+            c0 >= c1 || it.extras.hides(r0..r0 + n, c0..c1)
+        });
+        if hidden {
+            j0 += cols;
+            continue;
+        }
         let colsp = pad(cols, E::K_ALIGN);
         load_keys(&mut sc.k, dk, ctx.k, &p.k, &keys, j0, cols, kvh, d);
         sc.k[cols * dk..colsp * dk].fill(0);
@@ -272,7 +287,11 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
             // The sub-tile's part of this key tile, widened to the engine's alignment.
             let c0 = sub_keys[u].0.max(j0);
             let c1 = sub_keys[u].1.min(j0 + cols);
-            if c0 >= c1 {
+            if c0 >= c1
+                || it
+                    .extras
+                    .hides(sub_rows[u].0..sub_rows[u].0 + sub_rows[u].1, c0..c1)
+            {
                 continue;
             }
             let a0 = c0 - (c0 - j0) % E::K_ALIGN;
@@ -404,15 +423,16 @@ mod tests {
                 None => None,
             };
             let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<bf16>();
+            let none = crate::cpu::extras::Extras::default();
             let (qv, kv, vv) = (flat(&q)?, flat(&k)?, flat(&v)?);
             let mut runs: Vec<(&str, Vec<bf16>)> = vec![];
             if super::super::super::dispatch::avx512bf16() {
-                let (o, _) = run::<Avx512Bf16>(&p, slopes.as_deref(), &qv, &kv, &vv);
+                let (o, _) = run::<Avx512Bf16>(&p, slopes.as_deref(), &qv, &kv, &vv, &none);
                 runs.push(("avx512bf16", o));
-                let (o, _) = run::<AmxBf16<Soft>>(&p, slopes.as_deref(), &qv, &kv, &vv);
+                let (o, _) = run::<AmxBf16<Soft>>(&p, slopes.as_deref(), &qv, &kv, &vv, &none);
                 runs.push(("amx (software tiles)", o));
                 if super::super::super::dispatch::amx_usable() {
-                    let (o, _) = run::<AmxBf16>(&p, slopes.as_deref(), &qv, &kv, &vv);
+                    let (o, _) = run::<AmxBf16>(&p, slopes.as_deref(), &qv, &kv, &vv, &none);
                     runs.push(("amx", o));
                 } else {
                     let _ = writeln!(std::io::stderr(), "NOT TESTED on this machine: AMX tiles");

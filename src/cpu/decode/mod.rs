@@ -40,6 +40,7 @@ use rayon::prelude::*;
 
 use super::elem::{load_rows, Elem};
 use super::exp2::exp2;
+use super::extras::Extras;
 #[cfg(target_arch = "x86_64")]
 use super::kernel::{Avx512, Fused};
 use super::kernel::{Isa, Kernel, Portable};
@@ -124,6 +125,8 @@ struct Ctx<'a, T> {
     pl: SyncPtr<f32>,
     /// Per sequence: its splits finished so far.
     done: Vec<std::sync::atomic::AtomicUsize>,
+    /// The call's bias and block mask, if any.
+    extras: &'a Extras,
 }
 
 /// Runs the whole problem; returns the contiguous output and the log-sum-exp.
@@ -133,17 +136,17 @@ pub(crate) fn forward<T: Elem>(
     q: &[T],
     k: &[T],
     v: &[T],
+    extras: &Extras,
 ) -> (Vec<T>, Vec<f32>) {
-    forward_with(
+    forward_extras(
         Isa::detect(),
         true,
         rayon::current_num_threads(),
         plan::MIN_TASK_BYTES,
         p,
         slopes,
-        q,
-        k,
-        v,
+        [q, k, v],
+        extras,
     )
 }
 
@@ -158,6 +161,7 @@ fn has_avx512_decode() -> bool {
 /// [`forward`] with a chosen instruction set (the caller checked that the CPU has it), whether
 /// bf16 products may use `vdpbf16ps` (where the CPU has it), and the thread count and smallest
 /// task the plan is made for (tests split small caches many ways with a small one).
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 fn forward_with<T: Elem>(
     isa: Isa,
@@ -169,6 +173,32 @@ fn forward_with<T: Elem>(
     q: &[T],
     k: &[T],
     v: &[T],
+) -> (Vec<T>, Vec<f32>) {
+    let none = Extras::default();
+    forward_extras(
+        isa,
+        bf16_dot,
+        threads,
+        min_task,
+        p,
+        slopes,
+        [q, k, v],
+        &none,
+    )
+}
+
+/// [`forward`] with a chosen instruction set, `vdpbf16ps` use, thread count and smallest task
+/// (see the test-only `forward_with`), and the call's bias and block mask.
+#[allow(clippy::too_many_arguments)]
+fn forward_extras<T: Elem>(
+    isa: Isa,
+    bf16_dot: bool,
+    threads: usize,
+    min_task: usize,
+    p: &Problem,
+    slopes: Option<&[f32]>,
+    [q, k, v]: [&[T]; 3],
+    extras: &Extras,
 ) -> (Vec<T>, Vec<f32>) {
     let d = p.head_dim;
     if p.batch == 0 || p.total_q == 0 || p.heads == 0 || d == 0 {
@@ -213,6 +243,7 @@ fn forward_with<T: Elem>(
         pm: SyncPtr(pm.as_mut_ptr()),
         pl: SyncPtr(pl.as_mut_ptr()),
         done: (0..p.batch).map(|_| Default::default()).collect(),
+        extras,
     };
     // The partial pass: one task per stretch of the key line; a single task runs here, without
     // waking the pool.
@@ -829,14 +860,16 @@ fn block<T: Elem, U: Elem, K: Ops>(
         }
     }
     let mut scale = blk.scale;
-    if blk.softcap || ctx.slopes.is_some() {
+    if blk.softcap || ctx.slopes.is_some() || ctx.extras.is_some() {
         for r in 0..rows {
             let (c0, c1) = sc.rcols[r];
             let (i, h) = (r / group % sq, r / gr * group + r % group);
             let slope = ctx
                 .slopes
                 .map_or(0.0, |sl| sl[blk.b * p.alibi_batch_stride + h]);
+            let ex = ctx.extras.at(blk.b, h);
             for c in c0..c1 {
+                let j = blk.j0 + c;
                 let x = sc.s[r][c] * blk.scale;
                 let raw = if blk.softcap {
                     p.score.cap(x) * LOG2_E
@@ -844,11 +877,16 @@ fn block<T: Elem, U: Elem, K: Ops>(
                     x
                 };
                 let bias = if slope != 0.0 {
-                    alibi_bias(slope, i, blk.j0 + c, sq, blk.sk) * LOG2_E
+                    alibi_bias(slope, i, j, sq, blk.sk) * LOG2_E
                 } else {
                     0.0
                 };
-                sc.s[r][c] = raw - bias;
+                // The additive bias after softcap and ALiBi; a hidden block masks the key.
+                sc.s[r][c] = if ex.hidden(i, j) {
+                    f32::NEG_INFINITY
+                } else {
+                    raw - bias + ex.bias(i, j) * LOG2_E
+                };
             }
         }
         scale = 1.0;

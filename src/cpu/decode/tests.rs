@@ -363,7 +363,7 @@ fn threshold_timing() {
             t[2]
         };
         let dec = time(&|| {
-            forward(&p, None, &qv, &kv, &vv);
+            forward(&p, None, &qv, &kv, &vv, &Extras::default());
         });
         let pre = time(&|| {
             super::super::prefill::forward(&p, None, &qv, &kv, &vv);
