@@ -1,6 +1,8 @@
 //! The additive bias and the block-sparse mask of a call, read once onto the host in their own
 //! (un-broadcast) shape, and addressed per `(batch, head)` through broadcast strides.
 
+use std::ops::Range;
+
 use candle::{DType, Result, Tensor};
 
 use super::Lanes;
@@ -69,6 +71,36 @@ impl ExtrasAt<'_> {
     pub fn hidden(&self, i: usize, j: usize) -> bool {
         self.blocks
             .is_some_and(|(d, [base, si, sj], bq, bk)| d[base + i / bq * si + j / bk * sj] == 0)
+    }
+
+    /// For one query row `i` whose scores `s[c]` are keys `j0 + c`, `c` in `cols`: adds
+    /// `unit ·` the bias and sets the keys of hidden blocks to `-inf`, a run of keys at a time.
+    #[inline(always)]
+    pub fn apply_row(&self, s: &mut [f32], i: usize, j0: usize, cols: Range<usize>, unit: f32) {
+        if let Some((d, base, si, sj)) = self.bias {
+            let row = base + i * si + j0 * sj;
+            if sj == 1 {
+                let b = &d[row + cols.start..row + cols.end];
+                for (x, &b) in s[cols.clone()].iter_mut().zip(b) {
+                    *x += b * unit;
+                }
+            } else {
+                let b = d[row] * unit;
+                s[cols.clone()].iter_mut().for_each(|x| *x += b);
+            }
+        }
+        if let Some((d, [base, si, sj], bq, bk)) = self.blocks {
+            let row = base + i / bq * si;
+            let mut c = cols.start;
+            while c < cols.end {
+                let kb = (j0 + c) / bk;
+                let end = ((kb + 1) * bk - j0).min(cols.end);
+                if d[row + kb * sj] == 0 {
+                    s[c..end].fill(f32::NEG_INFINITY);
+                }
+                c = end;
+            }
+        }
     }
 
     /// Adds the bias (in base-2 units, as the scores are) to the scores `s` of keys `j0 ..`

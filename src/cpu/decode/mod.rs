@@ -860,7 +860,17 @@ fn block<T: Elem, U: Elem, K: Ops>(
         }
     }
     let mut scale = blk.scale;
-    if blk.softcap || ctx.slopes.is_some() || ctx.extras.is_some() {
+    let extras = ctx.extras.is_some();
+    if !blk.softcap && ctx.slopes.is_none() && extras && blk.scale > 0.0 {
+        // Only a bias or block mask: added to the raw products divided by the scale that the
+        // softmax then applies, so the softmax keeps its fused scaling.
+        for r in 0..rows {
+            let (c0, c1) = sc.rcols[r];
+            let (i, h) = (r / group % sq, r / gr * group + r % group);
+            let ex = ctx.extras.at(blk.b, h);
+            ex.apply_row(&mut sc.s[r], i, blk.j0, c0..c1, LOG2_E / blk.scale);
+        }
+    } else if blk.softcap || ctx.slopes.is_some() || extras {
         for r in 0..rows {
             let (c0, c1) = sc.rcols[r];
             let (i, h) = (r / group % sq, r / gr * group + r % group);
