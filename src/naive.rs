@@ -11,8 +11,8 @@ use crate::FlashAttn;
 ///
 /// q is `(batch, seq_q, heads, head_dim)`, k and v `(batch, seq_k, kv_heads, head_dim)`; every
 /// option of `opts` (scale, window, softcap, ALiBi, sinks, bias, block mask) applies, and a
-/// tracked `sinks` or `bias` gets its gradient through candle's autograd. Returns the output shaped and typed
-/// like q.
+/// tracked `sinks` or `bias` gets its gradient through candle's autograd. Returns the output
+/// shaped and typed like q.
 ///
 /// # Errors
 ///

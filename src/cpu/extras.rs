@@ -59,20 +59,6 @@ pub(super) struct ExtrasAt<'a> {
 }
 
 impl ExtrasAt<'_> {
-    /// The bias of query row `i` and key `j` (0 without one).
-    #[inline(always)]
-    pub fn bias(&self, i: usize, j: usize) -> f32 {
-        self.bias
-            .map_or(0.0, |(d, base, si, sj)| d[base + i * si + j * sj])
-    }
-
-    /// Whether the block mask hides key `j` from query row `i`.
-    #[inline(always)]
-    pub fn hidden(&self, i: usize, j: usize) -> bool {
-        self.blocks
-            .is_some_and(|(d, [base, si, sj], bq, bk)| d[base + i / bq * si + j / bk * sj] == 0)
-    }
-
     /// For one query row `i` whose scores `s[c]` are keys `j0 + c`, `c` in `cols`: adds
     /// `unit ·` the bias and sets the keys of hidden blocks to `-inf`, a run of keys at a time.
     #[inline(always)]

@@ -185,18 +185,8 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
     let mut j0 = lo - lo % BC;
     while j0 < hi {
         let cols = BC.min(hi - j0);
-        // The part of this key tile each sub-tile sees (under a causal mask the first sub-tile
-        // sees fewer keys than the last), unless the block mask hides all of it. A tile no
-        // sub-tile sees is neither read nor computed.
-        let mut part = [None; QSUB];
-        for (u, part) in part.iter_mut().enumerate().take(nsub) {
-            let c0 = sub_keys[u].0.max(j0);
-            let c1 = sub_keys[u].1.min(j0 + cols);
-            let (r0, n) = sub_rows[u];
-            if c0 < c1 && !it.extras.hides(r0..r0 + n, c0..c1) {
-                *part = Some((c0, c1));
-            }
-        }
+        // A tile no sub-tile sees is neither read nor computed.
+        let part: [_; QSUB] = tile_parts(&it, &sub_rows[..nsub], &sub_keys[..nsub], j0, cols);
         if part.iter().all(Option::is_none) {
             j0 += cols;
             continue;
@@ -239,6 +229,26 @@ fn run_item<T: Elem, K: Kernel>(ctx: &Ctx<T>, sc: &mut Scratch, (b, h, t): (usiz
             unsafe { *ctx.lse.0.add(seq.lse_base + h * lse_h + i) = row_lse };
         }
     }
+}
+
+/// The part `(c0, c1)` of key tile `j0 .. j0 + cols` that each sub-tile (rows `sub_rows`, keys
+/// under the mask `sub_keys`) sees: under a causal mask the first sub-tile sees fewer keys than
+/// the last. `None` where it sees no key of the tile or the block mask hides all of them.
+pub(super) fn tile_parts<const N: usize>(
+    it: &ItemCtx,
+    sub_rows: &[(usize, usize)],
+    sub_keys: &[(usize, usize)],
+    j0: usize,
+    cols: usize,
+) -> [Option<(usize, usize)>; N] {
+    let mut part = [None; N];
+    for ((part, &(r0, n)), &(lo, hi)) in part.iter_mut().zip(sub_rows).zip(sub_keys) {
+        let (c0, c1) = (lo.max(j0), hi.min(j0 + cols));
+        if c0 < c1 && !it.extras.hides(r0..r0 + n, c0..c1) {
+            *part = Some((c0, c1));
+        }
+    }
+    part
 }
 
 /// Folds keys `j0 .. j0 + cols` (rows of `kt` and `vt`) into the sub-tile of query rows

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use super::super::extras::Extras;
 use super::super::kernel::Avx512;
-use super::super::prefill::{mask_scores, masked_pv, ItemCtx};
+use super::super::prefill::{mask_scores, masked_pv, tile_parts, ItemCtx};
 use super::super::{Lanes, SyncPtr, BR};
 use super::{
     load_keys, load_rows, online_pairs, pad, rows_to_lanes, transpose_rows, Acc, AmxBf16,
@@ -266,13 +266,9 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
     let mut j0 = lo - lo % BK;
     while j0 < hi {
         let cols = BK.min(hi - j0);
-        // As in the f32 prefill: a tile the block mask hides from every sub-tile is skipped.
-        let hidden = (0..nsub).all(|u| {
-            let (c0, c1) = (sub_keys[u].0.max(j0), sub_keys[u].1.min(j0 + cols));
-            let (r0, n) = sub_rows[u];
-            c0 >= c1 || it.extras.hides(r0..r0 + n, c0..c1)
-        });
-        if hidden {
+        // As in the f32 prefill: a tile no sub-tile sees is neither read nor computed.
+        let part: [_; QSUB] = tile_parts(&it, &sub_rows[..nsub], &sub_keys[..nsub], j0, cols);
+        if part.iter().all(Option::is_none) {
             j0 += cols;
             continue;
         }
@@ -285,15 +281,9 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
         transpose_rows(&mut sc.vt, BK, &sc.vrow, d, cols, d);
         for u in 0..nsub {
             // The sub-tile's part of this key tile, widened to the engine's alignment.
-            let c0 = sub_keys[u].0.max(j0);
-            let c1 = sub_keys[u].1.min(j0 + cols);
-            if c0 >= c1
-                || it
-                    .extras
-                    .hides(sub_rows[u].0..sub_rows[u].0 + sub_rows[u].1, c0..c1)
-            {
+            let Some((c0, c1)) = part[u] else {
                 continue;
-            }
+            };
             let a0 = c0 - (c0 - j0) % E::K_ALIGN;
             let a1 = j0 + pad(c1 - j0, E::K_ALIGN);
             let n = a1 - a0;

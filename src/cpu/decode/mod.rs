@@ -138,7 +138,7 @@ pub(crate) fn forward<T: Elem>(
     v: &[T],
     extras: &Extras,
 ) -> (Vec<T>, Vec<f32>) {
-    forward_extras(
+    forward_with(
         Isa::detect(),
         true,
         rayon::current_num_threads(),
@@ -161,36 +161,8 @@ fn has_avx512_decode() -> bool {
 /// [`forward`] with a chosen instruction set (the caller checked that the CPU has it), whether
 /// bf16 products may use `vdpbf16ps` (where the CPU has it), and the thread count and smallest
 /// task the plan is made for (tests split small caches many ways with a small one).
-#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 fn forward_with<T: Elem>(
-    isa: Isa,
-    bf16_dot: bool,
-    threads: usize,
-    min_task: usize,
-    p: &Problem,
-    slopes: Option<&[f32]>,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-) -> (Vec<T>, Vec<f32>) {
-    let none = Extras::default();
-    forward_extras(
-        isa,
-        bf16_dot,
-        threads,
-        min_task,
-        p,
-        slopes,
-        [q, k, v],
-        &none,
-    )
-}
-
-/// [`forward`] with a chosen instruction set, `vdpbf16ps` use, thread count and smallest task
-/// (see the test-only `forward_with`), and the call's bias and block mask.
-#[allow(clippy::too_many_arguments)]
-fn forward_extras<T: Elem>(
     isa: Isa,
     bf16_dot: bool,
     threads: usize,
@@ -859,27 +831,19 @@ fn block<T: Elem, U: Elem, K: Ops>(
             c.fill(cols);
         }
     }
+    // Softcap and ALiBi need the scaled scores (then the softmax scales by 1); so does a bias
+    // when the scale is not positive. Otherwise the bias is added to the raw products divided
+    // by the scale the softmax then applies, which keeps its fused scaling.
     let mut scale = blk.scale;
     let extras = ctx.extras.is_some();
-    if !blk.softcap && ctx.slopes.is_none() && extras && blk.scale > 0.0 {
-        // Only a bias or block mask: added to the raw products divided by the scale that the
-        // softmax then applies, so the softmax keeps its fused scaling.
-        for r in 0..rows {
-            let (c0, c1) = sc.rcols[r];
-            let (i, h) = (r / group % sq, r / gr * group + r % group);
-            let ex = ctx.extras.at(blk.b, h);
-            ex.apply_row(&mut sc.s[r], i, blk.j0, c0..c1, LOG2_E / blk.scale);
-        }
-    } else if blk.softcap || ctx.slopes.is_some() || extras {
+    if blk.softcap || ctx.slopes.is_some() || (extras && blk.scale <= 0.0) {
         for r in 0..rows {
             let (c0, c1) = sc.rcols[r];
             let (i, h) = (r / group % sq, r / gr * group + r % group);
             let slope = ctx
                 .slopes
                 .map_or(0.0, |sl| sl[blk.b * p.alibi_batch_stride + h]);
-            let ex = ctx.extras.at(blk.b, h);
             for c in c0..c1 {
-                let j = blk.j0 + c;
                 let x = sc.s[r][c] * blk.scale;
                 let raw = if blk.softcap {
                     p.score.cap(x) * LOG2_E
@@ -887,19 +851,23 @@ fn block<T: Elem, U: Elem, K: Ops>(
                     x
                 };
                 let bias = if slope != 0.0 {
-                    alibi_bias(slope, i, j, sq, blk.sk) * LOG2_E
+                    alibi_bias(slope, i, blk.j0 + c, sq, blk.sk) * LOG2_E
                 } else {
                     0.0
                 };
-                // The additive bias after softcap and ALiBi; a hidden block masks the key.
-                sc.s[r][c] = if ex.hidden(i, j) {
-                    f32::NEG_INFINITY
-                } else {
-                    raw - bias + ex.bias(i, j) * LOG2_E
-                };
+                sc.s[r][c] = raw - bias;
             }
         }
         scale = 1.0;
+    }
+    if extras {
+        // The additive bias after softcap and ALiBi; a hidden block masks its keys.
+        for r in 0..rows {
+            let (c0, c1) = sc.rcols[r];
+            let (i, h) = (r / group % sq, r / gr * group + r % group);
+            let ex = ctx.extras.at(blk.b, h);
+            ex.apply_row(&mut sc.s[r], i, blk.j0, c0..c1, LOG2_E / scale);
+        }
     }
     K::softmax_rows(
         &mut sc.s[..rows],

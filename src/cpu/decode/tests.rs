@@ -279,11 +279,12 @@ fn check_isas<T: Elem + candle::WithDType>(
             .map(|(g, w)| (g.to_f32() - w).abs())
             .fold(0f32, |m, e| if e > m || e.is_nan() { e } else { m })
     };
+    let none = Extras::default();
     for isa in Isa::available() {
         for dot in [true, false] {
-            let (one, lse_one) = forward_with(isa, dot, 1, 1, p, slopes, &qv, &kv, &vv);
+            let (one, lse_one) = forward_with(isa, dot, 1, 1, p, slopes, [&qv, &kv, &vv], &none);
             for threads in [1, 2, 3, 5, 16, 64] {
-                let run = || forward_with(isa, dot, threads, 1, p, slopes, &qv, &kv, &vv);
+                let run = || forward_with(isa, dot, threads, 1, p, slopes, [&qv, &kv, &vv], &none);
                 let (got, lse) = run();
                 let err = max_err(&got, want);
                 assert!(
@@ -447,9 +448,8 @@ fn kernel_throughput() {
                         plan::MIN_TASK_BYTES,
                         &p,
                         None,
-                        &q,
-                        &ks[s],
-                        &vs[s],
+                        [&q, &ks[s], &vs[s]],
+                        &Extras::default(),
                     ));
                 });
                 let gbps = bytes as f64 / t / 1e9;
