@@ -282,7 +282,7 @@ fn instances_header() -> String {
     for i in SM90_INSTANCES {
         write!(
             h,
-            " \\\n    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_{}, T, {}, {}, {}, {}, {}, {}, {}, {})",
+            " \\\n    FLASH_SM90_INSTANCE(flash_fwd_sm90_##TN##_{}, T, {}, {}, {}, {}, {}, {}, {}, {}, {})",
             i.suffix(),
             i.d,
             i.nwg,
@@ -291,6 +291,7 @@ fn instances_header() -> String {
             i.pingpong,
             i.persistent,
             i.mods,
+            i.blocks,
             i.smem()
         )
         .unwrap();

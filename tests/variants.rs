@@ -352,13 +352,11 @@ fn bias_of(shape: &[usize], seed: u64) -> Result<Tensor> {
     Tensor::from_vec(v, dims, &Device::Cpu)
 }
 
-/// The additive bias on the CPU: full, key-padding `(b, 1, 1, sk)` with `-inf` keys, per head
-/// without the batch dimension, a stride-0 view and one in q's dtype; with causal masks,
-/// windows, softcap, ALiBi and sinks, odd lengths both ways and a decode-shaped call, GQA
-/// 6/3/2/1, every dtype and layout.
-#[test]
-fn bias_dense_cpu() -> Result<()> {
-    let t = Target::cpu();
+/// The additive bias: full, key-padding `(b, 1, 1, sk)` with `-inf` keys, per head without the
+/// batch dimension, a stride-0 view and one in q's dtype; with causal masks, windows, softcap,
+/// ALiBi and sinks, odd lengths both ways and a decode-shaped call, GQA 6/3/2/1, every dtype and
+/// layout.
+fn bias_dense(t: &Target) -> Result<()> {
     let pairs = [(1, 1), (17, 33), (113, 65), (65, 113), (1, 239)];
     let hks = [6, 3, 2, 1];
     for (n, &(sq, sk)) in pairs.iter().enumerate() {
@@ -385,12 +383,13 @@ fn bias_dense_cpu() -> Result<()> {
             ];
             for (i, c) in cases.iter().enumerate() {
                 let layout = [Layout::Contiguous, Layout::Transposed, Layout::NanBuffers][i % 3];
-                c.clone().layout(layout).check(&t, seed + i as u64)?;
+                c.clone().layout(layout).check(t, seed + i as u64)?;
             }
         }
     }
     Ok(())
 }
+test_device!(bias_dense, Forward);
 
 /// A random u8 block mask of `(b, h, nq, nk)` blocks, about half of them 0, seeded.
 fn blocks_of(shape: &[usize], seed: u64) -> Result<Tensor> {
@@ -399,25 +398,25 @@ fn blocks_of(shape: &[usize], seed: u64) -> Result<Tensor> {
         .to_dtype(DType::U8)
 }
 
-/// The block mask on the CPU: block sizes that divide the lengths and ones that do not, one
-/// mask for all heads and batches, combined with causal masks, windows and a bias, prefill and
-/// decode shapes; rows whose every block is hidden output 0 with lse `-inf`.
-#[test]
-fn block_mask_dense_cpu() -> Result<()> {
-    let t = Target::cpu();
-    let shapes: [(usize, usize, usize, usize); 6] = [
+/// The block mask: block sizes that divide the lengths and ones that do not, one mask for all
+/// heads and batches, combined with causal masks, windows and a bias, prefill and decode shapes;
+/// rows whose every block is hidden output 0 with lse `-inf`.
+fn block_mask_dense(t: &Target) -> Result<()> {
+    // Block sizes below, equal to and above the kernels' tiles, dividing them or not.
+    let shapes: [(usize, usize, usize, usize); 7] = [
         (17, 33, 3, 5),
         (113, 65, 16, 16),
         (130, 200, 64, 64),
         (65, 113, 1, 7),
         (1, 239, 1, 7),
         (5, 300, 2, 32),
+        (333, 601, 128, 192),
     ];
     for (n, &(sq, sk, bq, bk)) in shapes.iter().enumerate() {
         let (nq, nk) = (sq.div_ceil(bq), sk.div_ceil(bk));
         for &dtype in &DTYPES {
             let d = [64, 40, 128][n % 3];
-            let base = Case::new(2, sq, sk, 6, [2, 3, 6, 1, 2, 3][n], d, dtype);
+            let base = Case::new(2, sq, sk, 6, [2, 3, 6, 1, 2, 3, 6][n], d, dtype);
             let seed = 200 * n as u64;
             let every = blocks_of(&[2, 6, nq, nk], seed)?;
             let shared = blocks_of(&[nq, nk], seed + 1)?;
@@ -439,12 +438,43 @@ fn block_mask_dense_cpu() -> Result<()> {
             ];
             for (i, c) in cases.iter().enumerate() {
                 let layout = [Layout::Contiguous, Layout::Transposed, Layout::NanBuffers][i % 3];
-                c.clone().layout(layout).check(&t, seed + i as u64)?;
+                c.clone().layout(layout).check(t, seed + i as u64)?;
             }
         }
     }
     Ok(())
 }
+test_device!(block_mask_dense, Forward);
+
+/// For compute-sanitizer: a full bias in q's dtype and a block mask whose blocks cut the
+/// kernels' tiles, with ragged lengths (tile tails past the sequences), every dtype; and a
+/// key-padding bias with block sizes that are multiples of the tiles.
+fn sanitizer_bias_blocks(t: &Target) -> Result<()> {
+    for (n, dtype) in DTYPES.into_iter().enumerate() {
+        let d = [40, 64, 128][n];
+        let (sq, sk) = (70, 133);
+        let bias = randn(&[2, 4, sq, sk], dtype, 520 + n as u64, &Device::Cpu)?;
+        let blocks = blocks_of(&[2, 1, sq.div_ceil(48), sk.div_ceil(40)], 530 + n as u64)?;
+        let opts = FlashAttn::new(scale(d))
+            .causal()
+            .bias(&bias)
+            .block_mask(&blocks, 48, 40);
+        Case::new(2, sq, sk, 4, 2, d, dtype)
+            .causal()
+            .with(opts)
+            .check(t, 540 + n as u64)?;
+        let pad = bias_of(&[2, 1, 1, sk], 550 + n as u64)?;
+        let blocks = blocks_of(&[1, 4, sq.div_ceil(64), sk.div_ceil(128)], 560 + n as u64)?;
+        let opts = FlashAttn::new(scale(d))
+            .bias(&pad)
+            .block_mask(&blocks, 64, 128);
+        Case::new(2, sq, sk, 4, 2, d, dtype)
+            .with(opts)
+            .check(t, 570 + n as u64)?;
+    }
+    Ok(())
+}
+test_device!(sanitizer_bias_blocks, Forward);
 
 /// Bad biases and block masks are errors naming them; what runs nowhere yet says so.
 #[test]

@@ -22,6 +22,10 @@ struct FlashParams {
     const int32_t* seqused_k;    // per-sequence key counts (KV cache, before k_add), or null
     const int32_t* prefix;       // multimodal prefix ranges (batch, max_ranges, 2), or null
     const float* sinks;          // attention sinks (heads,), or null
+    const void* bias;            // additive score bias (f32 or T, see bias_f32), or null
+    const uint8_t* block_mask;   // block-sparse mask, or null
+    const int32_t* tiles;        // key tiles per query tile under the block mask, or null
+    const int32_t* tile_count;   // entries of each list in `tiles`
     // Element strides (64-bit: large tensors overflow 32-bit offsets).
     int64_t q_batch, q_seq, q_head, q_dim;
     int64_t k_batch, k_seq, k_head, k_dim;
@@ -30,6 +34,10 @@ struct FlashParams {
     int64_t lse_head;       // distance between heads in lse
     int64_t win_left;       // keys visible left of the diagonal, -1 = unbounded
     int64_t win_right;      // keys visible right of the diagonal, -1 = unbounded
+    // Strides of the bias and the block mask over (batch, head, row or row block, key or key
+    // block), 0 along broadcast dimensions.
+    int64_t bias_b, bias_h, bias_q, bias_k;
+    int64_t bm_b, bm_h, bm_q, bm_k;
     int32_t seq_q, seq_k;   // dense lengths (varlen reads cu_q / cu_k)
     int32_t heads;
     int32_t kv_group;       // heads / kv_heads: query heads sharing one K/V head
@@ -54,6 +62,13 @@ struct FlashParams {
     int32_t page_shift;     // paged K/V: log2(page) for power-of-two pages, else -1
     int32_t q_uniform;      // varlen q with cu_q null: sequence b is rows [b seq_q, (b + 1) seq_q)
     int32_t batch;          // sequences (the persistent sm_90a kernels count their tiles from it)
+    int32_t bias_f32;       // 1: the bias is f32; 0: it has the inputs' type
+    int32_t block_q;        // block mask: rows per block
+    int32_t block_k;        // block mask: keys per block
+    int32_t tiles_b;        // tile lists: lists per batch (0: shared by all batches)
+    int32_t tiles_h;        // tile lists: lists per head (0: shared by all heads)
+    int32_t q_tiles;        // tile lists: query tiles per (batch, head)
+    int32_t k_tiles;        // tile lists: entries per list
 };
 
 

@@ -8,9 +8,10 @@
 // transposed in shared memory ([d][row]) so one 16-byte load feeds 4 rows; P goes through
 // shared memory ([key][row]) for the P V product. Inputs are read through their strides
 // directly (any layout, any head dim up to D; missing columns are zero).
-// Masking, GQA and varlen follow common/mask.cuh, softcap and ALiBi common/score.cuh, as in the
-// tensor-core kernel.
+// Masking, GQA and varlen follow common/mask.cuh, softcap and ALiBi common/score.cuh, bias and
+// block masks common/extras.cuh, as in the tensor-core kernel.
 #pragma once
+#include "common/extras.cuh"
 #include "common/mask.cuh"
 #include "common/math.cuh"
 #include "common/score.cuh"
@@ -73,11 +74,12 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
     }
     const float slope_log2 = p.alibi ? p.alibi[g.slope_idx] * LOG2E_F : 0.f;
     const bool mods = p.softcap > 0.f || slope_log2 != 0.f;
-    const int t_begin = g.n_lo / BC;
-    const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BC - 1) / BC : t_begin;
+    // The band's key tiles, or under a block mask the list of those it opens.
+    const auto kt = key_tiles<true>(p, g, b, h, m_block, BC);
 
-    for (int t = t_begin; t < t_end; ++t) {
-        const int k0 = t * BC;
+    for (int q = kt.begin; q < kt.end; ++q) {
+        const int entry = kt.entry(q);
+        const int k0 = kt.tile(entry) * BC;
         const int rows_k = min(BC, g.sk - k0);
         __syncthreads();  // previous tile's K, V, P fully consumed
         for (int i = tid; i < BC * D; i += THREADS) {
@@ -112,6 +114,7 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
         }
 
         const bool full = tile_is_full(p, g, k0, BC);
+        const bool extras = p.bias || kt.partial(entry);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int diag = g.m0 + 4 * rg + r + g.sk - g.sq;
@@ -121,6 +124,9 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
                 const int key = k0 + KPT * cg + j;
                 float x = mods ? modded_score(p, s[r][j], slope_log2, diag, key)
                                : s[r][j] * p.scale_log2;
+                if (extras)
+                    x = extra_score<float>(p, x, b, h, g.m0 + 4 * rg + r, key, g.sq, g.sk,
+                                           kt.partial(entry));
                 if (!full && !visible(p, diag, key, g.sk)) x = -INFINITY;
                 s[r][j] = x;
                 mx = fmaxf(mx, x);

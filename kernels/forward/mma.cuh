@@ -14,11 +14,13 @@
 // that the 8 rows an ldmatrix reads hit distinct banks (see `swz`).
 // Causal / sliding-window tiles outside the band are skipped by the loop bounds; only tiles the
 // band cuts (or the key tail) run the per-element mask. The plain instance folds scale * log2 e
-// into the exp2 FFMA; the `_mods` instance applies softcap and ALiBi in the score registers.
+// into the exp2 FFMA; the `_mods` instance applies softcap, ALiBi and the bias in the score
+// registers, and walks the block mask's list of key tiles (common/extras.cuh).
 // Rows that see no key end with l = 0 and are written as 0 with lse = -inf.
 // Heads wider than 256 would not fit O in registers: such instances keep Q and K whole (D) but
 // give each block DV < D columns of V and O, blockIdx.x / q_tiles choosing which.
 #pragma once
+#include "common/extras.cuh"
 #include "common/mask.cuh"
 #include "common/math.cuh"
 #include "common/ptx.cuh"
@@ -111,8 +113,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // Diagonal of this thread's first row; its other rows are 8 and 16 further.
     const int diag_t = g.m0 + row_base + g.sk - g.sq;
 
-    const int t_begin = g.n_lo / BC;
-    const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BC - 1) / BC : t_begin;
+    // The band's key tiles, or under a block mask (MODS instances) the list of those it opens.
+    const auto kt = key_tiles<MODS>(p, g, b, h, m_block, BC);
     const float slope_log2 = p.alibi ? p.alibi[g.slope_idx] * LOG2E_F : 0.f;
     const float unit = MODS ? 1.f : p.scale_log2;  // base-2 logit per unit of row_m / acc_s
 
@@ -120,8 +122,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     load_tile<T, D, BR, THREADS>(sQ, qg, p.q_seq, g.rows, p.d_load);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        const int t = t_begin + s;
-        if (t < t_end) {
+        const int q = kt.begin + s;
+        if (q < kt.end) {
+            const int t = kt.tile(kt.entry(q));
             T* sK = sKV + s * KV;
             const int rows = min(BC, g.sk - t * BC);
             load_tile<T, D, BC, THREADS>(sK, kg + (int64_t)t * BC * p.k_seq, p.k_seq, rows,
@@ -132,13 +135,15 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         cp_async_commit();
     }
 
-    for (int t = t_begin; t < t_end; ++t) {
-        const int it = t - t_begin;
+    for (int q = kt.begin; q < kt.end; ++q) {
+        const int it = q - kt.begin;
+        const int entry = kt.entry(q), t = kt.tile(entry);
         cp_async_wait<STAGES - 2>();  // tile t (and Q) have landed for this thread...
         __syncthreads();              // ...and for all; everyone is done with tile t-1's buffer
         {
-            const int tn = t + STAGES - 1;
-            if (tn < t_end) {
+            const int qn = q + STAGES - 1;
+            if (qn < kt.end) {
+                const int tn = kt.tile(kt.entry(qn));
                 T* sK = sKV + ((it + STAGES - 1) % STAGES) * KV;
                 const int rows = min(BC, sh_sk - tn * BC);
                 load_tile<T, D, BC, THREADS>(sK, sh_kg + (int64_t)tn * BC * p.k_seq, p.k_seq, rows,
@@ -177,7 +182,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             }
         }
 
-        // Softcap / ALiBi turn the scores into base-2 logits here (unit 1). The plain kernel
+        // Softcap / ALiBi / bias turn the scores into base-2 logits here (unit 1). The plain kernel
         // keeps raw dot products (unit scale * log2 e, > 0 by the host's choice of kernel) and
         // folds the scale into the exponent's FFMA below, as max(s) * u = max(s * u) for u > 0.
         const int k0 = t * BC;
@@ -193,6 +198,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                         acc_s[mt][j][e] =
                             modded_score(p, acc_s[mt][j][e], slope_log2, diag, col + j * 8 + e % 2);
                     }
+            // Bias, and the block mask where a hidden block cuts this tile.
+            if (p.bias || kt.partial(entry))
+                tile_extras<T, MT, NT>(p, &acc_s[0][0][0], b, h, g.m0 + row_base, col, k0, g.sq,
+                                       g.sk, kt.partial(entry), LOG2E_F);
         }
         // Per-element mask only where the band or the key tail cuts this tile.
         if (!tile_is_full(p, g, k0, BC)) {
@@ -330,8 +339,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 // One extern "C" entry point per (dtype, instance) of the table in src/cuda/instances.rs, which
 // build.rs expands into FLASH_MMA_INSTANCES (instances.cuh) together with the shared-memory size
 // the Rust planner assumes for it; the static_assert ties that figure to Traits::SMEM.
-// Softcap / ALiBi get their own `_mods` entry: fused into the plain kernel they would cost it
-// registers (and spills at d 128) even when off.
+// Softcap, ALiBi, bias and block masks get their own `_mods` entry: fused into the plain kernel
+// they would cost it registers (and spills at d 128) even when off.
 #define FLASH_MMA_INSTANCE(NAME, T, D, DV, MT, BC, WARPS, STAGES, MINB, SMEM_BYTES)            \
     static_assert(flash::Traits<T, D, DV, MT, BC, WARPS, STAGES>::SMEM == SMEM_BYTES,           \
                   "src/cuda/instances.rs and the kernel disagree on shared memory");           \

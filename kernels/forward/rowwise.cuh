@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "common/extras.cuh"
 #include "common/mask.cuh"
 #include "common/math.cuh"
 #include "common/score.cuh"
@@ -77,7 +78,10 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
         }
 #pragma unroll
         for (int s = 16; s > 0; s /= 2) dot += __shfl_xor_sync(0xffffffff, dot, s);
-        const float sc = mods ? modded_score(p, dot, slope_log2, diag, j) : dot * p.scale_log2;
+        float sc = mods ? modded_score(p, dot, slope_log2, diag, j) : dot * p.scale_log2;
+        // Bias and block mask (dense calls): the key's bias added, a hidden block's key masked.
+        if (p.bias || p.block_mask)
+            sc = extra_score<T>(p, sc, b, h, i, j, g.sq, g.sk, p.block_mask != nullptr);
         // fmaxf drops a NaN score from the max, but its p below is NaN and poisons l and O.
         const float m_new = fmaxf(m, sc);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no -inf - -inf

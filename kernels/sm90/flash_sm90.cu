@@ -1,7 +1,7 @@
 // The sm_90a module (Hopper): wgmma + TMA forward instances for f16 and bf16 (sm90/fwd.cuh).
 // Compiled by build.rs for compute_90a only and loaded on compute capability 9.0; every other
 // case runs the portable compute_80 modules. The instances (head dim, warpgroups, key tile,
-// stages, ping-pong, persistence, softcap/ALiBi) come from `SM90_INSTANCES` in
+// stages, ping-pong, persistence, kind) come from `SM90_INSTANCES` in
 // src/cuda/instances.rs through the generated instances.cuh, whose entries also check the
 // shared memory the planner assumes.
 #include "sm90/fwd.cuh"

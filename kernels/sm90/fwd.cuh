@@ -26,12 +26,16 @@
 
 namespace sm90 {
 
-template <typename T, int D, int NWG, int BN, int STAGES, bool PINGPONG, bool PERSIST, bool MODS>
+// MODS: softcap / ALiBi (and a bias and block mask with them); BLOCKS: a bias or block mask with
+// the plain arithmetic. Both walk the block mask's key-tile lists (LIST).
+template <typename T, int D, int NWG, int BN, int STAGES, bool PINGPONG, bool PERSIST, bool MODS,
+          bool BLOCKS>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMap* tq,
                                                const TmaMap* tk, const TmaMap* tv,
                                                const TmaMap* to, int o_mode,
                                                int* tile_counter, int group) {
-    using Tr = Traits<T, D, NWG, BN, STAGES, PERSIST>;
+    constexpr bool LIST = MODS || BLOCKS;
+    using Tr = Traits<T, D, NWG, BN, STAGES, PERSIST, LIST>;
     constexpr int QB = Tr::QB, BM = Tr::BM;
     // How this instance writes O (O_STORE_*): the launch's o_mode on persistent instances only.
     const int o_store = PERSIST ? o_mode : O_STORE_THREADS;
@@ -63,7 +67,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
             int kv_it = 0, n_tile = 0;
             uint32_t tail_phase = 0;
             int tile = PERSIST ? (int)blockIdx.x : 0;
-            Producer<Tr> producer{p,    sm,     order, tq,    tk,         tv,     tile_counter,
+            Producer<Tr, LIST> producer{p,    sm,     order, tq,    tk,         tv,     tile_counter,
                                   lane, issuer, kv_it, tail_phase, n_tile, tile};
             producer.run();
         }
@@ -96,8 +100,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
         } else {
             if (n_tile > 0 || !order.geom(p, tile, h, b, g)) break;
         }
-        const int t_begin = g.n_lo / BN;
-        const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
+        const auto kt = key_tiles<LIST>(p, g, b, h, g.m0 / BM, BN);
         const int diag_t = g.m0 + row_base + g.sk - g.sq;
         const float slope_log2 = MODS && p.alibi ? p.alibi[g.slope_idx] * LOG2E_F : 0.f;
 
@@ -110,12 +113,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
         const uint32_t q_base = saddr(sm.sQ + qi * BM * D) + wg * 64 * 128;
         mbar_wait(sm.full_q(qi), (uint32_t)((n_tile / QB) & 1));
 
-        const Mainloop<Tr, PINGPONG, MODS> mainloop{p,      sm,         g,    lane,  wg,
-                                                    diag_t, slope_log2, unit, q_base};
+        const Mainloop<Tr, PINGPONG, MODS, LIST> mainloop{p,      sm,         g,    lane,   wg,
+                                                    diag_t, slope_log2, unit, q_base, b, h};
         float acc_s[BN / 2];       // S, then P in f32
         uint32_t pa[BN / 16][4];   // P in T, wgmma A fragments
         float alpha[2];            // O's rescale factors, per row
-        mainloop.run(acc_o, row_m, row_l, acc_s, pa, alpha, t_begin, t_end, kv_it, qi);
+        mainloop.run(acc_o, row_m, row_l, acc_s, pa, alpha, kt, kv_it, qi);
         epilogue.store(n_tile, tile, h, b, g, acc_o, row_m, row_l);
         ++n_tile;
     }
@@ -128,16 +131,16 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
 }  // namespace sm90
 
 // One entry point per instance (kernels/sm90/flash_sm90.cu lists them, with the `_mods` ones for
-// softcap / ALiBi). The tensor maps are __grid_constant__ so their addresses are those of the
-// kernel parameters.
-#define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES, PP, PERSIST, MODS, SMEM_BYTES)         \
-    static_assert(sm90::Traits<T, D, NWG, BN, STAGES, PERSIST>::SMEM == SMEM_BYTES,            \
-                  "src/cuda/instances.rs and the sm_90a forward disagree on shared memory");    \
+// softcap / ALiBi and the `_blocks` ones for a bias or block mask alone). The tensor maps are
+// __grid_constant__ so their addresses are those of the kernel parameters.
+#define FLASH_SM90_INSTANCE(NAME, T, D, NWG, BN, STAGES, PP, PERSIST, MODS, BLOCKS, SMEM_BYTES) \
+    static_assert(sm90::Traits<T, D, NWG, BN, STAGES, PERSIST, MODS || BLOCKS>::SMEM ==         \
+                      SMEM_BYTES,                                                              \
+                  "src/cuda/instances.rs and the sm_90a forward disagree on shared memory");   \
     extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
         NAME(const FlashParams p, const __grid_constant__ TmaMap tq,                           \
              const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,             \
              const __grid_constant__ TmaMap to, int o_mode, int* tile_counter, int group) {    \
-        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, PERSIST, MODS>(p, &tq, &tk, &tv, &to,  \
-                                                                       o_mode, tile_counter,   \
-                                                                       group);                 \
+        sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, PERSIST, MODS, BLOCKS>(                \
+            p, &tq, &tk, &tv, &to, o_mode, tile_counter, group);                               \
     }

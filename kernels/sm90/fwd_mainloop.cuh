@@ -5,8 +5,9 @@
 // accumulators in registers), score modifiers (softcap, ALiBi) and masks on S, the online
 // softmax (row max m and sum l per row, P = 2^(s - m) in place of S), then O += P V by wgmma
 // with P from registers (the accumulator layout of S, rounded to T, is the A fragment layout)
-// and V read MN-major. Masks, softcap, ALiBi, GQA and varlen follow the rules of
-// src/semantics.rs through common/mask.cuh and common/score.cuh, as the sm_80 kernel does.
+// and V read MN-major. Masks, softcap, ALiBi, bias, block masks, GQA and varlen follow the rules
+// of src/semantics.rs through common/mask.cuh, common/score.cuh and common/extras.cuh, as the
+// sm_80 kernel does; MODS instances walk the block mask's list of key tiles.
 //
 // Overlap (FlashAttention-3): within a warpgroup, S of tile t and P V of tile t - 1 are issued
 // together and the softmax of t runs while P V completes; O is rescaled after it, and in the
@@ -17,6 +18,7 @@
 // softmax runs under another's GEMMs. d 256 takes FlashAttention-3's shape: 80-key tiles (S as
 // m64n80k16), O += P V as m64n256k16 into 128 f32 registers a thread.
 #pragma once
+#include "common/extras.cuh"
 #include "common/mask.cuh"
 #include "common/math.cuh"
 #include "common/ptx.cuh"
@@ -32,7 +34,9 @@ constexpr float RESCALE_LOG2 = 8.f;
 
 // One consumer warpgroup on one query tile. The state the key loop updates (O, and each row's
 // max m and sum l) is passed in explicitly; the rest is fixed for the tile.
-template <class Tr, bool PINGPONG, bool MODS>
+// LIST: the instance walks the block mask's list of key tiles and adds the bias (MODS instances,
+// and the `_blocks` ones, which keep the plain kernel's arithmetic).
+template <class Tr, bool PINGPONG, bool MODS, bool LIST>
 struct Mainloop {
     using T = typename Tr::T;
     static constexpr int D = Tr::D, BN = Tr::BN, BM = Tr::BM, NWG = Tr::NWG;
@@ -52,6 +56,7 @@ struct Mainloop {
     float slope_log2;     // ALiBi slope of the tile's head (MODS), base 2
     float unit;           // base-2 logit per unit of S (scale log2 e, or 1 under MODS)
     uint32_t q_base;      // this warpgroup's rows of the tile's Q buffer
+    int b, h;             // the tile's batch and head (MODS: bias and block mask)
 
     // Issue S = Q K^T of the tile in stage s (not waited for).
     // Descriptors are built from one base each per call and offset by constants (the start
@@ -99,6 +104,55 @@ struct Mainloop {
                 }
         }
     }
+    // The bias in S's units: base-2 logits under MODS; plain arithmetic keeps S as raw dot
+    // products that the softmax scales by `unit`, so the bias is divided by it.
+    __device__ __forceinline__ float bias_unit() const { return MODS ? LOG2E_F : LOG2E_F / unit; }
+    // LIST, a bias without a row dimension (key padding): staged per key tile in this
+    // warpgroup's buffers (Traits::BIAS_BUFS), one key per thread, so that each thread reads its
+    // columns from shared memory instead of global memory. The value of tile t for this thread:
+    __device__ __forceinline__ bool key_bias() const { return LIST && p.bias && p.bias_q == 0; }
+    __device__ __forceinline__ float fetch_key_bias(int t) const {
+        const int wt = threadIdx.x % 128, c = t * BN + wt;
+        if (wt >= BN || c >= g.sk) return 0.f;
+        const int esize = sizeof(T) == 4 || p.bias_f32 ? 4 : 2;
+        const char* row = static_cast<const char*>(p.bias) +
+                          ((int64_t)b * p.bias_b + (int64_t)h * p.bias_h) * esize;
+        return bias_elem<T>(p, row, (int64_t)c * p.bias_k) * bias_unit();
+    }
+    // Stores this thread's value into buffer `slot` once every thread of the warpgroup is done
+    // with what it held (a single buffer waits for that; with two, the previous tile's barrier
+    // already did), then waits until every value has landed.
+    __device__ __forceinline__ void stage_key_bias(float v, int slot) const {
+        constexpr int BUFS = Tr::BIAS_BUFS;
+        float* buf = sm.sBias + (wg * BUFS + slot) * BN;
+        if (BUFS == 1) named_sync(EPI_BAR + wg, 128);
+        const int wt = threadIdx.x % 128;
+        if (wt < BN) buf[wt] = v;
+        named_sync(EPI_BAR + wg, 128);
+    }
+    // LIST: the bias (from buffer `slot` where it is staged), and the block mask where a hidden
+    // block cuts the tile (`partial`), on S at keys k0.. (this thread's first column `col`)
+    // before the masks.
+    __device__ __forceinline__ void extras(float* acc_s, int k0, int col, bool partial,
+                                           int slot) const {
+        if constexpr (LIST) {
+            const bool staged = key_bias();
+            if (staged) {
+                const float* buf = sm.sBias + (wg * Tr::BIAS_BUFS + slot) * BN + (col - k0);
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float x = buf[8 * j + e];
+                        acc_s[4 * j + e] += x;
+                        acc_s[4 * j + 2 + e] += x;
+                    }
+            }
+            if ((p.bias && !staged) || partial)
+                tile_extras<T, 1, NT>(p, acc_s, b, h, diag_t - (g.sk - g.sq), col, k0, g.sq, g.sk,
+                                      partial, bias_unit(), !staged);
+        }
+    }
     // P = 2^(s unit - m_scaled) in place over row half `hf` of this thread's columns; returns
     // their sum.
     __device__ __forceinline__ float exps(float* acc_s, int hf, float m_scaled) const {
@@ -120,9 +174,10 @@ struct Mainloop {
     // whose rounding stays far inside the margin, below ~2^22 in base-2 units; past that both
     // keep every P below 2^8 and are equally valid). Otherwise (false) acc_s holds exps that may
     // have overflowed, and S must be computed again.
-    __device__ __forceinline__ bool softmax_spec(float* acc_s, int t, const float* row_m,
-                                                 float* sums) const {
+    __device__ __forceinline__ bool softmax_spec(float* acc_s, int t, bool partial, int slot,
+                                                 const float* row_m, float* sums) const {
         const int k0 = t * BN;
+        extras(acc_s, k0, k0 + 2 * (lane % 4), partial, slot);
         apply_mask(acc_s, k0, k0 + 2 * (lane % 4));
         bool ok = true;
 #pragma unroll
@@ -134,15 +189,16 @@ struct Mainloop {
         }
         return ok;
     }
-    // Masks, score modifiers and the online softmax of tile t in place (acc_s becomes P in f32);
+    // Masks, score modifiers, the bias and block mask (LIST, see `extras`) and the online
+    // softmax of tile t in place (acc_s becomes P in f32);
     // alpha receives the factors O must be scaled by once the previous P V has completed, and
     // the result says whether any row of this warp needs it. Each row keeps a reference max m.
     // LAZY instances move m only when a tile's max exceeds it by more than 2^RESCALE_LOG2: exps
     // are taken against m, so P stays below 2^8 (f16 and bf16 hold it with the same relative
     // rounding as P <= 1), and l and O are rescaled only when m moves, which after a row's first
     // tiles is rare. The others move m to every new max and always rescale.
-    __device__ __forceinline__ bool softmax(float* acc_s, int t, float* row_m, float* row_l,
-                                            float* alpha) const {
+    __device__ __forceinline__ bool softmax(float* acc_s, int t, bool partial, int slot,
+                                            float* row_m, float* row_l, float* alpha) const {
         const int k0 = t * BN;
         const int col = k0 + 2 * (lane % 4);
         if constexpr (MODS) {
@@ -153,6 +209,7 @@ struct Mainloop {
                     acc_s[4 * j + e] = modded_score(p, acc_s[4 * j + e], slope_log2,
                                                     diag_t + (e / 2) * 8, col + j * 8 + e % 2);
         }
+        extras(acc_s, k0, col, partial, slot);
         apply_mask(acc_s, k0, col);
         bool moved = false;
 #pragma unroll
@@ -204,7 +261,7 @@ struct Mainloop {
         if constexpr (PINGPONG) named_arrive(PP_BAR + (wg + 1) % NWG, 256);
     }
 
-    // Key tiles [t_begin, t_end) of the tile whose Q is in buffer qi: O (acc_o) and each row's
+    // Key tiles `kt` (common/extras.cuh) of the tile whose Q is in buffer qi: O (acc_o) and each row's
     // m and l (row_m, row_l) accumulate; kv_it counts the K/V stages used by the block so far.
     // Releases the Q buffer once every S of the tile is complete. The caller also owns the
     // scratch of S (acc_s), P (pa) and the rescale factors (alpha), declared in its tile loop:
@@ -213,8 +270,17 @@ struct Mainloop {
     __device__ __forceinline__ void run(float (&acc_o)[D / 2], float (&row_m)[2],
                                         float (&row_l)[2], float (&acc_s)[BN / 2],
                                         uint32_t (&pa)[BN / 16][4], float (&alpha)[2],
-                                        int t_begin, int t_end, int& kv_it, int qi) const {
-        if (t_end > t_begin) {
+                                        const KeyTiles<LIST>& kt, int& kv_it, int qi) const {
+        if (kt.end > kt.begin) {
+            // A key-padding bias: tile 0's values staged, the next tile's fetched into a
+            // register, where its load completes under this tile's work.
+            [[maybe_unused]] float kbias = 0.f;
+            if constexpr (LIST) {
+                if (key_bias()) {
+                    stage_key_bias(fetch_key_bias(kt.tile(kt.entry(kt.begin))), 0);
+                    if (kt.begin + 1 < kt.end) kbias = fetch_key_bias(kt.tile(kt.entry(kt.begin + 1)));
+                }
+            }
             // First tile: S, softmax, P.
             {
                 const int s0 = kv_it % STAGES;
@@ -228,12 +294,16 @@ struct Mainloop {
                 reg_fence(acc_s);
                 if (lane == 0) mbar_arrive(sm.empty_k(s0));
             }
-            softmax(acc_s, t_begin, row_m, row_l, alpha);
+            {
+                const int e = kt.entry(kt.begin);
+                softmax(acc_s, kt.tile(e), kt.partial(e), 0, row_m, row_l, alpha);
+            }
             pack_p(acc_s, pa);
             // Steady state: S of tile t and P V of tile t - 1 in flight together; the softmax
             // of t runs while P V completes.
-            for (int t = t_begin + 1; t < t_end; ++t) {
-                const int it = kv_it + t - t_begin, s = it % STAGES, sp = (it - 1) % STAGES;
+            for (int q = kt.begin + 1; q < kt.end; ++q) {
+                const int e = kt.entry(q), t = kt.tile(e);
+                const int it = kv_it + q - kt.begin, s = it % STAGES, sp = (it - 1) % STAGES;
                 const uint32_t ph = (uint32_t)((it / STAGES) & 1);
                 const uint32_t php = (uint32_t)(((it - 1) / STAGES) & 1);
                 mbar_wait(sm.full_k(s), ph);
@@ -247,6 +317,14 @@ struct Mainloop {
                 turn_end();
                 wg_wait<1>();
                 reg_fence(acc_s);
+                int slot = 0;
+                if constexpr (LIST) {
+                    if (key_bias()) {
+                        slot = Tr::BIAS_BUFS == 2 ? (q - kt.begin) & 1 : 0;
+                        stage_key_bias(kbias, slot);
+                        if (q + 1 < kt.end) kbias = fetch_key_bias(kt.tile(kt.entry(q + 1)));
+                    }
+                }
                 bool moved;
                 if constexpr (LAZY && !MODS) {
                     // The row max is needed only when m may move (see softmax_spec): its 64 max
@@ -258,7 +336,8 @@ struct Mainloop {
                     float sums[2];
                     const bool spec =
                         __all_sync(0xffffffff, row_m[0] != -INFINITY && row_m[1] != -INFINITY);
-                    const bool ok = spec && softmax_spec(acc_s, t, row_m, sums);
+                    const bool ok =
+                        spec && softmax_spec(acc_s, t, kt.partial(e), slot, row_m, sums);
                     const bool again = named_any(EPI_BAR + wg, 128, spec && !ok);
                     if (again) {
                         wg_fence();
@@ -272,12 +351,12 @@ struct Mainloop {
                         row_l[1] += sums[1];
                         moved = false;
                     } else {
-                        moved = softmax(acc_s, t, row_m, row_l, alpha);
+                        moved = softmax(acc_s, t, kt.partial(e), slot, row_m, row_l, alpha);
                     }
                     if (lane == 0) mbar_arrive(sm.empty_k(s));
                 } else {
                     if (lane == 0) mbar_arrive(sm.empty_k(s));
-                    moved = softmax(acc_s, t, row_m, row_l, alpha);
+                    moved = softmax(acc_s, t, kt.partial(e), slot, row_m, row_l, alpha);
                 }
                 if constexpr (LAZY) pin_regs(pa, g.sk < 0, saddr(sm.sO), row_l[0]);
                 wg_wait<0>();
@@ -298,8 +377,8 @@ struct Mainloop {
             if (lane == 0) mbar_arrive(sm.empty_q(qi));
             // Last tile's P V.
             {
-                const int it = kv_it + t_end - 1 - t_begin, sp = it % STAGES;
-                const int valid = g.sk - (t_end - 1) * BN;
+                const int it = kv_it + kt.end - 1 - kt.begin, sp = it % STAGES;
+                const int valid = g.sk - kt.tile(kt.entry(kt.end - 1)) * BN;
                 const int nk = p.cu_k && valid < BN ? (valid + 15) / 16 : BN / 16;
                 mbar_wait(sm.full_v(sp), (uint32_t)((it / STAGES) & 1));
                 turn_begin();
@@ -316,7 +395,7 @@ struct Mainloop {
         } else if (lane == 0) {
             mbar_arrive(sm.empty_q(qi));  // no key: Q was loaded but is not read
         }
-        kv_it += t_end - t_begin;
+        kv_it += kt.end - kt.begin;
     }
 };
 

@@ -11,6 +11,7 @@
 // batch), box (64, 1, rows, 1); varlen operands use batch 1 and rows = the packed total. Rows
 // and columns outside the tensor read as zeros.
 #pragma once
+#include "common/extras.cuh"
 #include "common/mask.cuh"
 #include "sm90/fwd_scheduler.cuh"
 #include "sm90/fwd_traits.cuh"
@@ -18,7 +19,8 @@
 
 namespace sm90 {
 
-template <class Tr>
+// LIST: the instance walks the block mask's list of key tiles where the call has one.
+template <class Tr, bool LIST>
 struct Producer {
     using T = typename Tr::T;
     static constexpr int D = Tr::D, BN = Tr::BN, BM = Tr::BM, CH = Tr::CH;
@@ -114,7 +116,8 @@ struct Producer {
             mbar_arrive(sm.full_v(s));
         }
     }
-    // The K and V loads of tile n_tile: its first K tile (part 0) or the rest (part 1). The
+    // The K and V loads of tile n_tile (its key tiles as the consumers walk them, see
+    // common/extras.cuh): its first K tile (part 0) or the rest (part 1). The
     // geometry comes back from the tile's slot each time (PERSIST), so none of it stays live
     // across the next tile's publication.
     __device__ __forceinline__ void load_kv(int part) {
@@ -123,19 +126,19 @@ struct Producer {
         BlockGeom g;
         tile_geom(sm.ring, order, p, n_tile, tile, h, b, g);
         const int kvh = h / p.kv_group;
-        const int t_begin = g.n_lo / BN;
-        const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BN - 1) / BN : t_begin;
+        const auto kt = key_tiles<LIST>(p, g, b, h, g.m0 / BM, BN);
         const int kb = p.cu_k ? 0 : b;
+        auto tile_at = [&](int q) { return kt.tile(kt.entry(q)); };
         if (part == 0) {
-            if (t_end > t_begin) load_k(g, kvh, kb, t_begin, kv_it);
+            if (kt.end > kt.begin) load_k(g, kvh, kb, tile_at(kt.begin), kv_it);
             return;
         }
-        for (int t = t_begin + 1; t < t_end; ++t) {
-            load_k(g, kvh, kb, t, kv_it + t - t_begin);
-            load_v(g, kvh, kb, t - 1, kv_it + t - 1 - t_begin);
+        for (int q = kt.begin + 1; q < kt.end; ++q) {
+            load_k(g, kvh, kb, tile_at(q), kv_it + q - kt.begin);
+            load_v(g, kvh, kb, tile_at(q - 1), kv_it + q - 1 - kt.begin);
         }
-        if (t_end > t_begin) load_v(g, kvh, kb, t_end - 1, kv_it + t_end - 1 - t_begin);
-        kv_it += t_end - t_begin;
+        if (kt.end > kt.begin) load_v(g, kvh, kb, tile_at(kt.end - 1), kv_it + kt.end - 1 - kt.begin);
+        kv_it += kt.end - kt.begin;
     }
 
     // Every tile of the block (one, or the scheduler's for PERSIST).

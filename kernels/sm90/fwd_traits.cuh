@@ -4,7 +4,8 @@
 // Shared memory tiles hold D / 64 column chunks of [rows][64] elements (128 bytes a row), as the
 // tensor copy engine writes them with its 128-byte swizzle; every chunk starts 1024-byte
 // aligned. In order: Q (two buffers for persistent instances), STAGES K tiles, STAGES V tiles,
-// the O staging tile (unless O is staged in Q), then the mbarriers and the tile ring's slots.
+// the O staging tile (unless O is staged in Q), the consumers' key-bias buffers (LIST instances),
+// then the mbarriers and the tile ring's slots.
 #pragma once
 #include "sm90/fwd_scheduler.cuh"
 #include "sm90/ptx.cuh"
@@ -24,7 +25,8 @@ constexpr int O_STORE_THREADS = 0;
 constexpr int O_STORE_TMA = 1;
 constexpr int O_STORE_TMA_PACKED = 2;
 
-template <typename T_, int D_, int NWG_, int BN_, int STAGES_, bool PERSIST_ = false>
+template <typename T_, int D_, int NWG_, int BN_, int STAGES_, bool PERSIST_ = false,
+          bool LIST_ = false>
 struct Traits {
     using T = T_;
     static constexpr int D = D_, NWG = NWG_, BN = BN_, STAGES = STAGES_;
@@ -44,6 +46,11 @@ struct Traits {
     // persistent.
     static constexpr bool O_IN_Q = D > 128 || BN > 128;
     static constexpr int O_BYTES = O_IN_Q ? 0 : BM * D * 2;
+    // LIST instances: a bias without a row dimension (key padding) is staged per key tile in
+    // shared memory, BN f32 per buffer and consumer warpgroup; two buffers (one tile's values
+    // land while the previous tile's are read), one at d 256, where two do not fit.
+    static constexpr int BIAS_BUFS = LIST_ ? (D > 128 ? 1 : 2) : 0;
+    static constexpr int BIAS_BYTES = NWG * BIAS_BUFS * BN * 4;
     // The persistent scheduler's tile ring: three slots, so that the producer can publish the
     // next tile while the consumers still hold this one's and the previous one's (which they
     // release after its epilogue).
@@ -54,7 +61,7 @@ struct Traits {
         8 * (4 * STAGES + 1 + 2 * QB + 2 * TILE_SLOTS) + TILE_SLOTS * (int)sizeof(TileSlot);
     // 1024 of slack to align the base to a swizzle atom.
     static constexpr int SMEM =
-        1024 + QB * Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + BAR_BYTES;
+        1024 + QB * Q_BYTES + 2 * STAGES * KV_BYTES + O_BYTES + BIAS_BYTES + BAR_BYTES;
     // setmaxnreg budgets (a multiple of 8; producer + NWG consumers within 512 per thread slot).
     // The persistent producer also computes each tile's geometry for the tile ring (TileSlot),
     // and needs more than the others' 40.
@@ -73,6 +80,7 @@ struct FwdSmem {
     T* sK;
     T* sV;
     T* sO;
+    float* sBias;  // the consumers' key-bias buffers (Traits::BIAS_BYTES)
     uint64_t* bars;
     uint32_t bar_tail;  // a varlen tail's V lands here first
     TileRing<Tr::TILE_SLOTS, 4 * STAGES + 1 + 2 * QB> ring;
@@ -87,7 +95,9 @@ struct FwdSmem {
         sK = reinterpret_cast<T*>(base + QS);
         sV = reinterpret_cast<T*>(base + QS + STAGES * Tr::KV_BYTES);
         sO = reinterpret_cast<T*>(base + QS + 2 * STAGES * Tr::KV_BYTES);
-        bars = reinterpret_cast<uint64_t*>(base + QS + 2 * STAGES * Tr::KV_BYTES + Tr::O_BYTES);
+        sBias = reinterpret_cast<float*>(base + QS + 2 * STAGES * Tr::KV_BYTES + Tr::O_BYTES);
+        bars = reinterpret_cast<uint64_t*>(base + QS + 2 * STAGES * Tr::KV_BYTES + Tr::O_BYTES +
+                                           Tr::BIAS_BYTES);
         bar_tail = saddr(bars + 4 * STAGES);
         ring.bars = bars;
         ring.slots = reinterpret_cast<TileSlot*>(bars + 4 * STAGES + 1 + 2 * QB +

@@ -221,15 +221,22 @@ pub struct Sm90Instance {
     /// Persistent: one block per SM (at most one per tile) takes tiles from the dynamic,
     /// longest-first scheduler (a per-call tile counter).
     pub persistent: bool,
-    /// The `_mods` entry (softcap / ALiBi / non-positive scale).
+    /// The `_mods` entry (softcap / ALiBi / non-positive scale; also a bias and block mask).
     pub mods: bool,
+    /// The `_blocks` entry: the plain kernel that also walks a block mask's key-tile lists and
+    /// adds a bias (calls with those and no `mods`).
+    pub blocks: bool,
 }
 
 impl Sm90Instance {
     /// The entry point's suffix, after `flash_fwd_sm90_{dtype}_`.
     pub fn suffix(&self) -> String {
-        let mods = if self.mods { "_mods" } else { "" };
-        format!("d{}_{}{mods}", self.d, self.variant())
+        let kind = match (self.mods, self.blocks) {
+            (true, _) => "_mods",
+            (false, true) => "_blocks",
+            (false, false) => "",
+        };
+        format!("d{}_{}{kind}", self.d, self.variant())
     }
     /// Warpgroups, persistence and (above 128) the key tile, as
     /// [`PlanOverride::sm90_variant`](crate::PlanOverride) names them: `wg2`, `wg2p`, `wg2n176`.
@@ -263,22 +270,40 @@ impl Sm90Instance {
         }
     }
     /// Dynamic shared memory: alignment slack, the Q buffers, the K and V rings, the output
-    /// staging tile (unless it is Q's), the mbarriers and, persistent, the scheduler's three tile
-    /// slots of 80 bytes (`Traits::SMEM` in kernels/sm90/fwd.cuh, which the generated entry
-    /// points check against this).
+    /// staging tile (unless it is Q's), the key-bias buffers (`mods` and `blocks` instances: two
+    /// of `bn` f32 per consumer warpgroup, one above d 128), the mbarriers and, persistent, the
+    /// scheduler's three tile slots of 80 bytes (`Traits::SMEM` in kernels/sm90/fwd_traits.cuh,
+    /// which the generated entry points check against this).
     pub const fn smem(&self) -> usize {
         let tile = self.rows() * self.d * 2;
         let qb = self.q_buffers();
         let slots = if self.persistent { 3 } else { 0 };
+        let bias_bufs = match (self.mods || self.blocks, self.d > 128) {
+            (false, _) => 0,
+            (true, false) => 2,
+            (true, true) => 1,
+        };
         1024 + qb * tile
             + if self.o_in_q() { 0 } else { tile }
+            + self.nwg * bias_bufs * self.bn * 4
             + 2 * self.stages * self.bn * self.d * 2
             + 8 * (4 * self.stages + 1 + 2 * qb + 2 * slots)
             + 80 * slots
     }
 }
 
-const fn sm90(d: usize, nwg: usize, bn: usize, persistent: bool, mods: bool) -> Sm90Instance {
+/// Instance kinds: the plain kernel, `_mods` and `_blocks`.
+const PLAIN: (bool, bool) = (false, false);
+const MODS: (bool, bool) = (true, false);
+const BLOCKS: (bool, bool) = (false, true);
+
+const fn sm90(
+    d: usize,
+    nwg: usize,
+    bn: usize,
+    persistent: bool,
+    kind: (bool, bool),
+) -> Sm90Instance {
     Sm90Instance {
         d,
         nwg,
@@ -288,7 +313,8 @@ const fn sm90(d: usize, nwg: usize, bn: usize, persistent: bool, mods: bool) -> 
         // with its short tiles, ping-pong ran no faster.
         pingpong: !(persistent && d == 64),
         persistent,
-        mods,
+        mods: kind.0,
+        blocks: kind.1,
     }
 }
 
@@ -297,16 +323,20 @@ const fn sm90(d: usize, nwg: usize, bn: usize, persistent: bool, mods: bool) -> 
 /// d 64: three consumer warpgroups (192 rows), or two, persistent; d 128: two warpgroups (128
 /// rows), as FlashAttention-3 starts from, persistent, or with FlashAttention-3's 176-key tiles
 /// for long unmasked calls; d 256: 80-key tiles in two stages (FlashAttention-3's shape; O
-/// staged in Q). Softcap / ALiBi (`mods`) take two warpgroups, not persistent: more live
-/// registers, which spilled in the persistent and three-warpgroup forms.
-pub const SM90_INSTANCES: [Sm90Instance; 9] = [
-    sm90(64, 3, 128, false, false),
-    sm90(64, 2, 128, true, false),
-    sm90(64, 2, 128, false, true),
-    sm90(128, 2, 128, false, false),
-    sm90(128, 2, 128, true, false),
-    sm90(128, 2, 176, false, false),
-    sm90(128, 2, 128, false, true),
-    sm90(256, 2, 80, false, false),
-    sm90(256, 2, 80, false, true),
+/// staged in Q). Softcap / ALiBi (`mods`) and block masks or a bias without them (`blocks`)
+/// take two warpgroups, not persistent: more live registers, which spilled in the persistent and
+/// three-warpgroup forms.
+pub const SM90_INSTANCES: [Sm90Instance; 12] = [
+    sm90(64, 3, 128, false, PLAIN),
+    sm90(64, 2, 128, true, PLAIN),
+    sm90(64, 2, 128, false, MODS),
+    sm90(64, 2, 128, false, BLOCKS),
+    sm90(128, 2, 128, false, PLAIN),
+    sm90(128, 2, 128, true, PLAIN),
+    sm90(128, 2, 176, false, PLAIN),
+    sm90(128, 2, 128, false, MODS),
+    sm90(128, 2, 128, false, BLOCKS),
+    sm90(256, 2, 80, false, PLAIN),
+    sm90(256, 2, 80, false, MODS),
+    sm90(256, 2, 80, false, BLOCKS),
 ];

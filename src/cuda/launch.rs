@@ -19,6 +19,8 @@ pub(crate) enum Module {
     Pack,
     /// The merge of two attention states (kernels/merge.cu).
     Merge,
+    /// The key-tile lists of block-sparse masks (kernels/tiles.cu).
+    Tiles,
 }
 
 impl Module {

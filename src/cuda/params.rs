@@ -30,6 +30,15 @@ pub struct Params {
     pub prefix: u64,
     /// Attention sinks, f32 `(heads,)`, or 0.
     pub sinks: u64,
+    /// Additive score bias (f32 or the inputs' dtype, see `bias_f32`) read through the
+    /// `bias_*` strides, or 0.
+    pub bias: u64,
+    /// Block-sparse mask, u8, read through the `bm_*` strides, or 0.
+    pub block_mask: u64,
+    /// The key tiles each query tile computes under the block mask (kernels/tiles.cu): i32
+    /// lists of `k_tiles` entries and their lengths; 0 where the kernel walks its key range.
+    pub tiles: u64,
+    pub tile_count: u64,
     pub q_batch: i64,
     pub q_seq: i64,
     pub q_head: i64,
@@ -47,6 +56,16 @@ pub struct Params {
     pub lse_head: i64,
     pub win_left: i64,
     pub win_right: i64,
+    /// Element strides of the bias and the block mask over (batch, head, query row or block,
+    /// key or key block); 0 along broadcast dimensions.
+    pub bias_b: i64,
+    pub bias_h: i64,
+    pub bias_q: i64,
+    pub bias_k: i64,
+    pub bm_b: i64,
+    pub bm_h: i64,
+    pub bm_q: i64,
+    pub bm_k: i64,
     pub seq_q: i32,
     pub seq_k: i32,
     pub heads: i32,
@@ -78,10 +97,21 @@ pub struct Params {
     pub q_uniform: i32,
     /// Sequences (the persistent sm_90a kernels count their tiles from it).
     pub batch: i32,
+    /// 1 when the bias is f32, 0 when it has the inputs' dtype.
+    pub bias_f32: i32,
+    /// Block-sparse mask: rows and keys per block.
+    pub block_q: i32,
+    pub block_k: i32,
+    /// Tile lists: lists per batch and per head (0 where the mask is broadcast), query tiles
+    /// per (batch, head), and entries per list.
+    pub tiles_b: i32,
+    pub tiles_h: i32,
+    pub q_tiles: i32,
+    pub k_tiles: i32,
 }
 
 /// The size both sides agree on (also asserted in C by the generated header).
-pub const PARAMS_SIZE: usize = 8 * 31 + 4 * 25 + 4;
+pub const PARAMS_SIZE: usize = 8 * 43 + 4 * 32;
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);
 
 /// Launch parameters of the backward kernels, mirrored field for field by `BwdParams` in C. The

@@ -95,9 +95,6 @@ impl candle::CustomOp3 for FlashAttnOp {
         vl: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         self.problem.check_layouts(ql, kl, vl)?;
-        if self.problem.bias.is_some() || self.problem.block_mask.is_some() {
-            bail!("flash-attn: bias and block_mask run on the CPU only so far, not on CUDA")
-        }
         let (out, lse) = crate::cuda::forward(&self.problem, self.alibi.as_ref(), q, k, v)?;
         self.stash_lse(Storage::Cuda(lse))?;
         Ok((out, Shape::from(self.problem.out_shape())))

@@ -152,9 +152,11 @@ impl FlashAttn {
     /// before the mask: `s = softcap(scale · q·k) − ALiBi + bias`, then masked. A `-inf` entry
     /// masks its key; a `(batch, 1, 1, seq_k)` bias of 0 and `-inf` is a key-padding mask.
     ///
-    /// Dense calls on the CPU only, so far: varlen, paged and KV-cache calls, CUDA tensors,
-    /// backward passes and a tracked (`Var`) bias are refused with an error that says so.
-    /// [`naive_attention`](crate::naive_attention) takes it on every device.
+    /// Dense forward calls, on the CPU and CUDA: varlen, paged and KV-cache calls, backward
+    /// passes and a tracked (`Var`) bias are refused with an error that says so.
+    /// [`naive_attention`](crate::naive_attention) takes it on every device. A bias without a
+    /// query-row dimension (key padding) is read once per key tile; a full bias is read per
+    /// score and costs several times the plain call on the GPU.
     pub fn bias(mut self, bias: &Tensor) -> Self {
         self.bias = Some(bias.clone());
         self
@@ -163,8 +165,8 @@ impl FlashAttn {
     /// A block-sparse mask: `mask` of dtype u8, broadcastable to
     /// `(batch, heads, ceil(seq_q / block_q), ceil(seq_k / block_k))`; where an entry is 0, the
     /// keys of that block are hidden from the queries of that block (on top of the other masks).
-    /// Rows that see no key output 0 with lse `-inf`. Dense calls on the CPU only, so far, as
-    /// for [`bias`](Self::bias).
+    /// Rows that see no key output 0 with lse `-inf`. Key tiles that no open block reaches are
+    /// neither read nor computed. Dense forward calls, as for [`bias`](Self::bias).
     pub fn block_mask(mut self, mask: &Tensor, block_q: usize, block_k: usize) -> Self {
         self.block_mask = Some(BlockMask {
             mask: mask.clone(),

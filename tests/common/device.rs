@@ -64,7 +64,7 @@
 //! `--test-threads` says.
 
 use candle::{Device, Result, Tensor};
-use candle_flash::{FlashAttn, PlanOverride};
+use candle_flash::{BlockMask, FlashAttn, PlanOverride};
 
 use super::bwd_instances::{Sm90Bwd, BWD_SM90};
 
@@ -325,6 +325,11 @@ impl Target {
         o.block_table = put(&opts.block_table);
         o.mm_prefix_ranges = put(&opts.mm_prefix_ranges);
         o.sinks = put(&opts.sinks);
+        o.bias = opts.bias.as_ref().map(|b| put_view(b, &self.dev).unwrap());
+        o.block_mask = opts.block_mask.as_ref().map(|m| BlockMask {
+            mask: put_view(&m.mask, &self.dev).unwrap(),
+            ..m.clone()
+        });
         if self.config == Config::Portable {
             o = o.portable(true);
         }
@@ -356,6 +361,18 @@ impl Target {
         drop(blocks);
         Ok(())
     }
+}
+
+/// `t` on `dev` with its broadcast (stride-0) dimensions still broadcast there, so that the
+/// kernels see the view the caller built.
+fn put_view(t: &Tensor, dev: &Device) -> Result<Tensor> {
+    let mut base = t.clone();
+    for (dim, &stride) in t.stride().iter().enumerate() {
+        if stride == 0 && t.dims()[dim] > 1 {
+            base = base.narrow(dim, 0, 1)?;
+        }
+    }
+    to_device(&base, dev)?.broadcast_as(t.dims())
 }
 
 /// `t` on `dev`; a tensor without elements becomes an empty view there (CUDA cannot allocate

@@ -86,7 +86,9 @@ pub(crate) fn plan(
 ) -> Result<Option<Plan>> {
     let rows = p.heads / p.kv_heads * p.max_seq_q;
     let rows_only = p.paged.is_some() || p.prefix.is_some();
-    if dtype == DType::F32 || !(rows_only || rows <= DECODE_MAX_ROWS) {
+    // A bias or block mask (dense calls only) is read by the prefill kernels.
+    let extras = p.bias.is_some() || p.block_mask.is_some();
+    if dtype == DType::F32 || extras || !(rows_only || rows <= DECODE_MAX_ROWS) {
         return Ok(None);
     }
     let d_load = p.head_dim.next_multiple_of(8);

@@ -1,6 +1,6 @@
-//! Executes a prefill [`Plan`]: the call's inputs, one parameter struct, and for the Hopper
-//! kernels the tensor maps of q, k, v and the output, the persistent scheduler's counter and
-//! the store mode.
+//! Executes a prefill [`Plan`]: the call's inputs, one parameter struct (with the bias and the
+//! block mask's tile lists where the call has them), and for the Hopper kernels the tensor maps
+//! of q, k, v and the output, the persistent scheduler's counter and the store mode.
 
 use candle::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr};
 use candle::cuda_backend::{CudaDType, CudaDevice};
@@ -9,6 +9,7 @@ use candle::{CudaStorage, DType, Result, Tensor};
 use super::plan::{Kernel, OStore, Plan};
 use crate::cuda::launch::to_i32;
 use crate::cuda::runtime::call::ForwardCall;
+use crate::cuda::runtime::extras;
 use crate::cuda::runtime::tma::{tma_map, TmaMap};
 use crate::cuda::runtime::{launch, Arg};
 use crate::problem::{Problem, Strides};
@@ -23,10 +24,12 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
 ) -> Result<(CudaStorage, CudaStorage)> {
     let stream = dev.cuda_stream();
     let mut call = ForwardCall::<T>::new(dev, p, qkv, alibi, plan.pack, plan.d_load)?;
-    let params = crate::cuda::params::Params {
+    let mut params = crate::cuda::params::Params {
         dv_splits: to_i32(plan.dv_splits, "dv splits")?,
         ..call.params(p, &stream, plan.d_load)?
     };
+    // The bias and block mask; the tile lists stay alive until the launch is queued.
+    let lists = extras::fill(&mut params, p, T::DTYPE, plan.tile(), dev)?;
     match (plan.kernel, plan.sm90) {
         (Kernel::Sm90(i), Some((group, store))) => {
             let bf16 = T::DTYPE == DType::BF16;
@@ -80,6 +83,7 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
         }
         _ => launch(dev, &plan.launch, &[Arg::Params(&params)])?,
     }
+    drop(lists);
     Ok(call.finish(dev))
 }
 

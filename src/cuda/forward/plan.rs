@@ -54,13 +54,31 @@ pub(crate) struct Plan {
     pub sm90: Option<(usize, OStore)>,
 }
 
+impl Plan {
+    /// Query rows and keys per tile of a tiled kernel (what a block mask's tile lists are built
+    /// for); `None` for the row-wise kernel.
+    pub fn tile(&self) -> Option<(usize, usize)> {
+        match self.kernel {
+            Kernel::Mma(i) => Some((i.rows(), i.bc)),
+            Kernel::F32(i) => Some((F32_ROWS, i.bc)),
+            Kernel::Sm90(i) => Some((i.rows(), i.bn)),
+            Kernel::Rowwise => None,
+        }
+    }
+}
+
 /// Picks the prefill kernel and launch geometry of `p` (elements of type `dtype`) on `caps`,
 /// then applies the problem's [`PlanOverride`](crate::PlanOverride).
 pub(crate) fn plan(p: &Problem, dtype: DType, caps: &DeviceCaps) -> Result<Plan> {
     check_device(p, caps)?;
     let d = p.head_dim;
-    let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0;
-    let kernel = pick_kernel(p, dtype, caps, mods)?;
+    // Softcap, ALiBi, a scale that is not positive, a bias and a block mask take the `_mods`
+    // instances, which apply them in the score registers and read the block mask's tile lists;
+    // on Hopper a bias or block mask alone takes the `_blocks` ones, the plain kernel with both.
+    let extras = p.bias.is_some() || p.block_mask.is_some();
+    let math = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0;
+    let mods = math || extras;
+    let kernel = pick_kernel(p, dtype, caps, (math, extras && !math))?;
     let dn = dtype_name(dtype)?;
     let suffix = if mods { "_mods" } else { "" };
     let (module, rows, threads, smem, d_load, dv_splits, function) = match kernel {
@@ -175,7 +193,8 @@ pub(crate) fn check_device(p: &Problem, caps: &DeviceCaps) -> Result<()> {
 /// tensor-core (f16/bf16) or f32 tiles that fit the device's shared memory, else the row-wise
 /// kernel. Paged caches and prefix ranges only the row-wise kernel reads (the decode kernel
 /// takes them first where it can).
-fn pick_kernel(p: &Problem, dtype: DType, caps: &DeviceCaps, mods: bool) -> Result<Kernel> {
+/// `kind`: the sm_90a instance kind, ([`Sm90Instance::mods`], [`Sm90Instance::blocks`]).
+fn pick_kernel(p: &Problem, dtype: DType, caps: &DeviceCaps, kind: (bool, bool)) -> Result<Kernel> {
     let d = p.head_dim;
     let rows_only = p.paged.is_some() || p.prefix.is_some();
     let tiled = if rows_only {
@@ -195,7 +214,7 @@ fn pick_kernel(p: &Problem, dtype: DType, caps: &DeviceCaps, mods: bool) -> Resu
             .then(|| {
                 SM90_INSTANCES
                     .iter()
-                    .find(|i| i.d >= d_load && i.mods == mods && caps.fits(i.smem()))
+                    .find(|i| i.d >= d_load && (i.mods, i.blocks) == kind && caps.fits(i.smem()))
             })
             .flatten();
         // The tables are ordered by width, each width's default first: the first wide enough
@@ -249,7 +268,7 @@ fn sm90_variant_for(p: &Problem, i: Sm90Instance, caps: &DeviceCaps) -> Sm90Inst
     let causal = left < 0 && right >= 0;
     let unmasked = left < 0 && right < 0;
     let want = match i.d {
-        _ if i.mods => return i,
+        _ if i.mods || i.blocks => return i,
         64 if causal && p.max_seq_q <= 2048 => "wg2p",
         64 if unmasked && p.max_seq_q <= 512 => "wg2p",
         128 if unmasked && p.max_seq_k >= 8192 => "wg2n176",
@@ -258,7 +277,11 @@ fn sm90_variant_for(p: &Problem, i: Sm90Instance, caps: &DeviceCaps) -> Sm90Inst
     };
     SM90_INSTANCES
         .iter()
-        .find(|j| (j.d, j.mods) == (i.d, i.mods) && j.variant() == want && caps.fits(j.smem()))
+        .find(|j| {
+            (j.d, j.mods, j.blocks) == (i.d, i.mods, i.blocks)
+                && j.variant() == want
+                && caps.fits(j.smem())
+        })
         .copied()
         .unwrap_or(i)
 }
@@ -316,7 +339,7 @@ fn override_sm90(
     let want = variant.map_or_else(|| i.variant(), str::to_string);
     let Some(&j) = SM90_INSTANCES
         .iter()
-        .find(|j| (j.d, j.mods) == (i.d, i.mods) && j.variant() == want)
+        .find(|j| (j.d, j.mods, j.blocks) == (i.d, i.mods, i.blocks) && j.variant() == want)
     else {
         return Ok(());
     };
@@ -470,6 +493,30 @@ mod tests {
                 let pl = pick(d, dtype, &plain.clone().softcap(5.0), &DeviceCaps::SM90);
                 assert!(matches!(pl.kernel, Kernel::Sm90(i) if i.mods), "{pl:?}");
                 assert!(pl.launch.function.ends_with("_mods"), "{pl:?}");
+                // A bias or block mask alone: the `_blocks` twin; with softcap, `_mods`; on the
+                // portable kernels, `_mods` (and every plan tiles the block mask's lists).
+                let pad = Tensor::zeros((2, 1, 1, 300), DType::F32, &Device::Cpu).unwrap();
+                let blocks = Tensor::ones((1, 1, 3, 3), DType::U8, &Device::Cpu).unwrap();
+                for opts in [
+                    plain.clone().bias(&pad),
+                    plain.clone().block_mask(&blocks, 128, 128),
+                ] {
+                    let pl = pick(d, dtype, &opts, &DeviceCaps::SM90);
+                    assert!(
+                        matches!(pl.kernel, Kernel::Sm90(i) if i.blocks && !i.mods),
+                        "{pl:?}"
+                    );
+                    assert!(pl.launch.function.ends_with("_blocks"), "{pl:?}");
+                    assert_eq!(pl.tile(), Some((128, 128)), "{pl:?}");
+                    let pl = pick(d, dtype, &opts.clone().softcap(5.0), &DeviceCaps::SM90);
+                    assert!(pl.launch.function.ends_with("_mods"), "{pl:?}");
+                    let pl = pick(d, dtype, &opts, &DeviceCaps::SM80);
+                    assert!(
+                        matches!(pl.kernel, Kernel::Mma(_))
+                            && pl.launch.function.ends_with("_mods"),
+                        "{pl:?}"
+                    );
+                }
                 let mut o = pick(d, dtype, &plain, &DeviceCaps::SM90);
                 let caps = DeviceCaps::SM90;
                 override_sm90(

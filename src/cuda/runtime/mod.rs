@@ -1,8 +1,10 @@
 //! What every CUDA pass needs to execute a plan on candle's stream: the device's capabilities,
-//! the embedded PTX modules, one launch helper, tensor maps, device-resident integer arguments
-//! and packed operand copies. Nothing here decides anything: plans do.
+//! the embedded PTX modules, one launch helper, tensor maps, device-resident integer arguments,
+//! packed operand copies, and the bias and block mask as the kernels read them. Nothing here
+//! decides anything: plans do.
 
 pub(crate) mod call;
+pub(crate) mod extras;
 pub(crate) mod ints;
 pub(crate) mod operands;
 pub(crate) mod tma;
@@ -56,6 +58,10 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
         Module::Merge => (
             "candle_flash_merge",
             include_str!(concat!(env!("OUT_DIR"), "/merge.ptx")),
+        ),
+        Module::Tiles => (
+            "candle_flash_tiles",
+            include_str!(concat!(env!("OUT_DIR"), "/tiles.ptx")),
         ),
     }
 }
