@@ -47,11 +47,12 @@ SCHEMAS = {
                     "variant_ms,ratio",
     "gpu-variants": "variant,dtype,head_dim,heads,kv_heads,batch,seq_q,seq_k,causal,plain_ms,"
                     "variant_ms,ratio",
+    "gpu-flex": "variant,batch,seq_q,seq_k,causal,flex_plain_ms,flex_variant_ms,flex_ratio",
 }
 INTEGER = {"batch", "seq", "heads", "kv_heads", "head_dim", "seq_q", "kv", "seq_k", "gpus"}
 REAL = {"ms", "tflops", "gflops", "us", "gbps", "ref_gbps", "plain_ms", "variant_ms", "ratio",
         "fwd_ms", "fwd_bwd_ms", "tokens_per_s", "gib_per_gpu", "single_fwd_ms",
-        "single_fwd_bwd_ms"}
+        "single_fwd_bwd_ms", "flex_plain_ms", "flex_variant_ms", "flex_ratio"}
 TORCH = ("torch-flash", "torch-cudnn")
 # Implementations in the order their columns appear; others follow alphabetically.
 IMPL_ORDER = ["candle-flash", "candle-flash-autograd", "candle-flash-portable", "candle-naive",
@@ -659,9 +660,33 @@ VARIANTS_NOTE = ("`examples/variants_bench.rs`: each variant's forward beside th
                  "the same inputs in one process, timed plain, variant, plain; the ratio divides "
                  "the variant's time by the mean of the two plain ones. Prefill: d 128, 16/8 "
                  "heads, 32k tokens per batch on the GPU, 1k on the CPU; decode: one query row, "
-                 "32/8 heads, d 128. `pad-bias`: a key-padding bias; `bias`: a full "
-                 "`(1, heads, seq_q, seq_k)` f32 bias; `blocks`: a 64 x 64 block mask of ones "
-                 "(the same visible work).")
+                 "32/8 heads, d 128. `pad-bias`: a `(batch, 1, 1, seq_k)` key-padding bias; "
+                 "`bias`: a full `(1, heads, seq_q, seq_k)` bias in the inputs' dtype (the note "
+                 "gives the bandwidth at which it is read); `blocks`: a block mask of ones (the "
+                 "same visible work; 64 x 64 blocks on the CPU, 128 x 128 on the GPU); "
+                 "`sparse-p`: 128 x 128 blocks open at random with probability p, per head; "
+                 "`docs-8`: 8 equal documents (1/8 of the blocks). The sparse rows' target is "
+                 "a ratio of at most the visible fraction + 0.1.")
+
+
+FLEX_NOTE = ("`bench/torch_flex.py`: PyTorch's FlexAttention (`torch.compile`d, bf16) on the "
+             "same shapes and the same block masks (the same generator and seed), its time with "
+             "the mask and its ratio to its own unmasked call (causal or not, as the row); "
+             "empty where it was not run (it runs out of memory building 16k and 32k masks).")
+
+
+def variant_note(r):
+    """The bias's read bandwidth, or a block-sparse row's target ratio."""
+    v = r["variant"]
+    if v == "bias":
+        size = 4 if r["dtype"] == "f32" else 2
+        gb = r["heads"] * r["seq_q"] * r["seq_k"] * size / 1e9
+        return f"bias read at {gb / (r['variant_ms'] / 1e3):.0f} GB/s"
+    if v.startswith("sparse-"):
+        return f"target <= {float(v.split('-')[1]) + 0.1:.2f}"
+    if v == "docs-8":
+        return "target <= 0.23"
+    return ""
 
 
 def no_results(name):
@@ -742,14 +767,30 @@ def build(plots):
             page.append(no_results(name))
             continue
         page.append(VARIANTS_NOTE + "\n")
+        # PyTorch FlexAttention on the same block masks, where it was run on the same GPU.
+        flex = {}
+        if where == "GPU":
+            page.append(FLEX_NOTE + "\n")
+            for f in read("gpu-flex") or []:
+                flex[(f["device"], f["variant"], f["seq_q"], f["causal"])] = f
         for device, drows in by_device(rows):
             head = ["variant", "dtype", "heads", "batch", "seq_q", "seq_k", "causal", "plain ms",
-                    "variant ms", "variant / plain"]
-            body = [[r["variant"], r["dtype"], f"{r['heads']}/{r['kv_heads']}", str(r["batch"]),
-                     str(r["seq_q"]), str(r["seq_k"]), r["causal"], fnum(r["plain_ms"]),
-                     fnum(r["variant_ms"]), fratio(r["ratio"])] for r in drows]
+                    "variant ms", "variant / plain", "note"]
+            if flex:
+                head += ["Flex variant ms", "Flex variant / plain"]
+            body = []
+            for r in drows:
+                row = [r["variant"], r["dtype"], f"{r['heads']}/{r['kv_heads']}",
+                       str(r["batch"]), str(r["seq_q"]), str(r["seq_k"]), r["causal"],
+                       fnum(r["plain_ms"]), fnum(r["variant_ms"]), fratio(r["ratio"]),
+                       variant_note(r)]
+                if flex:
+                    f = flex.get((device, r["variant"], r["seq_q"], r["causal"]))
+                    row += [fnum(f["flex_variant_ms"]), fratio(f["flex_ratio"])] if f else ["", ""]
+                body.append(row)
             page.append(f"{provenance(drows, device)}\n\n"
-                        + table(head, body, ["l"] * 7 + ["r"] * 3) + "\n")
+                        + table(head, body, ["l"] * 7 + ["r"] * 3 + ["l"] + ["r"] * (len(head) - 11))
+                        + "\n")
             worst = ", ".join(
                 f"{v} {fratio(max(r['ratio'] for r in drows if r['variant'] == v))}"
                 for v in sorted({r["variant"] for r in drows}))

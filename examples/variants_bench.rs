@@ -12,9 +12,12 @@
 //! Prefill: bf16 (f32 on the CPU), d 128, 16 query heads over 8 K/V heads, seq 4096 to 32768 at
 //! 32k tokens per batch, causal and not. Decode: one query row per sequence, 32/8 heads, d 128,
 //! batch 8 against 8192 keys, and batch 1 against 32768. Variants: `sinks` (one learnable logit
-//! per head); on the CPU also `pad-bias` (a `(batch, 1, 1, seq_k)` key-padding bias, its last
-//! quarter of keys at `-inf`), `bias` (a full `(1, heads, seq_q, seq_k)` f32 bias) and `blocks`
-//! (a 64 x 64 block mask of ones: the same visible work as the plain call).
+//! per head), `pad-bias` (a `(batch, 1, 1, seq_k)` f32 key-padding bias, its last quarter of keys
+//! at `-inf`), `bias` (a full `(1, heads, seq_q, seq_k)` bias in the inputs' dtype, up to 2 GiB),
+//! `blocks` (a block mask of ones, 64 x 64 blocks on the CPU and 128 x 128 on the GPU: the same
+//! visible work as the plain call); on the GPU also `sparse-0.1`, `-0.25` and `-0.5` (128 x 128
+//! blocks open at random with that probability, per head) and `docs-8` (8 equal documents, each
+//! query block seeing its own document's key blocks).
 
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
@@ -127,7 +130,7 @@ fn main() -> Result<()> {
     };
     println!("device: {}", results::device_name(&dev));
     println!(
-        "{:<8} {:>5} {:>7} {:>7} {:>6} {:>10} {:>10} {:>7}",
+        "{:<11} {:>5} {:>7} {:>7} {:>6} {:>10} {:>10} {:>7}",
         "variant", "batch", "seq_q", "seq_k", "causal", "plain ms", "var. ms", "ratio"
     );
     for s in shapes {
@@ -141,28 +144,39 @@ fn main() -> Result<()> {
             FlashAttn::new(scale)
         };
         let sinks = Tensor::randn(0f32, 1., s.h, &dev)?;
-        let mut variants = vec![("sinks", plain.clone().sinks(&sinks))];
-        if dev.is_cpu() {
-            // Bias and block masks run on the CPU only so far.
-            let pad: Vec<f32> = (0..s.b * s.sk)
-                .map(|i| {
-                    if i % s.sk >= s.sk * 3 / 4 {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-                .collect();
-            let pad = Tensor::from_vec(pad, (s.b, 1, 1, s.sk), &dev)?;
-            let full = Tensor::randn(0f32, 1., (1, s.h, s.sq, s.sk), &dev)?;
-            let ones = Tensor::ones(
-                (1, 1, s.sq.div_ceil(64), s.sk.div_ceil(64)),
-                DType::U8,
-                &dev,
-            )?;
-            variants.push(("pad-bias", plain.clone().bias(&pad)));
-            variants.push(("bias", plain.clone().bias(&full)));
-            variants.push(("blocks", plain.clone().block_mask(&ones, 64, 64)));
+        let mut variants = vec![("sinks".to_string(), plain.clone().sinks(&sinks))];
+        let pad: Vec<f32> = (0..s.b * s.sk)
+            .map(|i| {
+                if i % s.sk >= s.sk * 3 / 4 {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let pad = Tensor::from_vec(pad, (s.b, 1, 1, s.sk), &dev)?;
+        variants.push(("pad-bias".into(), plain.clone().bias(&pad)));
+        // A full bias in the inputs' dtype, where it fits in 2 GiB.
+        if s.sq > 1 && s.h * s.sq * s.sk * dtype.size_in_bytes() <= 2 << 30 {
+            let full = Tensor::randn(0f32, 1., (1, s.h, s.sq, s.sk), &dev)?.to_dtype(dtype)?;
+            variants.push(("bias".into(), plain.clone().bias(&full)));
+        }
+        if s.sq > 1 {
+            let bs = if dev.is_cpu() { 64 } else { 128 };
+            let (nq, nk) = (s.sq.div_ceil(bs), s.sk.div_ceil(bs));
+            let ones = Tensor::ones((1, 1, nq, nk), DType::U8, &dev)?;
+            variants.push(("blocks".into(), plain.clone().block_mask(&ones, bs, bs)));
+            if !dev.is_cpu() {
+                for density in [0.1, 0.25, 0.5] {
+                    let m = random_blocks((s.h, nq, nk), density, &dev)?;
+                    variants.push((
+                        format!("sparse-{density}"),
+                        plain.clone().block_mask(&m, bs, bs),
+                    ));
+                }
+                let docs = document_blocks(nq, nk, 8, &dev)?;
+                variants.push(("docs-8".into(), plain.clone().block_mask(&docs, bs, bs)));
+            }
         }
         for (name, op) in variants {
             let run_plain = || plain.forward(&q, &k, &v);
@@ -172,7 +186,7 @@ fn main() -> Result<()> {
             let p2 = time(&dev, args.budget, run_plain)?;
             let p = (p1 + p2) / 2.0;
             println!(
-                "{name:<8} {:>5} {:>7} {:>7} {:>6} {:>10.4} {:>10.4} {:>7.3}",
+                "{name:<11} {:>5} {:>7} {:>7} {:>6} {:>10.4} {:>10.4} {:>7.3}",
                 s.b,
                 s.sq,
                 s.sk,
@@ -183,7 +197,7 @@ fn main() -> Result<()> {
             );
             if let Some(csv) = csv.as_mut() {
                 csv.row(&[
-                    name.to_string(),
+                    name.clone(),
                     format!("{dtype:?}").to_lowercase(),
                     s.d.to_string(),
                     s.h.to_string(),
@@ -200,4 +214,28 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A `(1, heads, nq, nk)` block mask whose blocks are open with probability `density`, drawn
+/// per head from a fixed seed.
+fn random_blocks((h, nq, nk): (usize, usize, usize), density: f64, dev: &Device) -> Result<Tensor> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let v: Vec<u8> = (0..h * nq * nk)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 11) as f64 / (1u64 << 53) as f64) < density
+        })
+        .map(u8::from)
+        .collect();
+    Ok(Tensor::from_vec(v, (1, h, nq, nk), dev)?)
+}
+
+/// A block mask of `docs` equal documents: a query block sees the key blocks of its document.
+fn document_blocks(nq: usize, nk: usize, docs: usize, dev: &Device) -> Result<Tensor> {
+    let v: Vec<u8> = (0..nq * nk)
+        .map(|x| u8::from((x / nk) * docs / nq == (x % nk) * docs / nk))
+        .collect();
+    Ok(Tensor::from_vec(v, (1, 1, nq, nk), dev)?)
 }
