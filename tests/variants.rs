@@ -391,6 +391,39 @@ fn bias_dense(t: &Target) -> Result<()> {
 }
 test_device!(bias_dense, Forward);
 
+/// The bias on decode-shaped calls (few query rows per K/V head, split over the keys): a
+/// key-padding bias with `-inf` keys, a full one in q's dtype and a per-head one, with causal
+/// masks and sinks.
+fn bias_decode(t: &Target) -> Result<()> {
+    for (n, &(sq, sk, h, hk)) in [
+        (1, 1000, 8, 1),
+        (4, 777, 8, 2),
+        (2, 300, 4, 4),
+        (1, 5, 8, 8),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for &dtype in t.sweep(&DTYPES, n) {
+            let d = [128, 64][n % 2];
+            let seed = 700 + 10 * n as u64;
+            let padding = bias_of(&[3, 1, 1, sk], seed)?;
+            let full = randn(&[3, h, sq, sk], dtype, seed + 1, &Device::Cpu)?;
+            let per_head = bias_of(&[h, 1, sk], seed + 2)?;
+            for (i, bias) in [padding, full, per_head].iter().enumerate() {
+                let opts = FlashAttn::new(scale(d)).causal().bias(bias);
+                let opts = if i == 2 { opts.sinks(&sinks(h)) } else { opts };
+                Case::new(3, sq, sk, h, hk, d, dtype)
+                    .causal()
+                    .with(opts)
+                    .check(t, seed + 5 + i as u64)?;
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(bias_decode, Decode);
+
 /// A random u8 block mask of `(b, h, nq, nk)` blocks, about half of them 0, seeded.
 fn blocks_of(shape: &[usize], seed: u64) -> Result<Tensor> {
     randn(shape, DType::F32, seed, &Device::Cpu)?

@@ -24,6 +24,7 @@
 // Masking (causal, windows, prefix ranges), softcap and ALiBi follow src/semantics.rs through
 // common/.
 #pragma once
+#include "common/extras.cuh"
 #include "common/mask.cuh"
 #include "common/math.cuh"
 #include "common/ptx.cuh"
@@ -173,14 +174,15 @@ struct WarpState {
 };
 
 // S = Q K^T, softmax update and O += P V for this warp's KW keys of one tile, whose first key is
-// `k0`. Masks with the rows' visible ranges [row_lo, row_hi) (within this split).
+// `k0`. Masks with the rows' visible ranges [row_lo, row_hi) (within this split). MODS: softcap,
+// ALiBi and the bias (the rows' offsets into it, `bias_row`, of keys < sk) first.
 template <typename T, int D, int KW, bool MODS>
 __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p, const T* sQ,
                                           const T* sK, const T* sV, const SwzRow<D>& q_off,
                                           const SwzRow<D>& k_off, const SwzRow<D>& v_off, int k0,
                                           const int (&row_lo)[2], const int (&row_hi)[2],
                                           const int (&diag)[2], const float (&slope_log2)[2],
-                                          float unit) {
+                                          float unit, const int64_t (&bias_off)[2], int sk) {
     constexpr int NT = KW / 8;
     const int lane = threadIdx.x % 32;
     float s[NT][4];
@@ -201,13 +203,33 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
         }
     }
     const int col = k0 + 2 * (lane % 4);
+    if constexpr (MODS) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[j][e] = modded_score(p, s[j][e], slope_log2[e / 2], diag[e / 2],
+                                       col + j * 8 + e % 2);
+        if (p.bias) {
+            const char* base = static_cast<const char*>(p.bias);
+            const int esize = p.bias_f32 ? 4 : 2;
+            // Rows with one offset (a key-padding bias, or one query row) read each key once.
+            if (bias_off[0] == bias_off[1]) {
+                add_bias_row<T, NT>(p, &s[0][0], base + bias_off[0] * esize, col, sk, LOG2E_F,
+                                    true);
+            } else {
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+                    add_bias_row<T, NT>(p, &s[0][0] + 2 * hf, base + bias_off[hf] * esize, col,
+                                        sk, LOG2E_F, false);
+            }
+        }
+    }
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int key = col + j * 8 + e % 2;
-            if constexpr (MODS)
-                s[j][e] = modded_score(p, s[j][e], slope_log2[e / 2], diag[e / 2], key);
             // Keys outside the row's visible range within this split are masked; the split bounds
             // are in that range, so two splits never count one key twice.
             if (key < row_lo[e / 2] || key >= row_hi[e / 2]) s[j][e] = -INFINITY;
@@ -310,6 +332,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     // This thread's two packed rows: diagonal, visible keys (within this split), ALiBi slope.
     int diag[2], row_lo[2], row_hi[2];
     float slope_log2[2];
+    int64_t bias_off[2] = {0, 0};
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const PackedRow x = packed_row(p, m0, 16 * rg + lane / 4 + 8 * hf, kvh, g.sq);
@@ -318,6 +341,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         row_lo[hf] = max(row_lo[hf], g.n_lo);
         row_hi[hf] = min(row_hi[hf], g.n_hi);
         slope_log2[hf] = (MODS && p.alibi) ? p.alibi[b * p.alibi_batch + x.h] * LOG2E_F : 0.f;
+        if (MODS && p.bias) bias_off[hf] = bias_row(p, b, x.h, x.i, g.sq);
     }
     WarpState<D> w;
 #pragma unroll
@@ -394,7 +418,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         const int k0 = t * BC + KW * kg;  // this warp's first key
         if (k0 < g.n_hi && k0 + KW > g.n_lo)
             warp_tile<T, D, KW, MODS>(w, p, sQ, sK, sK + BC * D, q_off, k_off, v_off, k0, row_lo,
-                                      row_hi, diag, slope_log2, unit);
+                                      row_hi, diag, slope_log2, unit, bias_off, g.sk);
         put(tn + 1, next_blk);
     }
     cp_async_wait<0>();

@@ -138,15 +138,17 @@ struct Mainloop {
         if constexpr (LIST) {
             const bool staged = key_bias();
             if (staged) {
+                // This thread's two keys of each n8 tile are adjacent (col - k0 is even): one
+                // 8-byte load each.
                 const float* buf = sm.sBias + (wg * Tr::BIAS_BUFS + slot) * BN + (col - k0);
 #pragma unroll
-                for (int j = 0; j < NT; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float x = buf[8 * j + e];
-                        acc_s[4 * j + e] += x;
-                        acc_s[4 * j + 2 + e] += x;
-                    }
+                for (int j = 0; j < NT; ++j) {
+                    const float2 x = *reinterpret_cast<const float2*>(buf + 8 * j);
+                    acc_s[4 * j] += x.x;
+                    acc_s[4 * j + 1] += x.y;
+                    acc_s[4 * j + 2] += x.x;
+                    acc_s[4 * j + 3] += x.y;
+                }
             }
             if ((p.bias && !staged) || partial)
                 tile_extras<T, 1, NT>(p, acc_s, b, h, diag_t - (g.sk - g.sq), col, k0, g.sq, g.sk,

@@ -9,6 +9,7 @@ use super::plan::Plan;
 use crate::cuda::launch::to_i32;
 use crate::cuda::params::Params;
 use crate::cuda::runtime::call::ForwardCall;
+use crate::cuda::runtime::extras;
 use crate::cuda::runtime::{launch, Arg};
 use crate::problem::Problem;
 
@@ -22,7 +23,9 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
 ) -> Result<(CudaStorage, CudaStorage)> {
     let stream = dev.cuda_stream();
     let mut call = ForwardCall::<T>::new(dev, p, qkv, alibi, plan.pack, plan.d_load)?;
-    let base = call.params(p, &stream, plan.d_load)?;
+    let mut base = call.params(p, &stream, plan.d_load)?;
+    // A bias (read per key; the decode kernels take no block mask, so no tile lists).
+    extras::fill(&mut base, p, T::DTYPE, None, dev)?;
     // Split calls: f32 partial outputs `(splits, total_q, heads, d)` and base-2 partial
     // log-sum-exps `(splits, heads, total_q)`, one allocation.
     let part_len = plan.splits * p.total_q * p.heads;

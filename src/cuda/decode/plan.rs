@@ -86,9 +86,9 @@ pub(crate) fn plan(
 ) -> Result<Option<Plan>> {
     let rows = p.heads / p.kv_heads * p.max_seq_q;
     let rows_only = p.paged.is_some() || p.prefix.is_some();
-    // A bias or block mask (dense calls only) is read by the prefill kernels.
-    let extras = p.bias.is_some() || p.block_mask.is_some();
-    if dtype == DType::F32 || extras || !(rows_only || rows <= DECODE_MAX_ROWS) {
+    // A block mask (dense calls only) is read by the prefill kernels; a bias by the `_mods`
+    // instances.
+    if dtype == DType::F32 || p.block_mask.is_some() || !(rows_only || rows <= DECODE_MAX_ROWS) {
         return Ok(None);
     }
     let d_load = p.head_dim.next_multiple_of(8);
@@ -102,7 +102,7 @@ pub(crate) fn plan(
         return Ok(None);
     };
     let dn = dtype_name(dtype)?;
-    let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0;
+    let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0 || p.bias.is_some();
     let mods = if mods { "_mods" } else { "" };
     let module = Module::of(dtype)?;
     let launch = |i: &DecodeInstance| Launch {
