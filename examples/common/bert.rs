@@ -1,7 +1,8 @@
-//! all-MiniLM-L6-v2 sentence embeddings two ways: candle-transformers' `BertModel` (padded batch,
-//! additive `(batch, 1, 1, seq)` mask) and this project's own encoder, which packs the sentences
-//! back to back and runs `flash_attn_varlen`, so padding never exists and no mask is built.
-//! Both pool the same way (mean over real tokens, then L2 norm), as sentence-transformers does.
+//! all-MiniLM-L6-v2 sentence embeddings: candle-transformers' `BertModel` (padded batch, additive
+//! `(batch, 1, 1, seq)` mask) and this project's own encoder, which either packs the sentences
+//! back to back and runs `flash_attn_varlen`, so padding never exists and no mask is built, or
+//! runs the padded batch with a key-padding bias. All pool the same way (mean over real tokens,
+//! then L2 norm), as sentence-transformers does.
 
 use std::path::{Path, PathBuf};
 
@@ -224,27 +225,10 @@ impl FlashBert {
         let flat = Tensor::from_vec(flat, total, &self.device)?;
         let pos = Tensor::from_vec(pos, total, &self.device)?;
         let cu = Tensor::new(cu.as_slice(), &self.device)?;
-
-        let x = (self.words.forward(&flat)? + self.positions.forward(&pos)?)?;
-        let mut x = self
-            .embed_norm
-            .forward(&x.broadcast_add(&self.token_type0)?)?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
-        let heads = |t: Tensor| t.reshape((total, self.heads, self.head_dim));
-        for l in &self.layers {
-            let q = heads(l.query.forward(&x)?)?;
-            let k = heads(l.key.forward(&x)?)?;
-            let v = heads(l.value.forward(&x)?)?;
-            let a = candle_flash::flash_attn_varlen(
-                &q, &k, &v, &cu, &cu, max_len, max_len, scale, false,
-            )?;
-            let a = l
-                .attn_out
-                .forward(&a.reshape((total, self.heads * self.head_dim))?)?;
-            x = l.attn_norm.forward(&(a + &x)?)?;
-            let f = l.ff_out.forward(&l.ff_in.forward(&x)?.gelu_erf()?)?;
-            x = l.ff_norm.forward(&(f + &x)?)?;
-        }
+        let x = self.encode(&flat, &pos, |q, k, v| {
+            candle_flash::flash_attn_varlen(q, k, v, &cu, &cu, max_len, max_len, scale, false)
+        })?;
         let mut start = 0;
         let rows = ids
             .iter()
@@ -255,6 +239,72 @@ impl FlashBert {
             })
             .collect::<Result<Vec<_>>>()?;
         l2_normalize(&Tensor::stack(&rows, 0)?)
+    }
+
+    /// The same embeddings from a padded batch: `(sentences, longest, hidden)`, the padding
+    /// hidden from attention by a `(sentences, 1, 1, longest)` key-padding bias of 0 and `-inf`
+    /// (`FlashAttn::bias`), and left out of the pooling.
+    pub fn embed_padded(&self, ids: &[Vec<u32>]) -> Result<Tensor> {
+        ensure!(!ids.is_empty(), "no sentences to embed");
+        ensure!(
+            ids.iter().all(|s| !s.is_empty()),
+            "a sentence has no tokens"
+        );
+        let (n, len) = (ids.len(), ids.iter().map(Vec::len).max().unwrap_or(0));
+        // Padding positions hold token 0 ([PAD]); their outputs are never read.
+        let flat: Vec<u32> = ids
+            .iter()
+            .flat_map(|s| {
+                s.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(0, len - s.len()))
+            })
+            .collect();
+        let pos: Vec<u32> = (0..n).flat_map(|_| 0..len as u32).collect();
+        let pad: Vec<f32> = ids
+            .iter()
+            .flat_map(|s| (0..len).map(|j| if j < s.len() { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let flat = Tensor::from_vec(flat, (n, len), &self.device)?;
+        let pos = Tensor::from_vec(pos, (n, len), &self.device)?;
+        let pad = Tensor::from_vec(pad, (n, 1, 1, len), &self.device)?;
+        let attn = candle_flash::FlashAttn::new(1.0 / (self.head_dim as f32).sqrt()).bias(&pad);
+        let x = self.encode(&flat, &pos, |q, k, v| attn.forward(q, k, v))?;
+        let rows = ids
+            .iter()
+            .enumerate()
+            .map(|(b, s)| pool(&x.get(b)?.narrow(0, 0, s.len())?))
+            .collect::<Result<Vec<_>>>()?;
+        l2_normalize(&Tensor::stack(&rows, 0)?)
+    }
+
+    /// The encoder stack over token ids and positions of one leading shape (`(tokens,)` packed,
+    /// `(sentences, longest)` padded); `attend` takes q, k and v of that shape followed by
+    /// `(heads, head_dim)`.
+    fn encode(
+        &self,
+        ids: &Tensor,
+        pos: &Tensor,
+        attend: impl Fn(&Tensor, &Tensor, &Tensor) -> candle::Result<Tensor>,
+    ) -> Result<Tensor> {
+        let x = (self.words.forward(ids)? + self.positions.forward(pos)?)?;
+        let mut x = self
+            .embed_norm
+            .forward(&x.broadcast_add(&self.token_type0)?)?;
+        let mut shape = ids.dims().to_vec();
+        shape.extend([self.heads, self.head_dim]);
+        let heads = |t: Tensor| t.reshape(shape.as_slice());
+        for l in &self.layers {
+            let q = heads(l.query.forward(&x)?)?;
+            let k = heads(l.key.forward(&x)?)?;
+            let v = heads(l.value.forward(&x)?)?;
+            let a = attend(&q, &k, &v)?;
+            let a = l.attn_out.forward(&a.reshape(x.dims())?)?;
+            x = l.attn_norm.forward(&(a + &x)?)?;
+            let f = l.ff_out.forward(&l.ff_in.forward(&x)?.gelu_erf()?)?;
+            x = l.ff_norm.forward(&(f + &x)?)?;
+        }
+        Ok(x)
     }
 }
 
