@@ -25,8 +25,8 @@ pub(crate) fn backward(
 ) -> Result<Grads> {
     if p.bias.is_some() || p.block_mask.is_some() {
         bail!(
-            "flash-attn backward: calls with a bias or a block mask have no backward pass yet \
-             (their forward runs on the CPU only); use naive_attention for gradients"
+            "flash-attn backward: calls with a bias or a block mask have no backward pass yet; \
+             use naive_attention for gradients"
         )
     }
     if p.paged.is_some() || p.seqused_k.is_some() {
