@@ -59,6 +59,11 @@ pub(super) struct ExtrasAt<'a> {
 }
 
 impl ExtrasAt<'_> {
+    /// Whether the call has a bias or a block mask.
+    pub fn is_some(&self) -> bool {
+        self.bias.is_some() || self.blocks.is_some()
+    }
+
     /// For one query row `i` whose scores `s[c]` are keys `j0 + c`, `c` in `cols`: adds
     /// `unit ·` the bias and sets the keys of hidden blocks to `-inf`, a run of keys at a time.
     #[inline(always)]

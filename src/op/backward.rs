@@ -23,12 +23,6 @@ pub(crate) fn backward(
     grad_out: &Tensor,
     lse: &Tensor,
 ) -> Result<Grads> {
-    if p.bias.is_some() || p.block_mask.is_some() {
-        bail!(
-            "flash-attn backward: calls with a bias or a block mask have no backward pass yet; \
-             use naive_attention for gradients"
-        )
-    }
     if p.paged.is_some() || p.seqused_k.is_some() {
         bail!(
             "flash-attn backward: paged and KV-cache calls have no backward pass (they are \
@@ -52,6 +46,12 @@ pub(crate) fn backward(
         #[cfg(feature = "cuda")]
         [Storage::Cuda(q), Storage::Cuda(k), Storage::Cuda(v), Storage::Cuda(o), Storage::Cuda(g), Storage::Cuda(l)] =>
         {
+            if p.bias.is_some() || p.block_mask.is_some() {
+                bail!(
+                    "flash-attn backward: calls with a bias or a block mask have no CUDA \
+                     backward pass yet (the CPU has one); use naive_attention for gradients"
+                )
+            }
             let saved = crate::cuda::BwdSaved {
                 out: o,
                 grad_out: g,

@@ -152,8 +152,9 @@ impl FlashAttn {
     /// before the mask: `s = softcap(scale · q·k) − ALiBi + bias`, then masked. A `-inf` entry
     /// masks its key; a `(batch, 1, 1, seq_k)` bias of 0 and `-inf` is a key-padding mask.
     ///
-    /// Dense forward calls, on the CPU and CUDA: varlen, paged and KV-cache calls, backward
-    /// passes and a tracked (`Var`) bias are refused with an error that says so.
+    /// Dense calls, on the CPU and CUDA; gradients of q, k and v on the CPU. Varlen, paged and
+    /// KV-cache calls, the CUDA backward pass and a tracked (`Var`) bias (whose gradient is not
+    /// computed yet) are refused with an error that says so.
     /// [`naive_attention`](crate::naive_attention) takes it on every device. A bias without a
     /// query-row dimension (key padding) is read once per key tile; a full bias is read per
     /// score and costs several times the plain call on the GPU.

@@ -72,6 +72,7 @@ pub fn reference_grads(
         left: opts.window_size_left,
         right: opts.window_size_right,
         sinks: super::host_sinks(opts)?,
+        extras: super::reference::HostExtras::of(opts, (b, h, sq, sk))?,
     };
     let (qv, kv, vv, gv) = (values(q)?, values(k)?, values(v)?, values(grad_out)?);
     let slopes = host_slopes(opts, b, h)?;
@@ -82,7 +83,7 @@ pub fn reference_grads(
         &[&qv, &kv, &vv, &gv],
         opts,
         slopes.as_deref(),
-    );
+    ) ^ g.extras.key();
     memoized(key, || Ok(g.grads(&qv, &kv, &vv, &gv, slopes.as_deref())))
 }
 
@@ -143,6 +144,8 @@ struct Geometry {
     right: Option<usize>,
     /// Attention sinks `(h,)`.
     sinks: Option<Vec<f64>>,
+    /// The bias and block mask, `-inf` where hidden.
+    extras: super::reference::HostExtras,
 }
 
 /// The gradients one (batch, K/V head) group owns: dq of its query heads `(group, sq, d)`, and
@@ -255,6 +258,7 @@ impl Geometry {
                         (z, 1.0)
                     };
                     sc -= slope * (diag - j as i64).abs() as f64;
+                    sc += self.extras.at(bi, hi, i, j);
                     if sc > m || sc.is_nan() {
                         m = sc;
                     }

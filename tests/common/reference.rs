@@ -287,7 +287,7 @@ impl HostExtras {
         })
     }
 
-    fn key(&self) -> u64 {
+    pub fn key(&self) -> u64 {
         let mut h = DefaultHasher::new();
         for v in [&self.bias, &self.visible].into_iter().flatten() {
             v.iter().for_each(|x| x.to_bits().hash(&mut h));
@@ -296,7 +296,7 @@ impl HostExtras {
     }
 
     /// The bias added to score (bi, hi, i, j), or `-inf` where the block mask hides it.
-    fn at(&self, bi: usize, hi: usize, i: usize, j: usize) -> f64 {
+    pub fn at(&self, bi: usize, hi: usize, i: usize, j: usize) -> f64 {
         let (_, h, sq, sk) = self.dims;
         let x = ((bi * h + hi) * sq + i) * sk + j;
         if self.visible.as_ref().is_some_and(|v| v[x] == 0.0) {

@@ -39,6 +39,7 @@ use rayon::prelude::*;
 use super::bf16::{AmxBf16, Avx512Bf16, Engine};
 use super::dispatch::Path;
 use super::elem::{same_slice, same_vec, Elem};
+use super::extras::Extras;
 #[cfg(target_arch = "x86_64")]
 use super::kernel::{Avx512, Fused};
 use super::kernel::{Isa, Kernel, Portable};
@@ -78,9 +79,11 @@ pub(crate) fn backward<T: Elem>(
     }
     let path = super::dispatch::choose::<T>(p, true)?;
     let fused = fused(p, rayon::current_num_threads());
+    let extras = Extras::of(p)?;
     let args = Args {
         p,
         slopes,
+        extras: &extras,
         q,
         k,
         v,
@@ -107,6 +110,8 @@ fn fused(p: &Problem, threads: usize) -> bool {
 struct Args<'a, T> {
     p: &'a Problem,
     slopes: Option<&'a [f32]>,
+    /// The bias and block mask, read on the host.
+    extras: &'a Extras,
     q: &'a [T],
     k: &'a [T],
     v: &'a [T],
@@ -120,6 +125,7 @@ struct Args<'a, T> {
 struct Ctx<'a, T> {
     p: &'a Problem,
     slopes: Option<&'a [f32]>,
+    extras: &'a Extras,
     k: &'a [T],
     v: &'a [T],
     src: QuerySrc<'a, T>,
@@ -202,6 +208,7 @@ impl<'a, T: Elem> Args<'a, T> {
         Some(Args {
             p: self.p,
             slopes: self.slopes,
+            extras: self.extras,
             q: same_slice(self.q)?,
             k: same_slice(self.k)?,
             v: same_slice(self.v)?,
@@ -232,6 +239,7 @@ fn schedule<T: Elem>(
     let ctx = Ctx {
         p,
         slopes: a.slopes,
+        extras: a.extras,
         k: a.k,
         v: a.v,
         src: QuerySrc {
@@ -632,6 +640,7 @@ fn key_tiles<T: Elem, S: Tiles<T>>(
                     p,
                     mask,
                     slope,
+                    extras: ctx.extras.at(b, h),
                     i0: r0,
                     rows: r1 - r0,
                     ro: r0 - i0,
@@ -749,6 +758,7 @@ fn query_tiles<T: Elem, S: Tiles<T>>(ctx: &Ctx<T>, sc: &mut S, b: usize, h: usiz
                         p,
                         mask,
                         slope,
+                        extras: ctx.extras.at(b, h),
                         i0: r0,
                         rows: r,
                         ro: r0 - i0,
@@ -777,6 +787,7 @@ fn query_tiles<T: Elem, S: Tiles<T>>(ctx: &Ctx<T>, sc: &mut S, b: usize, h: usiz
                 p,
                 mask,
                 slope,
+                extras: ctx.extras.at(b, h),
                 i0: r0,
                 rows: r,
                 ro: r0 - i0,
@@ -796,6 +807,15 @@ mod tests {
 
     use super::*;
     use crate::FlashAttn;
+
+    /// A block mask of `(1, 1, 3, 5)` blocks with two hidden (for 32 x 48 blocks of 90 x 200).
+    fn extras_blocks(dev: &Device) -> candle::Result<Tensor> {
+        Tensor::from_vec(
+            vec![1u8, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1],
+            (1, 1, 3, 5),
+            dev,
+        )
+    }
 
     /// Every instruction set, fused and split schedules, give the same gradients (bitwise
     /// across schedules).
@@ -822,6 +842,17 @@ mod tests {
                 2,
                 FlashAttn::new(0.2).alibi(&Tensor::new(&[0.25f32, 0.0625], &dev)?),
             ),
+            (
+                90,
+                200,
+                64,
+                2,
+                1,
+                FlashAttn::new(0.125)
+                    .causal()
+                    .bias(&Tensor::randn(0f32, 1., (1, 2, 90, 200), &dev)?)
+                    .block_mask(&extras_blocks(&dev)?, 32, 48),
+            ),
         ];
         for (sq, sk, d, h, hk, opts) in cases {
             let q = Tensor::randn(0f32, 1., (1, sq, h, d), &dev)?;
@@ -843,9 +874,11 @@ mod tests {
                 flat(&g)?,
                 flat(&lse)?,
             );
+            let extras = Extras::of(&p)?;
             let args = Args {
                 p: &p,
                 slopes: slopes.as_deref(),
+                extras: &extras,
                 q: &qv,
                 k: &kv,
                 v: &vv,
@@ -916,6 +949,17 @@ mod tests {
                 FlashAttn::new(0.2).alibi(&Tensor::new(&[0.25f32, 0.0625], &dev)?),
             ),
             (37, 37, 129, 2, 1, FlashAttn::new(0.1)),
+            (
+                90,
+                200,
+                64,
+                2,
+                1,
+                FlashAttn::new(0.125)
+                    .causal()
+                    .bias(&Tensor::randn(0f32, 1., (1, 2, 90, 200), &dev)?)
+                    .block_mask(&extras_blocks(&dev)?, 32, 48),
+            ),
         ];
         for (sq, sk, d, h, hk, opts) in cases {
             let mk = |s, hh| Tensor::randn(0f32, 1., (1, s, hh, d), &dev)?.to_dtype(DType::BF16);
@@ -931,11 +975,13 @@ mod tests {
             let lv = lse.flatten_all()?.to_vec1::<f32>()?;
             let (qb, kb, vb, ob, gb) = (b16(&q)?, b16(&k)?, b16(&v)?, b16(&o)?, b16(&g)?);
             let (qf, kf, vf, of, gf) = (f32s(&q)?, f32s(&k)?, f32s(&v)?, f32s(&o)?, f32s(&g)?);
+            let extras = Extras::of(&p)?;
             macro_rules! args {
                 ($q:expr, $k:expr, $v:expr, $o:expr, $g:expr) => {
                     Args {
                         p: &p,
                         slopes: slopes.as_deref(),
+                        extras: &extras,
                         q: $q,
                         k: $k,
                         v: $v,

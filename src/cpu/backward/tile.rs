@@ -17,6 +17,7 @@
 
 use super::super::elem::{load_keys, load_rows, Elem};
 use super::super::exp2::exp2;
+use super::super::extras::ExtrasAt;
 use super::super::kernel::Kernel;
 use super::super::{Lanes, BC, BR};
 use crate::problem::{KeyRows, Problem, Strides};
@@ -221,6 +222,8 @@ pub(super) struct Step<'a> {
     pub mask: SeqMask<'a>,
     /// ALiBi slope of the query head (0 without ALiBi).
     pub slope: f32,
+    /// The bias and block mask of the query head.
+    pub extras: ExtrasAt<'a>,
     /// The step's query rows `i0 .. i0 + rows` (within the sequence pair) are rows
     /// `ro .. ro + rows` of the loaded query tile.
     pub i0: usize,
@@ -298,7 +301,8 @@ pub(super) fn step<K: Kernel>(st: &Step, sc: &mut Scratch, dkdv: bool, dq: bool)
 }
 
 /// `S` → `P` and `dP` → `dS` in place, lane-wise, for the rows of the step (`s`, `dp`, and
-/// the rows' `lse · log2 e` and `D` from their first).
+/// the rows' `lse · log2 e` and `D` from their first). Scores go through softcap, ALiBi, the
+/// bias and the block mask in the forward pass's order (`FlashAttn::bias`).
 #[inline(always)]
 pub(super) fn probabilities<K: Kernel>(
     st: &Step,
@@ -331,10 +335,23 @@ pub(super) fn probabilities<K: Kernel>(
                 *x = capped * LOG2_E;
             }
             subtract_alibi(s, st.slope, i, st.j0, sq, sk);
+            st.extras.apply_row(s, i, st.j0, 0..st.cols, LOG2_E);
             for ((x, g), &dc) in s.iter_mut().zip(ds.iter_mut()).zip(&dcap) {
                 let pr = exp2::<K>(*x - l2);
+                // A key a block mask hides has no gradient, whatever dP holds (NaN included).
+                let hidden = *x == f32::NEG_INFINITY;
                 *x = pr;
-                *g = pr * (*g - dd) * dc;
+                *g = if hidden { 0.0 } else { pr * (*g - dd) * dc };
+            }
+        } else if st.extras.is_some() {
+            s.iter_mut().for_each(|x| *x *= qk2);
+            subtract_alibi(s, st.slope, i, st.j0, sq, sk);
+            st.extras.apply_row(s, i, st.j0, 0..st.cols, LOG2_E);
+            for (x, g) in s.iter_mut().zip(ds.iter_mut()) {
+                let hidden = *x == f32::NEG_INFINITY;
+                let pr = exp2::<K>(*x - l2);
+                *x = pr;
+                *g = if hidden { 0.0 } else { pr * (*g - dd) };
             }
         } else {
             if st.slope != 0.0 {

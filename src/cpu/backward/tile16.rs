@@ -309,7 +309,7 @@ pub(super) fn step<E: Engine>(st: &Step, sc: &mut Scratch16, dkdv: bool, dq: boo
     }
     let ds = dq.then(|| &mut sc.ds[dr * DSW + u * BC..]);
     let p = st.p;
-    if p.score.softcap > 0.0 || st.slope != 0.0 {
+    if p.score.softcap > 0.0 || st.slope != 0.0 || st.extras.is_some() {
         probabilities::<Avx512>(st, &mut sc.s[..rows], &mut sc.dp[..rows], lse2, delta);
         pack_pairs(&mut sc.pp[..rp / 2], &sc.s, rows);
         pack_pairs(&mut sc.dsp[..rp / 2], &sc.dp, rows);
