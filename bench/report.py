@@ -672,7 +672,9 @@ VARIANTS_NOTE = ("`examples/variants_bench.rs`: each variant's forward beside th
 FLEX_NOTE = ("`bench/torch_flex.py`: PyTorch's FlexAttention (`torch.compile`d, bf16) on the "
              "same shapes and the same block masks (the same generator and seed), its time with "
              "the mask and its ratio to its own unmasked call (causal or not, as the row); "
-             "empty where it was not run (it runs out of memory building 16k and 32k masks).")
+             "empty where it was not run (it runs out of memory building 16k and 32k masks). "
+             "Its rows come from their own run on the same GPU model (date and commit in "
+             "bench/results/gpu-flex.csv).")
 
 
 def variant_note(r):
