@@ -68,18 +68,19 @@ fn sinks_dense(t: &Target) -> Result<()> {
 }
 test_device!(sinks_dense, Forward);
 
+/// Decode shapes `(seq_q, seq_k, heads, kv_heads)`: one and several query rows, GQA groups of
+/// 8, 4 and 1, a cache long enough to split and one of 5 keys.
+const DECODE_SHAPES: [(usize, usize, usize, usize); 4] = [
+    (1, 1000, 8, 1),
+    (4, 777, 8, 2),
+    (2, 300, 4, 4),
+    (1, 5, 8, 8),
+];
+
 /// One to four query rows against long caches (the decode kernels on a GPU, with one split and
 /// with the most, where the sink joins in the combine pass), GQA groups 1 to 8.
 fn sinks_decode(t: &Target) -> Result<()> {
-    for (n, &(sq, sk, h, hk)) in [
-        (1, 1000, 8, 1),
-        (4, 777, 8, 2),
-        (2, 300, 4, 4),
-        (1, 5, 8, 8),
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (n, &(sq, sk, h, hk)) in DECODE_SHAPES.iter().enumerate() {
         for &dtype in t.sweep(&DTYPES, n) {
             let d = [128, 64][n % 2];
             let opts = FlashAttn::new(scale(d)).causal().sinks(&sinks(h));
@@ -395,15 +396,7 @@ test_device!(bias_dense, Forward);
 /// key-padding bias with `-inf` keys, a full one in q's dtype and a per-head one, with causal
 /// masks and sinks.
 fn bias_decode(t: &Target) -> Result<()> {
-    for (n, &(sq, sk, h, hk)) in [
-        (1, 1000, 8, 1),
-        (4, 777, 8, 2),
-        (2, 300, 4, 4),
-        (1, 5, 8, 8),
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (n, &(sq, sk, h, hk)) in DECODE_SHAPES.iter().enumerate() {
         for &dtype in t.sweep(&DTYPES, n) {
             let d = [128, 64][n % 2];
             let seed = 700 + 10 * n as u64;

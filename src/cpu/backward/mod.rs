@@ -808,21 +808,11 @@ mod tests {
     use super::*;
     use crate::FlashAttn;
 
-    /// A block mask of `(1, 1, 3, 5)` blocks with two hidden (for 32 x 48 blocks of 90 x 200).
-    fn extras_blocks(dev: &Device) -> candle::Result<Tensor> {
-        Tensor::from_vec(
-            vec![1u8, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1],
-            (1, 1, 3, 5),
-            dev,
-        )
-    }
-
-    /// Every instruction set, fused and split schedules, give the same gradients (bitwise
-    /// across schedules).
-    #[test]
-    fn schedules_and_isas_agree() -> candle::Result<()> {
-        let dev = Device::Cpu;
-        let cases = [
+    /// Shapes `(sq, sk, d, heads, kv_heads)` and options both agreement tests run: masks,
+    /// softcap, ALiBi, and a bias with a block mask.
+    #[allow(clippy::type_complexity)]
+    fn cases(dev: &Device) -> candle::Result<Vec<(usize, usize, usize, usize, usize, FlashAttn)>> {
+        Ok(vec![
             (70, 150, 40, 6, 2, FlashAttn::new(0.2).causal()),
             // More key tiles than KSUB and query rows than QSUB tiles.
             (300, 600, 64, 4, 2, FlashAttn::new(0.125).causal()),
@@ -840,7 +830,7 @@ mod tests {
                 80,
                 2,
                 2,
-                FlashAttn::new(0.2).alibi(&Tensor::new(&[0.25f32, 0.0625], &dev)?),
+                FlashAttn::new(0.2).alibi(&Tensor::new(&[0.25f32, 0.0625], dev)?),
             ),
             (
                 90,
@@ -850,10 +840,27 @@ mod tests {
                 1,
                 FlashAttn::new(0.125)
                     .causal()
-                    .bias(&Tensor::randn(0f32, 1., (1, 2, 90, 200), &dev)?)
-                    .block_mask(&extras_blocks(&dev)?, 32, 48),
+                    .bias(&Tensor::randn(0f32, 1., (1, 2, 90, 200), dev)?)
+                    .block_mask(&extras_blocks(dev)?, 32, 48),
             ),
-        ];
+        ])
+    }
+
+    /// A block mask of `(1, 1, 3, 5)` blocks with two hidden (for 32 x 48 blocks of 90 x 200).
+    fn extras_blocks(dev: &Device) -> candle::Result<Tensor> {
+        Tensor::from_vec(
+            vec![1u8, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1],
+            (1, 1, 3, 5),
+            dev,
+        )
+    }
+
+    /// Every instruction set, fused and split schedules, give the same gradients (bitwise
+    /// across schedules).
+    #[test]
+    fn schedules_and_isas_agree() -> candle::Result<()> {
+        let dev = Device::Cpu;
+        let cases = cases(&dev)?;
         for (sq, sk, d, h, hk, opts) in cases {
             let q = Tensor::randn(0f32, 1., (1, sq, h, d), &dev)?;
             let k = Tensor::randn(0f32, 1., (1, sk, hk, d), &dev)?;
@@ -929,38 +936,8 @@ mod tests {
             return Ok(());
         }
         let dev = Device::Cpu;
-        let cases = [
-            (70, 150, 40, 6, 2, FlashAttn::new(0.2).causal()),
-            (300, 600, 64, 4, 2, FlashAttn::new(0.125).causal()),
-            (
-                150,
-                70,
-                24,
-                4,
-                1,
-                FlashAttn::new(0.3).window(Some(20), Some(3)).softcap(2.0),
-            ),
-            (
-                65,
-                130,
-                80,
-                2,
-                2,
-                FlashAttn::new(0.2).alibi(&Tensor::new(&[0.25f32, 0.0625], &dev)?),
-            ),
-            (37, 37, 129, 2, 1, FlashAttn::new(0.1)),
-            (
-                90,
-                200,
-                64,
-                2,
-                1,
-                FlashAttn::new(0.125)
-                    .causal()
-                    .bias(&Tensor::randn(0f32, 1., (1, 2, 90, 200), &dev)?)
-                    .block_mask(&extras_blocks(&dev)?, 32, 48),
-            ),
-        ];
+        let mut cases = cases(&dev)?;
+        cases.push((37, 37, 129, 2, 1, FlashAttn::new(0.1)));
         for (sq, sk, d, h, hk, opts) in cases {
             let mk = |s, hh| Tensor::randn(0f32, 1., (1, s, hh, d), &dev)?.to_dtype(DType::BF16);
             let (q, k, v, g) = (mk(sq, h)?, mk(sk, hk)?, mk(sk, hk)?, mk(sq, h)?);

@@ -25,7 +25,7 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
     let mut call = ForwardCall::<T>::new(dev, p, qkv, alibi, plan.pack, plan.d_load)?;
     let mut base = call.params(p, &stream, plan.d_load)?;
     // A bias (read per key; the decode kernels take no block mask, so no tile lists).
-    extras::fill(&mut base, p, T::DTYPE, None, dev)?;
+    extras::fill(&mut base, p, None, dev)?;
     // Split calls: f32 partial outputs `(splits, total_q, heads, d)` and base-2 partial
     // log-sum-exps `(splits, heads, total_q)`, one allocation.
     let part_len = plan.splits * p.total_q * p.heads;

@@ -29,7 +29,7 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
         ..call.params(p, &stream, plan.d_load)?
     };
     // The bias and block mask; the tile lists stay alive until the launch is queued.
-    let lists = extras::fill(&mut params, p, T::DTYPE, plan.tile(), dev)?;
+    let lists = extras::fill(&mut params, p, plan.tile(), dev)?;
     match (plan.kernel, plan.sm90) {
         (Kernel::Sm90(i), Some((group, store))) => {
             let bf16 = T::DTYPE == DType::BF16;

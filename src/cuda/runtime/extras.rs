@@ -50,23 +50,16 @@ pub(crate) struct TileLists {
 /// Fills the bias and block-mask fields of `params` for a kernel of `tile` = (rows, keys) per
 /// tile (`None`: a kernel without tiles, which checks every key's block), and for tiled kernels
 /// builds the block mask's key-tile lists on the stream. `params` holds the call's lengths and
-/// window already.
+/// window already; the validated problem's bias is f32 or the inputs' dtype.
 pub(crate) fn fill(
     params: &mut Params,
     p: &Problem,
-    dtype: DType,
     tile: Option<(usize, usize)>,
     dev: &CudaDevice,
 ) -> Result<Option<TileLists>> {
     let stream = dev.cuda_stream();
     if let Some(b) = &p.bias {
         let (ptr, [sb, sh, sq, sk]) = broadcast(b, &stream, "bias")?;
-        if b.dtype() != DType::F32 && b.dtype() != dtype {
-            bail!(
-                "flash-attn: bias must be f32 or q's dtype {dtype:?}, got {:?}",
-                b.dtype()
-            )
-        }
         params.bias = ptr;
         (params.bias_b, params.bias_h, params.bias_q, params.bias_k) = (sb, sh, sq, sk);
         params.bias_f32 = (b.dtype() == DType::F32) as i32;
