@@ -61,8 +61,8 @@
 //! - attention sinks are not f32 of shape `(heads,)`;
 //! - a bias is not f32 or q's dtype, or does not broadcast to `(batch, heads, seq_q, seq_k)`; a
 //!   block mask is not u8, does not broadcast to its block grid, or has a block size of 0; either
-//!   comes with a varlen, paged or KV-cache call, on CUDA, with a tracked bias, or into a
-//!   backward pass (none of which takes them yet);
+//!   comes with a varlen, paged or KV-cache call, or into a CUDA backward pass (none of which
+//!   takes them yet);
 //! - varlen offsets are not u32 of shape `(batch + 1,)`, do not start at 0, decrease, hold a
 //!   sequence longer than `max_seqlen_q`/`max_seqlen_k`, do not end at the packed tensor's token
 //!   count, or q's and k's offsets differ in length;

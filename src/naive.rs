@@ -52,47 +52,12 @@ pub fn naive_attention(
     // Validation is shared with the flash path, so both accept and refuse the same inputs.
     let p = opts.problem(q, k, v, None)?;
     let (b, sq, h, d) = (p.batch, p.max_seq_q, p.heads, p.head_dim);
-    let (hk, sk) = (p.kv_heads, p.max_seq_k);
+    let sk = p.max_seq_k;
     let dtype = q.dtype();
     if b * sq * h * d == 0 || sk == 0 {
         return Tensor::zeros((b, sq, h, d), dtype, q.device());
     }
-    let g = h / hk;
-    let repeat = |t: &Tensor| -> candle::Result<Tensor> {
-        let t = t.transpose(1, 2)?; // (b, hk, sk, d)
-        if g == 1 {
-            return t.contiguous();
-        }
-        t.unsqueeze(2)?
-            .expand((b, hk, g, sk, d))?
-            .reshape((b, h, sk, d))
-    };
-    let qt = q.transpose(1, 2)?.contiguous()?; // (b, h, sq, d)
-    let kt = repeat(k)?;
-    let vt = repeat(v)?;
-    let scores = qt.matmul(&kt.t()?.contiguous()?)?.to_dtype(DType::F32)?;
-    let mut s = (scores * p.score.scale as f64)?;
-    if p.score.softcap > 0.0 {
-        let c = p.score.softcap as f64;
-        s = ((s / c)?.tanh()? * c)?;
-    }
-    if let Some(slopes) = &opts.alibi_slopes {
-        let slopes = if slopes.rank() == 1 {
-            slopes.reshape((1, h, 1, 1))?
-        } else {
-            slopes.reshape((b, h, 1, 1))?
-        };
-        s = s.broadcast_sub(&distance(sq, sk, q.device())?.broadcast_mul(&slopes)?)?;
-    }
-    if let Some(bias) = &opts.bias {
-        s = s.broadcast_add(&bias.to_dtype(DType::F32)?)?;
-    }
-    if let Some(m) = &opts.block_mask {
-        s = s.broadcast_add(&block_mask(m, sq, sk)?)?;
-    }
-    if !opts.mask().is_full() {
-        s = s.broadcast_add(&mask(opts, sq, sk, q.device())?)?;
-    }
+    let s = logits(q, k, opts)?;
     // A row with every key masked has max -inf: clamping the max keeps exp() at 0 instead of
     // NaN, and clamping the sum turns 0/0 into 0. The clamp is 1, which changes no other row
     // (the max key contributes exp(0) = 1 to its sum), because autograd divides by the square
@@ -114,7 +79,55 @@ pub fn naive_attention(
     }
     let l = l.maximum(1.0)?;
     let pr = e.broadcast_div(&l)?.to_dtype(dtype)?;
-    pr.matmul(&vt)?.transpose(1, 2)?.contiguous()
+    pr.matmul(&per_head(v, h)?)?.transpose(1, 2)?.contiguous()
+}
+
+/// k or v `(batch, seq_k, kv_heads, d)` as `(batch, heads, seq_k, d)`, each K/V head repeated
+/// for the `heads / kv_heads` query heads that share it.
+pub(crate) fn per_head(t: &Tensor, heads: usize) -> candle::Result<Tensor> {
+    let (b, sk, hk, d) = t.dims4()?;
+    let g = heads / hk;
+    let t = t.transpose(1, 2)?; // (b, hk, sk, d)
+    if g == 1 {
+        return t.contiguous();
+    }
+    t.unsqueeze(2)?
+        .expand((b, hk, g, sk, d))?
+        .reshape((b, heads, sk, d))
+}
+
+/// The `(batch, heads, seq_q, seq_k)` f32 logits of a dense call of already validated inputs:
+/// `scale · q kᵀ` (the product in the input dtype), softcap, ALiBi, bias, then the block mask
+/// and the window as `-inf`; sinks are not in it.
+pub(crate) fn logits(q: &Tensor, k: &Tensor, opts: &FlashAttn) -> candle::Result<Tensor> {
+    let (b, sq, h, _) = q.dims4()?;
+    let sk = k.dim(1)?;
+    let qt = q.transpose(1, 2)?.contiguous()?; // (b, h, sq, d)
+    let kt = per_head(k, h)?;
+    let scores = qt.matmul(&kt.t()?.contiguous()?)?.to_dtype(DType::F32)?;
+    let mut s = (scores * opts.softmax_scale as f64)?;
+    if let Some(c) = opts.softcap.filter(|&c| c > 0.0) {
+        let c = c as f64;
+        s = ((s / c)?.tanh()? * c)?;
+    }
+    if let Some(slopes) = &opts.alibi_slopes {
+        let slopes = if slopes.rank() == 1 {
+            slopes.reshape((1, h, 1, 1))?
+        } else {
+            slopes.reshape((b, h, 1, 1))?
+        };
+        s = s.broadcast_sub(&distance(sq, sk, q.device())?.broadcast_mul(&slopes)?)?;
+    }
+    if let Some(bias) = &opts.bias {
+        s = s.broadcast_add(&bias.to_dtype(DType::F32)?)?;
+    }
+    if let Some(m) = &opts.block_mask {
+        s = s.broadcast_add(&block_mask(m, sq, sk)?)?;
+    }
+    if !opts.mask().is_full() {
+        s = s.broadcast_add(&mask(opts, sq, sk, q.device())?)?;
+    }
+    Ok(s)
 }
 
 /// `rows(shift)[i] = diag(i) + shift` as an `(sq, 1)` i64 column (diag(i) = i + sk - sq), and

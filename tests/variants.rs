@@ -2,7 +2,8 @@
 //! carries no value) in every path (dense, varlen, decode, paged and KV-cache calls, which share
 //! the `sinks` of tests/paged.rs), their gradients through autograd and
 //! `FlashAttn::backward_all`, and their bad inputs; the additive bias and the block-sparse mask
-//! of dense calls on the CPU, and their bad inputs.
+//! of dense calls (CPU and CUDA forward, CPU gradients, the bias's own included), and their bad
+//! inputs.
 //!
 //! ```text
 //! cargo test --release --test variants
@@ -14,7 +15,10 @@ mod common;
 
 use candle::{DType, Device, Result, Tensor, Var};
 use candle_flash::{naive_attention, FlashAttn};
-use common::grad::{autograd, check_grads, grad_bytes, reference_grads, reference_grads_varlen};
+use common::grad::{
+    autograd, check_grad, check_grads, dbias_of, grad_bytes, reference_grads,
+    reference_grads_varlen,
+};
 use common::*;
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
@@ -502,10 +506,12 @@ fn sanitizer_bias_blocks(t: &Target) -> Result<()> {
 }
 test_device!(sanitizer_bias_blocks, Forward);
 
-/// Gradients of q, k and v through a bias and a block mask (untracked): a key-padding bias
-/// under a causal mask, a full bias with a window and softcap, a block mask with a bias, on the
-/// CPU against autograd of the naive path and the f64 reference. CUDA has no backward for them
-/// yet: there the forward runs and the backward is an error naming the bias.
+/// Gradients of q, k, v and the bias through a bias and a block mask: a key-padding bias under a
+/// causal mask, a full bias with a window and softcap, a block mask with a bias, a per-head bias
+/// without batch and row dimensions, on the CPU against autograd of the naive path and the f64
+/// reference; the bias's gradient both through autograd (a tracked bias) and `backward_all`.
+/// CUDA has no backward for them yet: there the forward runs and the backward is an error naming
+/// the bias.
 fn bias_and_block_mask_gradients(t: &Target) -> Result<()> {
     let shapes = [(37, 53, 6, 3, 64), (53, 37, 6, 2, 40), (1, 90, 4, 1, 128)];
     for (n, &(sq, sk, h, hk, d)) in shapes.iter().enumerate() {
@@ -515,6 +521,7 @@ fn bias_and_block_mask_gradients(t: &Target) -> Result<()> {
             let (q, k, v, g) = c.grad_inputs(t, seed)?;
             let pad = bias_of(&[2, 1, 1, sk], seed)?;
             let full = bias_of(&[2, h, sq, sk], seed + 1)?;
+            let per_head = bias_of(&[h, 1, sk], seed + 3)?;
             // Key block 0 stays open, so that every row sees a key.
             let (nq, nk) = (sq.div_ceil(16), sk.div_ceil(8));
             let mut m = blocks_of(&[1, h, nq, nk], seed + 2)?
@@ -531,6 +538,7 @@ fn bias_and_block_mask_gradients(t: &Target) -> Result<()> {
                 FlashAttn::new(scale(d))
                     .block_mask(&blocks, 16, 8)
                     .bias(&pad),
+                FlashAttn::new(scale(d)).causal().bias(&per_head),
             ];
             for opts in cases {
                 let what = format!("{:?}", c.clone().with(opts.clone()));
@@ -547,6 +555,28 @@ fn bias_and_block_mask_gradients(t: &Target) -> Result<()> {
                 let naive = autograd(&q, &k, &v, &g, |q, k, v| naive_attention(q, k, v, &op))?;
                 let r = reference_grads(&q, &k, &v, &g, &opts)?;
                 check_grads(&what, &fast, &naive, &r, [&q, &k, &v]);
+                // The bias's own gradient.
+                let bias = opts.bias.clone().expect("every case has a bias");
+                let r_bias = dbias_of(&r, (2, h, sq, sk), bias.dims());
+                let tracked = |f: &dyn Fn(&FlashAttn) -> Result<Tensor>| -> Result<Tensor> {
+                    let var = Var::from_tensor(&bias)?;
+                    let mut o = op.clone();
+                    o.bias = Some(var.as_tensor().clone());
+                    let out = f(&o)?;
+                    let loss = (out.to_dtype(DType::F32)? * g.to_dtype(DType::F32)?)?.sum_all()?;
+                    let grads = loss.backward()?;
+                    let db = grads.get(var.as_tensor()).cloned();
+                    db.ok_or_else(|| candle::Error::Msg("no gradient reached the bias".into()))
+                };
+                let fast_bias = tracked(&|o| o.forward(&q, &k, &v))?;
+                let naive_bias = tracked(&|o| naive_attention(&q, &k, &v, o))?;
+                let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
+                let all = op.backward_all(&q, &k, &v, &out, &g, &lse)?;
+                let from_all = all.dbias.expect("backward_all returns dbias with a bias");
+                for (how, db) in [("autograd", &fast_bias), ("backward_all", &from_all)] {
+                    let what = format!("{what} dbias ({how})");
+                    check_grad(&what, db, &naive_bias, &r_bias, &bias);
+                }
             }
         }
     }
@@ -600,8 +630,5 @@ fn bias_and_block_mask_errors() -> Result<()> {
         .forward_varlen(&q.get(0)?, &k.get(0)?, &k.get(0)?, &cu, &cuk, 5, 7)
         .expect_err("varlen with a bias");
     assert!(e.to_string().contains("bias"), "{e}");
-    // No gradient of the bias yet: a tracked bias is refused, never silently without one.
-    let tracked = Var::zeros((1, 1, 1, 7), DType::F32, &dev)?;
-    err(base.clone().bias(tracked.as_tensor()), "bias");
     Ok(())
 }

@@ -3,6 +3,7 @@
 
 mod append;
 mod backward;
+mod bias_grad;
 mod custom;
 mod kvcache;
 mod overrides;
@@ -152,9 +153,12 @@ impl FlashAttn {
     /// before the mask: `s = softcap(scale · q·k) − ALiBi + bias`, then masked. A `-inf` entry
     /// masks its key; a `(batch, 1, 1, seq_k)` bias of 0 and `-inf` is a key-padding mask.
     ///
-    /// Dense calls, on the CPU and CUDA; gradients of q, k and v on the CPU. Varlen, paged and
-    /// KV-cache calls, the CUDA backward pass and a tracked (`Var`) bias (whose gradient is not
-    /// computed yet) are refused with an error that says so.
+    /// Dense calls, on the CPU and CUDA; gradients of q, k and v on the CPU. The bias's own
+    /// gradient: `loss.backward()` reaches a tracked (`Var`) bias, and
+    /// [`backward_all`](Self::backward_all) returns `dbias`; both rebuild the scores one
+    /// sequence at a time (`(heads, seq_q, seq_k)` f32, the memory of naive attention for one
+    /// sequence). Varlen, paged and KV-cache calls and the CUDA backward pass are refused with
+    /// an error that says so.
     /// [`naive_attention`](crate::naive_attention) takes it on every device. A bias without a
     /// query-row dimension (key padding) is read once per key tile; a full bias is read per
     /// score and costs several times the plain call on the GPU.
@@ -425,7 +429,8 @@ impl FlashAttn {
 
     /// [`backward`](Self::backward) with the gradients of the options that have one: `dsinks`
     /// `(heads,)` f32 when the op has [`sinks`](Self::sinks) (`None` otherwise), summed over
-    /// every row of each head. Same arguments as `backward`.
+    /// every row of each head, and `dbias` shaped and typed like the [`bias`](Self::bias),
+    /// summed over the dimensions along which it was broadcast. Same arguments as `backward`.
     ///
     /// ```
     /// use candle::{Device, Tensor};
@@ -448,7 +453,7 @@ impl FlashAttn {
         lse: &Tensor,
     ) -> Result<AttnGrads> {
         let (dq, dk, dv) = self.backward(q, k, v, out, grad_out, lse)?;
-        self.with_option_grads((dq, dk, dv), out, grad_out, lse, false)
+        self.with_option_grads((dq, dk, dv), [q, k, v], out, grad_out, lse, false)
     }
 
     /// [`backward_all`](Self::backward_all) for a packed variable-length batch, with the
@@ -479,12 +484,13 @@ impl FlashAttn {
             max_seqlen_q,
             max_seqlen_k,
         )?;
-        self.with_option_grads(grads, out, grad_out, lse, true)
+        self.with_option_grads(grads, [q, k, v], out, grad_out, lse, true)
     }
 
     fn with_option_grads(
         &self,
         (dq, dk, dv): (Tensor, Tensor, Tensor),
+        [q, k, v]: [&Tensor; 3],
         out: &Tensor,
         grad_out: &Tensor,
         lse: &Tensor,
@@ -494,7 +500,18 @@ impl FlashAttn {
             None => None,
             Some(s) => Some(sinks::grad(out, grad_out, lse, s, varlen)?),
         };
-        Ok(AttnGrads { dq, dk, dv, dsinks })
+        // (A bias is on dense calls only.)
+        let dbias = match &self.bias {
+            None => None,
+            Some(b) => Some(bias_grad::grad(self, b, q, k, v, out, grad_out, lse)?),
+        };
+        Ok(AttnGrads {
+            dq,
+            dk,
+            dv,
+            dsinks,
+            dbias,
+        })
     }
 
     fn run_backward(
@@ -542,12 +559,6 @@ impl FlashAttn {
             let out = q.apply_op3(k, v, EmptyAttnOp { out_shape })?;
             return Ok((out, lse));
         }
-        if self.bias.as_ref().is_some_and(|b| b.track_op()) {
-            bail!(
-                "flash-attn: the bias is a tracked tensor, and its gradient is not supported yet; \
-                 detach it or use naive_attention"
-            )
-        }
         let varlen = problem.varlen.is_some();
         let op = FlashAttnOp::new(problem, self.alibi_slopes.clone());
         let (stash, saved) = (op.lse_stash.clone(), op.lse.clone());
@@ -566,6 +577,11 @@ impl FlashAttn {
         let _ = saved.set(lse.clone());
         let out = match &self.sinks {
             Some(s) if s.track_op() => sinks::track(&out, &lse, s, varlen)?,
+            _ => out,
+        };
+        // (A bias is on dense calls only.)
+        let out = match &self.bias {
+            Some(bias) if bias.track_op() => bias_grad::track(self, bias, q, k, v, &out, &lse)?,
             _ => out,
         };
         Ok((out, lse))
@@ -591,6 +607,9 @@ pub struct AttnGrads {
     pub dv: Tensor,
     /// `(heads,)` f32 when the call had [`sinks`](FlashAttn::sinks).
     pub dsinks: Option<Tensor>,
+    /// Shaped and typed like the [`bias`](FlashAttn::bias) when the call had one: summed over
+    /// the dimensions along which it was broadcast.
+    pub dbias: Option<Tensor>,
 }
 
 /// Zeros of `shape`, which may hold no element, without a zero-byte allocation: candle 0.11 on

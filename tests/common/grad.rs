@@ -33,6 +33,38 @@ pub struct RefGrads {
     pub dv: Vec<f64>,
     /// `(h,)`: `-Σ_i exp(sink - lse_i) D_i` over the rows of each head (zeros without sinks).
     pub dsinks: Vec<f64>,
+    /// `(b, h, sq, sk)`: the gradient of every final score, `dS = P (dP - D)` (0 where hidden),
+    /// which is a bias's gradient before the sum over its broadcast dimensions (see
+    /// [`dbias_of`]). Empty for varlen calls.
+    pub ds: Vec<f64>,
+}
+
+/// The gradient of a bias of shape `bias_dims` (broadcastable to `(b, h, sq, sk)`) from the
+/// reference's score gradients: summed over the dimensions along which it is broadcast, in the
+/// bias's contiguous layout.
+pub fn dbias_of(
+    r: &RefGrads,
+    (b, h, sq, sk): (usize, usize, usize, usize),
+    bias_dims: &[usize],
+) -> Vec<f64> {
+    let mut dims = bias_dims.to_vec();
+    while dims.len() < 4 {
+        dims.insert(0, 1);
+    }
+    let full = [b, h, sq, sk];
+    let mut out = vec![0f64; dims.iter().product()];
+    for (n, &x) in r.ds.iter().enumerate() {
+        let mut rest = n;
+        let mut at = 0;
+        for axis in 0..4 {
+            let stride: usize = full[axis + 1..].iter().product();
+            let i = rest / stride;
+            rest %= stride;
+            at = at * dims[axis] + if dims[axis] == 1 { 0 } else { i };
+        }
+        out[at] += x;
+    }
+    out
 }
 
 /// Analytic f64 gradients of `FlashAttn::forward(q, k, v)` with the options `opts` (scale,
@@ -113,6 +145,7 @@ pub fn reference_grads_varlen(
         dk: vec![0.0; total_k * hk * d],
         dv: vec![0.0; total_k * hk * d],
         dsinks: vec![0.0; h],
+        ds: Vec::new(),
     };
     let seqs = sequences(&q, &k, &v, cu_q, cu_k, &opts)?;
     for (s, w) in seqs.iter().zip(cu_k.windows(2)) {
@@ -156,6 +189,8 @@ struct GroupGrads {
     dv: Vec<f64>,
     /// Of its query heads, `(group,)`.
     dsinks: Vec<f64>,
+    /// Score gradients of its query heads, `(group, sq, sk)`.
+    ds: Vec<f64>,
 }
 
 impl Geometry {
@@ -185,11 +220,14 @@ impl Geometry {
         let mut dk = vec![0f64; b * sk * hk * d];
         let mut dv = vec![0f64; b * sk * hk * d];
         let mut dsinks = vec![0f64; h];
+        let mut ds = vec![0f64; b * h * sq * sk];
         for (bk, gg) in groups.into_iter().enumerate() {
             let (bi, kh) = (bk / hk, bk % hk);
             for n in 0..group {
                 let hi = kh * group + n;
                 dsinks[hi] += gg.dsinks[n];
+                ds[(bi * h + hi) * sq * sk..][..sq * sk]
+                    .copy_from_slice(&gg.ds[n * sq * sk..][..sq * sk]);
                 for i in 0..sq {
                     dq[((bi * sq + i) * h + hi) * d..][..d]
                         .copy_from_slice(&gg.dq[(n * sq + i) * d..][..d]);
@@ -201,7 +239,13 @@ impl Geometry {
                 dv[at..at + d].copy_from_slice(&gg.dv[j * d..][..d]);
             }
         }
-        RefGrads { dq, dk, dv, dsinks }
+        RefGrads {
+            dq,
+            dk,
+            dv,
+            dsinks,
+            ds,
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -231,6 +275,7 @@ impl Geometry {
             dk: vec![0f64; sk * d],
             dv: vec![0f64; sk * d],
             dsinks: vec![0f64; group],
+            ds: vec![0f64; group * sq * sk],
         };
         let qi = |i: usize, hi: usize| ((bi * sq + i) * h + hi) * d;
         let kj = |j: usize| ((bi * sk + j) * hk + kh) * d;
@@ -286,7 +331,9 @@ impl Geometry {
                     let (sc, dsdz) = s[j];
                     let p = (sc - lse).exp();
                     let (kr, vr) = (&k[kj(j)..][..d], &v[kj(j)..][..d]);
-                    let dz = p * (dot(gr, vr) - big_d) * dsdz;
+                    let dscore = p * (dot(gr, vr) - big_d);
+                    out.ds[(n * sq + i) * sk + j] = dscore;
+                    let dz = dscore * dsdz;
                     axpy(&mut out.dv[j * d..][..d], p, gr);
                     axpy(&mut out.dk[j * d..][..d], scale * dz, qr);
                     axpy(dqr, scale * dz, kr);
@@ -370,39 +417,50 @@ pub fn check_grads(what: &str, fast: &Grads, naive: &Grads, r: &RefGrads, like: 
         let what = format!("{what} {name}");
         assert_eq!(f.dims(), t.dims(), "{what}: shape");
         assert_eq!(f.dtype(), t.dtype(), "{what}: dtype");
-        let (floor, rel_backstop, _) = tolerances(f.dtype());
-        let actual = values(f).unwrap();
-        let err = max_abs_err_slice(&actual, r).unwrap_or_else(|| {
-            panic!(
-                "{what}: non-finite gradient where the reference is finite, or back ({})",
-                first_non_finite_disagreement(&actual, r)
-            )
-        });
-        let beyond = max_err_beyond(&actual, r, floor).unwrap();
-        let naive_err = max_abs_err_slice(&values(n).unwrap(), r).unwrap_or_else(|| {
-            panic!(
-                "{what}: the naive autograd gradient is non-finite where the reference is finite"
-            )
-        });
-        let allowed = if naive_err > 0.0 {
-            2.0 * naive_err + SCALE_FLOOR * scale
-        } else {
-            rel_backstop * scale
-        };
-        if std::env::var_os("CANDLE_FLASH_TOL_REPORT").is_some() {
-            let s = scale.max(f64::MIN_POSITIVE);
-            eprintln!(
-                "tol-report {:?} err/scale {:.3e} naive/scale {:.3e} scale {scale:.3e} | {what}",
-                f.dtype(),
-                err / s,
-                naive_err / s
-            );
-        }
-        assert!(
-            beyond <= allowed,
-            "{what}: max abs err {err:.3e} ({beyond:.3e} beyond the floor of {floor:.2e} |ref|) > \
-             allowed {allowed:.3e} (2 x naive err {naive_err:.3e} + {SCALE_FLOOR:.2e} x scale \
-             {scale:.3e})"
+        check_part(&what, f, n, r, scale);
+    }
+}
+
+/// [`check_grads`] for one more gradient (a bias's): the flash and naive autograd gradients
+/// against the f64 reference `r`, on the reference's own scale.
+pub fn check_grad(what: &str, fast: &Tensor, naive: &Tensor, r: &[f64], like: &Tensor) {
+    assert_eq!(fast.dims(), like.dims(), "{what}: shape");
+    assert_eq!(fast.dtype(), like.dtype(), "{what}: dtype");
+    check_part(what, fast, naive, r, scale_of(r));
+}
+
+/// The comparison rule of [`check_grads`] for one gradient.
+fn check_part(what: &str, f: &Tensor, n: &Tensor, r: &[f64], scale: f64) {
+    let (floor, rel_backstop, _) = tolerances(f.dtype());
+    let actual = values(f).unwrap();
+    let err = max_abs_err_slice(&actual, r).unwrap_or_else(|| {
+        panic!(
+            "{what}: non-finite gradient where the reference is finite, or back ({})",
+            first_non_finite_disagreement(&actual, r)
+        )
+    });
+    let beyond = max_err_beyond(&actual, r, floor).unwrap();
+    let naive_err = max_abs_err_slice(&values(n).unwrap(), r).unwrap_or_else(|| {
+        panic!("{what}: the naive autograd gradient is non-finite where the reference is finite")
+    });
+    let allowed = if naive_err > 0.0 {
+        2.0 * naive_err + SCALE_FLOOR * scale
+    } else {
+        rel_backstop * scale
+    };
+    if std::env::var_os("CANDLE_FLASH_TOL_REPORT").is_some() {
+        let s = scale.max(f64::MIN_POSITIVE);
+        eprintln!(
+            "tol-report {:?} err/scale {:.3e} naive/scale {:.3e} scale {scale:.3e} | {what}",
+            f.dtype(),
+            err / s,
+            naive_err / s
         );
     }
+    assert!(
+        beyond <= allowed,
+        "{what}: max abs err {err:.3e} ({beyond:.3e} beyond the floor of {floor:.2e} |ref|) > \
+         allowed {allowed:.3e} (2 x naive err {naive_err:.3e} + {SCALE_FLOOR:.2e} x scale \
+         {scale:.3e})"
+    );
 }

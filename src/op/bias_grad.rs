@@ -1,0 +1,170 @@
+//! The gradient of an additive bias, outside the kernels. A bias entry is added to the score it
+//! meets after scale, softcap and ALiBi, so its gradient is that score's:
+//! `∂loss/∂s_ij = p_ij (dP_ij − D_i)` with `p_ij = exp(s_ij − L_i)` (the forward's lse `L`, sinks
+//! included), `dP = dO vᵀ` and `D_i = dO_i · O_i`, summed over the bias's broadcast dimensions.
+//! The scores are rebuilt one sequence at a time, `(heads, seq_q, seq_k)` in f32: the memory of
+//! naive attention for one sequence, paid only by calls that ask for the bias gradient.
+
+use candle::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
+
+use super::FlashAttn;
+use crate::naive::{logits, per_head};
+
+/// `dbias`, shaped and typed like `bias`, of a dense call (q `(b, sq, h, d)`, k and v
+/// `(b, sk, hk, d)`) from its forward `out` and `lse` `(b, h, sq)` and the output gradient.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn grad(
+    opts: &FlashAttn,
+    bias: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
+) -> Result<Tensor> {
+    let (b, _, h, _) = q.dims4()?;
+    let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+    // The bias's dimensions against (batch, heads, seq_q, seq_k), missing leading ones as 1.
+    let mut dims = bias.dims().to_vec();
+    while dims.len() < 4 {
+        dims.insert(0, 1);
+    }
+    let batched = dims[0] > 1;
+    let mut per_seq = Vec::with_capacity(if batched { b } else { 1 });
+    let mut total: Option<Tensor> = None;
+    for i in 0..b {
+        let one = |t: &Tensor| t.narrow(0, i, 1);
+        // Scores in f32 from the start, as the kernels' accumulators hold them: scores rounded
+        // to a 16-bit dtype would not match the forward's lse.
+        let s = logits(&f32(&one(q)?)?, &f32(&one(k)?)?, &sequence_opts(opts, i)?)?;
+        // exp(s − L): 0 at masked scores, and at every score of a row that saw nothing (its
+        // lse -inf, clamped so that -inf − L is not NaN).
+        let l = one(lse)?.maximum(f32::MIN as f64)?.unsqueeze(D::Minus1)?;
+        let p = s.broadcast_sub(&l)?.exp()?;
+        let go = f32(&one(grad_out)?.transpose(1, 2)?)?.contiguous()?; // (1, h, sq, dv)
+        let o = f32(&one(out)?.transpose(1, 2)?)?;
+        let dp = go.matmul(&f32(&per_head(&one(v)?, h)?)?.t()?.contiguous()?)?;
+        let d = (&go * &o)?.sum_keepdim(D::Minus1)?;
+        let mut ds = (p * dp.broadcast_sub(&d)?)?;
+        for (axis, &n) in dims.iter().enumerate().skip(1) {
+            if n == 1 {
+                ds = ds.sum_keepdim(axis)?;
+            }
+        }
+        if batched {
+            per_seq.push(ds);
+        } else {
+            total = Some(match total {
+                None => ds,
+                Some(t) => (t + ds)?,
+            });
+        }
+    }
+    let ds = match total {
+        Some(t) => t,
+        None => Tensor::cat(&per_seq, 0)?,
+    };
+    ds.reshape(bias.dims())?.to_dtype(bias.dtype())
+}
+
+/// The options of sequence `i` alone: the bias, ALiBi slopes and block mask narrowed to it
+/// where they have a batch dimension.
+fn sequence_opts(opts: &FlashAttn, i: usize) -> Result<FlashAttn> {
+    let mut o = opts.clone();
+    let narrow = |t: &Tensor, rank: usize| -> Result<Tensor> {
+        if t.rank() == rank && t.dim(0)? > 1 {
+            t.narrow(0, i, 1)
+        } else {
+            Ok(t.clone())
+        }
+    };
+    o.bias = o.bias.as_ref().map(|t| narrow(t, 4)).transpose()?;
+    o.alibi_slopes = o.alibi_slopes.as_ref().map(|t| narrow(t, 2)).transpose()?;
+    if let Some(m) = &mut o.block_mask {
+        m.mask = narrow(&m.mask, 4)?;
+    }
+    Ok(o)
+}
+
+/// `out` plus a term that is exactly 0 and whose backward gives a tracked `bias` its gradient
+/// ([`grad`] from the output gradient), while q, k and v get theirs from the op as before.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn track(
+    opts: &FlashAttn,
+    bias: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+) -> Result<Tensor> {
+    let mut opts = opts.clone();
+    opts.bias = Some(bias.detach());
+    let zero = bias.apply_op1(BiasGrad {
+        opts,
+        saved: [q, k, v, out, lse].map(Tensor::detach),
+    })?;
+    out + zero
+}
+
+/// Zeros shaped and typed like the output, whose argument is the bias: its backward is the
+/// bias gradient.
+struct BiasGrad {
+    opts: FlashAttn,
+    /// q, k, v, out and lse of the call, detached.
+    saved: [Tensor; 5],
+}
+
+impl BiasGrad {
+    fn out(&self) -> &Tensor {
+        &self.saved[3]
+    }
+}
+
+impl CustomOp1 for BiasGrad {
+    fn name(&self) -> &'static str {
+        "flash-attn-bias-grad"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = self.out();
+        let n = out.elem_count();
+        let zeros = match out.dtype() {
+            DType::F32 => CpuStorage::F32(vec![0.0; n]),
+            DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; n]),
+            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; n]),
+            dt => candle::bail!("flash-attn: no bias gradient for output dtype {dt:?}"),
+        };
+        Ok((zeros, out.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        use candle::backend::BackendStorage;
+        use candle::cuda_backend::CudaStorage;
+        let out = self.out();
+        let n = out.elem_count();
+        let dev = storage.device();
+        let zeros = match out.dtype() {
+            DType::F32 => CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(n)?, dev.clone()),
+            DType::F16 => {
+                CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<half::f16>(n)?, dev.clone())
+            }
+            DType::BF16 => {
+                CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<half::bf16>(n)?, dev.clone())
+            }
+            dt => candle::bail!("flash-attn: no bias gradient for output dtype {dt:?}"),
+        };
+        Ok((zeros, out.shape().clone()))
+    }
+
+    fn bwd(&self, bias: &Tensor, _: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let [q, k, v, out, lse] = &self.saved;
+        grad(&self.opts, bias, q, k, v, out, grad_res, lse).map(Some)
+    }
+}
