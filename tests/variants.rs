@@ -358,7 +358,8 @@ fn bias_of(shape: &[usize], seed: u64) -> Result<Tensor> {
 }
 
 /// The additive bias: full, key-padding `(b, 1, 1, sk)` with `-inf` keys, per head without the
-/// batch dimension, a stride-0 view and one in q's dtype; with causal masks, windows, softcap,
+/// batch dimension, a stride-0 view, a transposed view of keys by rows, a view that starts past
+/// its storage's first element, and one in q's dtype; with causal masks, windows, softcap,
 /// ALiBi and sinks, odd lengths both ways and a decode-shaped call, GQA 6/3/2/1, every dtype and
 /// layout.
 fn bias_dense(t: &Target) -> Result<()> {
@@ -375,6 +376,8 @@ fn bias_dense(t: &Target) -> Result<()> {
             let per_head = bias_of(&[6, sq, sk], seed + 2)?;
             let view = bias_of(&[1, 1, sq, sk], seed + 3)?.broadcast_as((2, 6, sq, sk))?;
             let typed = randn(&[2, 6, 1, sk], dtype, seed + 4, &Device::Cpu)?;
+            let transposed = bias_of(&[2, 6, sk, sq], seed + 5)?.transpose(2, 3)?;
+            let offset = bias_of(&[3, 6, sq, sk], seed + 6)?.narrow(0, 1, 2)?;
             let opts = |b: &Tensor| FlashAttn::new(scale(d)).bias(b);
             let cases = [
                 base.clone().with(opts(&full)),
@@ -385,6 +388,8 @@ fn bias_dense(t: &Target) -> Result<()> {
                     .causal()
                     .with(opts(&view).causal().alibi(&head_slopes(6))),
                 base.clone().with(opts(&typed).sinks(&sinks(6))),
+                base.clone().causal().with(opts(&transposed).causal()),
+                base.clone().with(opts(&offset).window(Some(9), Some(3))),
             ];
             for (i, c) in cases.iter().enumerate() {
                 let layout = [Layout::Contiguous, Layout::Transposed, Layout::NanBuffers][i % 3];

@@ -1,11 +1,14 @@
-//! The additive bias and the block-sparse mask of a call, read once onto the host in their own
-//! (un-broadcast) shape, and addressed per `(batch, head)` through broadcast strides.
+//! The additive bias and the block-sparse mask of a call, addressed per `(batch, head)` through
+//! broadcast strides: an f32 bias on the CPU is read in place, anything else is copied once
+//! onto the host in its own (un-broadcast) shape.
 
 use std::ops::Range;
 
-use candle::{DType, Result, Tensor};
+use std::ops::Deref;
 
-use super::Lanes;
+use candle::{CpuStorage, DType, Result, Storage, Tensor};
+
+use super::{Lanes, BC};
 use crate::problem::Problem;
 use crate::semantics::LOG2_E;
 
@@ -46,6 +49,52 @@ impl<T: candle::WithDType> Broadcast<T> {
 
     fn base(&self, b: usize, h: usize) -> usize {
         b * self.strides[0] + h * self.strides[1]
+    }
+}
+
+/// The bias's values: the caller's f32 CPU tensor read in place (a full bias is as large as
+/// the score matrix, and copying it cost more than adding it), or a host copy in f32.
+enum BiasValues<'p> {
+    /// The storage (held for reading), the first element and the strides over
+    /// `(batch, heads, rows, cols)`, 0 on broadcast dimensions.
+    Stored(
+        Box<dyn Deref<Target = Storage> + Sync + 'p>,
+        usize,
+        [usize; 4],
+    ),
+    Copied(Broadcast<f32>),
+}
+
+impl<'p> BiasValues<'p> {
+    fn of(t: &'p Tensor) -> Result<Self> {
+        if t.dtype() == DType::F32 && t.device().is_cpu() {
+            let (storage, layout) = t.storage_and_layout();
+            if matches!(&*storage, Storage::Cpu(CpuStorage::F32(_))) {
+                let mut strides = [0usize; 4];
+                let at = 4 - t.rank();
+                for (dim, (&n, &st)) in t.dims().iter().zip(layout.stride()).enumerate() {
+                    strides[at + dim] = if n == 1 { 0 } else { st };
+                }
+                let start = layout.start_offset();
+                return Ok(Self::Stored(Box::new(storage), start, strides));
+            }
+        }
+        Ok(Self::Copied(Broadcast::of(t, DType::F32)?))
+    }
+
+    /// All values, the first element of `(b, h)`, and the row and key strides.
+    fn at(&self, b: usize, h: usize) -> (&[f32], usize, usize, usize) {
+        match self {
+            Self::Stored(storage, start, st) => {
+                let data: &[f32] = match &***storage {
+                    Storage::Cpu(CpuStorage::F32(v)) => v,
+                    // `of` keeps only CPU f32 storages.
+                    _ => &[],
+                };
+                (data, start + b * st[0] + h * st[1], st[2], st[3])
+            }
+            Self::Copied(x) => (&x.data[..], x.base(b, h), x.strides[2], x.strides[3]),
+        }
     }
 }
 
@@ -107,11 +156,29 @@ impl ExtrasAt<'_> {
                     s.0.iter_mut().for_each(|x| *x += b);
                 }
             } else {
-                // Row by row: each row's bias is read along its keys, in memory order.
-                for r in 0..rows {
-                    let row = &d[base + (r0 + r) * si + j0 * sj..];
-                    for (c, s) in s.iter_mut().enumerate() {
-                        s.0[r] += row[c * sj] * LOG2_E;
+                // A full bias is stored row by row and the scores hold rows in lanes: sixteen
+                // rows at a time are read along their keys (in memory order) into a small
+                // transposed block, which is then added a vector of rows per key. Adding each
+                // score on its own was a scalar read-modify-write per score.
+                const R: usize = 16;
+                let mut block = [[0f32; R]; BC];
+                for (cb, s) in s.chunks_mut(BC).enumerate() {
+                    let (j, cols) = (j0 + cb * BC, s.len());
+                    for rc in (0..rows).step_by(R) {
+                        let n = (rows - rc).min(R);
+                        for r in 0..n {
+                            let at = base + (r0 + rc + r) * si + j * sj;
+                            prefetch_row(d, at + cols * sj, cols * sj);
+                            let row = &d[at..];
+                            for (c, b) in block[..cols].iter_mut().enumerate() {
+                                b[r] = row[c * sj];
+                            }
+                        }
+                        for (s, b) in s.iter_mut().zip(&block[..cols]) {
+                            for (x, &b) in s.0[rc..rc + n].iter_mut().zip(&b[..n]) {
+                                *x += b * LOG2_E;
+                            }
+                        }
                     }
                 }
             }
@@ -151,18 +218,18 @@ impl ExtrasAt<'_> {
     }
 }
 
-/// The extras of a call on the host (none for most calls).
+/// The extras of a call on the host (none for most calls), borrowing the problem's bias.
 #[derive(Default)]
-pub(crate) struct Extras {
-    bias: Option<Broadcast<f32>>,
+pub(crate) struct Extras<'p> {
+    bias: Option<BiasValues<'p>>,
     blocks: Option<(Broadcast<u8>, usize, usize)>,
 }
 
-impl Extras {
-    pub fn of(p: &Problem) -> Result<Self> {
+impl<'p> Extras<'p> {
+    pub fn of(p: &'p Problem) -> Result<Self> {
         Ok(Self {
             bias: match &p.bias {
-                Some(t) => Some(Broadcast::of(t, DType::F32)?),
+                Some(t) => Some(BiasValues::of(t)?),
                 None => None,
             },
             blocks: match &p.block_mask {
@@ -179,10 +246,7 @@ impl Extras {
     /// The view of head `h` of sequence `b`.
     pub fn at(&self, b: usize, h: usize) -> ExtrasAt<'_> {
         ExtrasAt {
-            bias: self
-                .bias
-                .as_ref()
-                .map(|x| (&x.data[..], x.base(b, h), x.strides[2], x.strides[3])),
+            bias: self.bias.as_ref().map(|x| x.at(b, h)),
             blocks: self.blocks.as_ref().map(|(x, bq, bk)| {
                 (
                     &x.data[..],
@@ -193,4 +257,27 @@ impl Extras {
             }),
         }
     }
+}
+
+/// Asks for the cache lines of `d[at..at + len]` (clamped to `d`), ahead of their use: a full
+/// bias is read as one short run per query row and key tile, dozens of rows apart in memory,
+/// which the hardware prefetchers do not follow.
+#[inline(always)]
+fn prefetch_row(d: &[f32], at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let end = (at + len).min(d.len());
+        let mut i = at;
+        while i < end {
+            // SAFETY: `i < d.len()`, so the address lies inside `d`; a prefetch reads nothing.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    d.as_ptr().add(i).cast(),
+                )
+            };
+            i += 16;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (d, at, len);
 }

@@ -25,7 +25,7 @@ struct Ctx<'a, T> {
     lse: SyncPtr<f32>,
     /// Sub-tiles per work item (`1..=QSUB`).
     qsub: usize,
-    extras: &'a Extras,
+    extras: &'a Extras<'a>,
 }
 
 /// Runs the whole problem with the f32 micro-kernels of the CPU; returns the contiguous output

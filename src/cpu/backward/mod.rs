@@ -111,7 +111,7 @@ struct Args<'a, T> {
     p: &'a Problem,
     slopes: Option<&'a [f32]>,
     /// The bias and block mask, read on the host.
-    extras: &'a Extras,
+    extras: &'a Extras<'a>,
     q: &'a [T],
     k: &'a [T],
     v: &'a [T],
@@ -125,7 +125,7 @@ struct Args<'a, T> {
 struct Ctx<'a, T> {
     p: &'a Problem,
     slopes: Option<&'a [f32]>,
-    extras: &'a Extras,
+    extras: &'a Extras<'a>,
     k: &'a [T],
     v: &'a [T],
     src: QuerySrc<'a, T>,

@@ -51,7 +51,7 @@ struct Ctx<'a> {
     lse: SyncPtr<f32>,
     /// Sub-tiles per work item (`1..=QSUB`).
     qsub: usize,
-    extras: &'a Extras,
+    extras: &'a Extras<'a>,
 }
 
 /// Runs the whole problem on `engine` (the caller checked that the CPU has it); returns the

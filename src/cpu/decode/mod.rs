@@ -126,7 +126,7 @@ struct Ctx<'a, T> {
     /// Per sequence: its splits finished so far.
     done: Vec<std::sync::atomic::AtomicUsize>,
     /// The call's bias and block mask, if any.
-    extras: &'a Extras,
+    extras: &'a Extras<'a>,
 }
 
 /// Runs the whole problem; returns the contiguous output and the log-sum-exp.
