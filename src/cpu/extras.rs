@@ -1,5 +1,5 @@
 //! The additive bias and the block-sparse mask of a call, addressed per `(batch, head)` through
-//! broadcast strides: an f32 bias on the CPU is read in place, anything else is copied once
+//! broadcast strides: the bias is read in place, in its own dtype; the block mask is copied once
 //! onto the host in its own (un-broadcast) shape.
 
 use std::ops::Range;
@@ -52,8 +52,9 @@ impl<T: candle::WithDType> Broadcast<T> {
     }
 }
 
-/// The bias's values: the caller's f32 CPU tensor read in place (a full bias is as large as
-/// the score matrix, and copying it cost more than adding it), or a host copy in f32.
+/// The bias's values: the caller's CPU tensor read in place, in its own dtype (a full bias is
+/// as large as the score matrix, and copying it cost more than adding it), or a host copy in
+/// f32 where the storage is not on the CPU.
 enum BiasValues<'p> {
     /// The storage (held for reading), the first element and the strides over
     /// `(batch, heads, rows, cols)`, 0 on broadcast dimensions.
@@ -67,33 +68,145 @@ enum BiasValues<'p> {
 
 impl<'p> BiasValues<'p> {
     fn of(t: &'p Tensor) -> Result<Self> {
-        if t.dtype() == DType::F32 && t.device().is_cpu() {
-            let (storage, layout) = t.storage_and_layout();
-            if matches!(&*storage, Storage::Cpu(CpuStorage::F32(_))) {
-                let mut strides = [0usize; 4];
-                let at = 4 - t.rank();
-                for (dim, (&n, &st)) in t.dims().iter().zip(layout.stride()).enumerate() {
-                    strides[at + dim] = if n == 1 { 0 } else { st };
-                }
-                let start = layout.start_offset();
-                return Ok(Self::Stored(Box::new(storage), start, strides));
+        let (storage, layout) = t.storage_and_layout();
+        if matches!(
+            &*storage,
+            Storage::Cpu(CpuStorage::F32(_) | CpuStorage::BF16(_) | CpuStorage::F16(_))
+        ) {
+            let mut strides = [0usize; 4];
+            let at = 4 - t.rank();
+            for (dim, (&n, &st)) in t.dims().iter().zip(layout.stride()).enumerate() {
+                strides[at + dim] = if n == 1 { 0 } else { st };
             }
+            let start = layout.start_offset();
+            return Ok(Self::Stored(Box::new(storage), start, strides));
         }
+        drop(storage);
         Ok(Self::Copied(Broadcast::of(t, DType::F32)?))
     }
 
-    /// All values, the first element of `(b, h)`, and the row and key strides.
-    fn at(&self, b: usize, h: usize) -> (&[f32], usize, usize, usize) {
+    /// The values, the first element of `(b, h)`, and the row and key strides.
+    fn at(&self, b: usize, h: usize) -> (BiasSlice<'_>, usize, usize, usize) {
         match self {
             Self::Stored(storage, start, st) => {
-                let data: &[f32] = match &***storage {
-                    Storage::Cpu(CpuStorage::F32(v)) => v,
-                    // `of` keeps only CPU f32 storages.
-                    _ => &[],
+                let data = match &***storage {
+                    Storage::Cpu(CpuStorage::BF16(v)) => BiasSlice::Bf16(v),
+                    Storage::Cpu(CpuStorage::F16(v)) => BiasSlice::F16(v),
+                    Storage::Cpu(CpuStorage::F32(v)) => BiasSlice::F32(v),
+                    // `of` keeps only these three.
+                    _ => BiasSlice::F32(&[]),
                 };
                 (data, start + b * st[0] + h * st[1], st[2], st[3])
             }
-            Self::Copied(x) => (&x.data[..], x.base(b, h), x.strides[2], x.strides[3]),
+            Self::Copied(x) => (
+                BiasSlice::F32(&x.data),
+                x.base(b, h),
+                x.strides[2],
+                x.strides[3],
+            ),
+        }
+    }
+}
+
+/// A bias's stored values, in the dtype they are stored in.
+#[derive(Clone, Copy)]
+pub(super) enum BiasSlice<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+    F16(&'a [half::f16]),
+}
+
+/// A stored bias value, read as f32.
+trait Value: Copy {
+    fn f32(self) -> f32;
+}
+
+impl Value for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+impl Value for half::bf16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Value for half::f16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// [`ExtrasAt::apply_row`]'s bias: `unit ·` the bias of row `i`, keys `j0 + cols`, added to
+/// `s[cols]`.
+#[inline(always)]
+fn add_row<T: Value>(
+    d: &[T],
+    (base, si, sj): (usize, usize, usize),
+    s: &mut [f32],
+    i: usize,
+    j0: usize,
+    cols: Range<usize>,
+    unit: f32,
+) {
+    let row = base + i * si + j0 * sj;
+    if sj == 1 {
+        let b = &d[row + cols.start..row + cols.end];
+        for (x, &b) in s[cols].iter_mut().zip(b) {
+            *x += b.f32() * unit;
+        }
+    } else {
+        let b = d[row].f32() * unit;
+        s[cols].iter_mut().for_each(|x| *x += b);
+    }
+}
+
+/// [`ExtrasAt::apply`]'s bias, in base-2 units, over the scores `s` of keys `j0 ..` (rows
+/// `r0 .. r0 + rows` in lanes).
+#[inline(always)]
+fn add_tile<T: Value>(
+    d: &[T],
+    (base, si, sj): (usize, usize, usize),
+    s: &mut [Lanes],
+    r0: usize,
+    rows: usize,
+    j0: usize,
+) {
+    if si == 0 {
+        for (c, s) in s.iter_mut().enumerate() {
+            let b = d[base + (j0 + c) * sj].f32() * LOG2_E;
+            s.0.iter_mut().for_each(|x| *x += b);
+        }
+        return;
+    }
+    // A full bias is stored row by row and the scores hold rows in lanes: sixteen rows at a
+    // time are read along their keys (in memory order) into a small transposed block, which is
+    // then added a vector of rows per key. Adding each score on its own was a scalar
+    // read-modify-write per score.
+    const R: usize = 16;
+    let mut block = [[0f32; R]; BC];
+    for (cb, s) in s.chunks_mut(BC).enumerate() {
+        let (j, cols) = (j0 + cb * BC, s.len());
+        for rc in (0..rows).step_by(R) {
+            let n = (rows - rc).min(R);
+            for r in 0..n {
+                let at = base + (r0 + rc + r) * si + j * sj;
+                prefetch_row(d, at + cols * sj, cols * sj);
+                let row = &d[at..];
+                for (c, b) in block[..cols].iter_mut().enumerate() {
+                    b[r] = row[c * sj].f32();
+                }
+            }
+            for (s, b) in s.iter_mut().zip(&block[..cols]) {
+                for (x, &b) in s.0[rc..rc + n].iter_mut().zip(&b[..n]) {
+                    *x += b * LOG2_E;
+                }
+            }
         }
     }
 }
@@ -102,7 +215,7 @@ impl<'p> BiasValues<'p> {
 #[derive(Clone, Copy)]
 pub(super) struct ExtrasAt<'a> {
     /// Bias values and (base, row stride, key stride).
-    pub bias: Option<(&'a [f32], usize, usize, usize)>,
+    pub bias: Option<(BiasSlice<'a>, usize, usize, usize)>,
     /// Block mask values, (base, row-block stride, key-block stride) and the block sizes.
     pub blocks: Option<(&'a [u8], [usize; 3], usize, usize)>,
 }
@@ -118,15 +231,11 @@ impl ExtrasAt<'_> {
     #[inline(always)]
     pub fn apply_row(&self, s: &mut [f32], i: usize, j0: usize, cols: Range<usize>, unit: f32) {
         if let Some((d, base, si, sj)) = self.bias {
-            let row = base + i * si + j0 * sj;
-            if sj == 1 {
-                let b = &d[row + cols.start..row + cols.end];
-                for (x, &b) in s[cols.clone()].iter_mut().zip(b) {
-                    *x += b * unit;
-                }
-            } else {
-                let b = d[row] * unit;
-                s[cols.clone()].iter_mut().for_each(|x| *x += b);
+            let (at, c) = ((base, si, sj), cols.clone());
+            match d {
+                BiasSlice::F32(d) => add_row(d, at, s, i, j0, c, unit),
+                BiasSlice::Bf16(d) => add_row(d, at, s, i, j0, c, unit),
+                BiasSlice::F16(d) => add_row(d, at, s, i, j0, c, unit),
             }
         }
         if let Some((d, [base, si, sj], bq, bk)) = self.blocks {
@@ -150,37 +259,11 @@ impl ExtrasAt<'_> {
     #[inline(always)]
     pub fn apply(&self, s: &mut [Lanes], r0: usize, rows: usize, j0: usize) {
         if let Some((d, base, si, sj)) = self.bias {
-            if si == 0 {
-                for (c, s) in s.iter_mut().enumerate() {
-                    let b = d[base + (j0 + c) * sj] * LOG2_E;
-                    s.0.iter_mut().for_each(|x| *x += b);
-                }
-            } else {
-                // A full bias is stored row by row and the scores hold rows in lanes: sixteen
-                // rows at a time are read along their keys (in memory order) into a small
-                // transposed block, which is then added a vector of rows per key. Adding each
-                // score on its own was a scalar read-modify-write per score.
-                const R: usize = 16;
-                let mut block = [[0f32; R]; BC];
-                for (cb, s) in s.chunks_mut(BC).enumerate() {
-                    let (j, cols) = (j0 + cb * BC, s.len());
-                    for rc in (0..rows).step_by(R) {
-                        let n = (rows - rc).min(R);
-                        for r in 0..n {
-                            let at = base + (r0 + rc + r) * si + j * sj;
-                            prefetch_row(d, at + cols * sj, cols * sj);
-                            let row = &d[at..];
-                            for (c, b) in block[..cols].iter_mut().enumerate() {
-                                b[r] = row[c * sj];
-                            }
-                        }
-                        for (s, b) in s.iter_mut().zip(&block[..cols]) {
-                            for (x, &b) in s.0[rc..rc + n].iter_mut().zip(&b[..n]) {
-                                *x += b * LOG2_E;
-                            }
-                        }
-                    }
-                }
+            let at = (base, si, sj);
+            match d {
+                BiasSlice::F32(d) => add_tile(d, at, s, r0, rows, j0),
+                BiasSlice::Bf16(d) => add_tile(d, at, s, r0, rows, j0),
+                BiasSlice::F16(d) => add_tile(d, at, s, r0, rows, j0),
             }
         }
         if let Some((d, [base, si, sj], bq, bk)) = self.blocks {
@@ -263,11 +346,13 @@ impl<'p> Extras<'p> {
 /// bias is read as one short run per query row and key tile, dozens of rows apart in memory,
 /// which the hardware prefetchers do not follow.
 #[inline(always)]
-fn prefetch_row(d: &[f32], at: usize, len: usize) {
+fn prefetch_row<T>(d: &[T], at: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         let end = (at + len).min(d.len());
         let mut i = at;
+        // One request per 64-byte line.
+        let step = (64 / std::mem::size_of::<T>().max(1)).max(1);
         while i < end {
             // SAFETY: `i < d.len()`, so the address lies inside `d`; a prefetch reads nothing.
             unsafe {
@@ -275,7 +360,7 @@ fn prefetch_row(d: &[f32], at: usize, len: usize) {
                     d.as_ptr().add(i).cast(),
                 )
             };
-            i += 16;
+            i += step;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
