@@ -589,6 +589,22 @@ fn bias_and_block_mask_gradients(t: &Target) -> Result<()> {
 }
 test_device!(bias_and_block_mask_gradients, Backward);
 
+/// A call without scores (no query row) gives the bias a zero gradient of its own shape.
+#[test]
+fn bias_gradient_without_scores_is_zero() -> Result<()> {
+    let dev = Device::Cpu;
+    let bias = Tensor::ones((1, 2, 1, 5), DType::F32, &dev)?;
+    let opts = FlashAttn::new(0.5).bias(&bias);
+    let q = Tensor::zeros((1, 0, 2, 8), DType::F32, &dev)?;
+    let k = Tensor::zeros((1, 5, 2, 8), DType::F32, &dev)?;
+    let (out, lse) = opts.forward_with_lse(&q, &k, &k)?;
+    let g = opts.backward_all(&q, &k, &k, &out, &out, &lse)?;
+    let db = g.dbias.expect("a bias gets a gradient");
+    assert_eq!(db.dims(), bias.dims());
+    assert_eq!(db.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+    Ok(())
+}
+
 /// Bad biases and block masks are errors naming them; what runs nowhere yet says so.
 #[test]
 fn bias_and_block_mask_errors() -> Result<()> {

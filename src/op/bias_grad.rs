@@ -23,7 +23,11 @@ pub(super) fn grad(
     grad_out: &Tensor,
     lse: &Tensor,
 ) -> Result<Tensor> {
-    let (b, _, h, _) = q.dims4()?;
+    let (b, sq, h, _) = q.dims4()?;
+    if b * sq * h == 0 || k.dim(1)? == 0 {
+        // No score: nothing flows to the bias.
+        return super::empty_zeros(bias.dims(), bias.dtype(), bias.device());
+    }
     let f32 = |t: &Tensor| t.to_dtype(DType::F32);
     // The bias's dimensions against (batch, heads, seq_q, seq_k), missing leading ones as 1.
     let mut dims = bias.dims().to_vec();
