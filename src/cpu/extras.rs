@@ -2,9 +2,7 @@
 //! broadcast strides: the bias is read in place, in its own dtype; the block mask is copied once
 //! onto the host in its own (un-broadcast) shape.
 
-use std::ops::Range;
-
-use std::ops::Deref;
+use std::ops::{Deref, Range};
 
 use candle::{CpuStorage, DType, Result, Storage, Tensor};
 
