@@ -513,7 +513,7 @@ test_device!(sanitizer_bias_blocks, Forward);
 
 /// Gradients of q, k, v and the bias through a bias and a block mask: a key-padding bias under a
 /// causal mask, a full bias with a window and softcap, a block mask with a bias, a per-head bias
-/// without batch and row dimensions, on the CPU against autograd of the naive path and the f64
+/// without batch and row dimensions, one in q's dtype shared by the batch, on the CPU against autograd of the naive path and the f64
 /// reference; the bias's gradient both through autograd (a tracked bias) and `backward_all`.
 /// CUDA has no backward for them yet: there the forward runs and the backward is an error naming
 /// the bias.
@@ -527,6 +527,8 @@ fn bias_and_block_mask_gradients(t: &Target) -> Result<()> {
             let pad = bias_of(&[2, 1, 1, sk], seed)?;
             let full = bias_of(&[2, h, sq, sk], seed + 1)?;
             let per_head = bias_of(&[h, 1, sk], seed + 3)?;
+            // In q's dtype: its gradient comes back in that dtype.
+            let typed = randn(&[1, h, sq, sk], dtype, seed + 4, &Device::Cpu)?;
             // Key block 0 stays open, so that every row sees a key.
             let (nq, nk) = (sq.div_ceil(16), sk.div_ceil(8));
             let mut m = blocks_of(&[1, h, nq, nk], seed + 2)?
@@ -544,6 +546,7 @@ fn bias_and_block_mask_gradients(t: &Target) -> Result<()> {
                     .block_mask(&blocks, 16, 8)
                     .bias(&pad),
                 FlashAttn::new(scale(d)).causal().bias(&per_head),
+                FlashAttn::new(scale(d)).window(Some(11), None).bias(&typed),
             ];
             for opts in cases {
                 let what = format!("{:?}", c.clone().with(opts.clone()));
