@@ -4,7 +4,7 @@
 
 use std::ops::{Deref, Range};
 
-use candle::{CpuStorage, DType, Result, Storage, Tensor};
+use candle::{bail, CpuStorage, DType, Result, Storage, Tensor};
 
 use super::{Lanes, BC};
 use crate::problem::Problem;
@@ -51,58 +51,48 @@ impl<T: candle::WithDType> Broadcast<T> {
 }
 
 /// The bias's values: the caller's CPU tensor read in place, in its own dtype (a full bias is
-/// as large as the score matrix, and copying it cost more than adding it), or a host copy in
-/// f32 where the storage is not on the CPU.
-enum BiasValues<'p> {
-    /// The storage (held for reading), the first element and the strides over
-    /// `(batch, heads, rows, cols)`, 0 on broadcast dimensions.
-    Stored(
-        Box<dyn Deref<Target = Storage> + Sync + 'p>,
-        usize,
-        [usize; 4],
-    ),
-    Copied(Broadcast<f32>),
+/// as large as the score matrix, and copying it cost more than adding it). The storage is held
+/// for reading; `start` is the first element, `strides` run over `(batch, heads, rows, cols)`,
+/// 0 on broadcast dimensions.
+struct BiasValues<'p> {
+    storage: Box<dyn Deref<Target = Storage> + Sync + 'p>,
+    start: usize,
+    strides: [usize; 4],
 }
 
 impl<'p> BiasValues<'p> {
     fn of(t: &'p Tensor) -> Result<Self> {
         let (storage, layout) = t.storage_and_layout();
-        if matches!(
+        if !matches!(
             &*storage,
             Storage::Cpu(CpuStorage::F32(_) | CpuStorage::BF16(_) | CpuStorage::F16(_))
         ) {
-            let mut strides = [0usize; 4];
-            let at = 4 - t.rank();
-            for (dim, (&n, &st)) in t.dims().iter().zip(layout.stride()).enumerate() {
-                strides[at + dim] = if n == 1 { 0 } else { st };
-            }
-            let start = layout.start_offset();
-            return Ok(Self::Stored(Box::new(storage), start, strides));
+            bail!("flash-attn: the CPU path takes a bias of f32, f16 or bf16 on the CPU")
         }
-        drop(storage);
-        Ok(Self::Copied(Broadcast::of(t, DType::F32)?))
+        let mut strides = [0usize; 4];
+        let at = 4 - t.rank();
+        for (dim, (&n, &st)) in t.dims().iter().zip(layout.stride()).enumerate() {
+            strides[at + dim] = if n == 1 { 0 } else { st };
+        }
+        let start = layout.start_offset();
+        Ok(Self {
+            storage: Box::new(storage),
+            start,
+            strides,
+        })
     }
 
     /// The values, the first element of `(b, h)`, and the row and key strides.
     fn at(&self, b: usize, h: usize) -> (BiasSlice<'_>, usize, usize, usize) {
-        match self {
-            Self::Stored(storage, start, st) => {
-                let data = match &***storage {
-                    Storage::Cpu(CpuStorage::BF16(v)) => BiasSlice::Bf16(v),
-                    Storage::Cpu(CpuStorage::F16(v)) => BiasSlice::F16(v),
-                    Storage::Cpu(CpuStorage::F32(v)) => BiasSlice::F32(v),
-                    // `of` keeps only these three.
-                    _ => BiasSlice::F32(&[]),
-                };
-                (data, start + b * st[0] + h * st[1], st[2], st[3])
-            }
-            Self::Copied(x) => (
-                BiasSlice::F32(&x.data),
-                x.base(b, h),
-                x.strides[2],
-                x.strides[3],
-            ),
-        }
+        let data = match &**self.storage {
+            Storage::Cpu(CpuStorage::BF16(v)) => BiasSlice::Bf16(v),
+            Storage::Cpu(CpuStorage::F16(v)) => BiasSlice::F16(v),
+            Storage::Cpu(CpuStorage::F32(v)) => BiasSlice::F32(v),
+            // `of` keeps only these three.
+            _ => BiasSlice::F32(&[]),
+        };
+        let st = self.strides;
+        (data, self.start + b * st[0] + h * st[1], st[2], st[3])
     }
 }
 

@@ -5,6 +5,7 @@
 //! The scores are rebuilt one sequence at a time, `(heads, seq_q, seq_k)` in f32: the memory of
 //! naive attention for one sequence, paid only by calls that ask for the bias gradient.
 
+use candle::backend::BackendDevice;
 use candle::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 
 use super::FlashAttn;
@@ -48,7 +49,7 @@ pub(super) fn grad(
         let p = s.broadcast_sub(&l)?.exp()?;
         let go = f32(&one(grad_out)?.transpose(1, 2)?)?.contiguous()?; // (1, h, sq, dv)
         let o = f32(&one(out)?.transpose(1, 2)?)?;
-        let dp = go.matmul(&f32(&per_head(&one(v)?, h)?)?.t()?.contiguous()?)?;
+        let dp = go.matmul(&per_head(&f32(&one(v)?)?, h)?.t()?.contiguous()?)?;
         let d = (&go * &o)?.sum_keepdim(D::Minus1)?;
         let mut ds = (p * dp.broadcast_sub(&d)?)?;
         for (axis, &n) in dims.iter().enumerate().skip(1) {
@@ -112,8 +113,8 @@ pub(super) fn track(
     out + zero
 }
 
-/// Zeros shaped and typed like the output, whose argument is the bias: its backward is the
-/// bias gradient.
+/// Zeros shaped and typed like the output (never empty: empty calls return before any op),
+/// whose argument is the bias: its backward is the bias gradient.
 struct BiasGrad {
     opts: FlashAttn,
     /// q, k, v, out and lse of the call, detached.
@@ -133,13 +134,7 @@ impl CustomOp1 for BiasGrad {
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = self.out();
-        let n = out.elem_count();
-        let zeros = match out.dtype() {
-            DType::F32 => CpuStorage::F32(vec![0.0; n]),
-            DType::F16 => CpuStorage::F16(vec![half::f16::ZERO; n]),
-            DType::BF16 => CpuStorage::BF16(vec![half::bf16::ZERO; n]),
-            dt => candle::bail!("flash-attn: no bias gradient for output dtype {dt:?}"),
-        };
+        let zeros = candle::cpu_backend::CpuDevice.zeros_impl(out.shape(), out.dtype())?;
         Ok((zeros, out.shape().clone()))
     }
 
@@ -150,20 +145,8 @@ impl CustomOp1 for BiasGrad {
         _: &Layout,
     ) -> Result<(candle::CudaStorage, Shape)> {
         use candle::backend::BackendStorage;
-        use candle::cuda_backend::CudaStorage;
         let out = self.out();
-        let n = out.elem_count();
-        let dev = storage.device();
-        let zeros = match out.dtype() {
-            DType::F32 => CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(n)?, dev.clone()),
-            DType::F16 => {
-                CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<half::f16>(n)?, dev.clone())
-            }
-            DType::BF16 => {
-                CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<half::bf16>(n)?, dev.clone())
-            }
-            dt => candle::bail!("flash-attn: no bias gradient for output dtype {dt:?}"),
-        };
+        let zeros = storage.device().zeros_impl(out.shape(), out.dtype())?;
         Ok((zeros, out.shape().clone()))
     }
 
