@@ -26,8 +26,8 @@ extern "C" __global__ void pack_b16(const uint16_t* __restrict__ src, uint16_t* 
 // goes to position start[b] + t of sequence b, i.e. row (pos % page) of block
 // table[b][pos / page]; a contiguous cache is one block per sequence and passes no table.
 // Positions past the table's capacity and blocks outside the cache are skipped, so bad lengths or
-// indices never write out of bounds. One thread per element; W is the element width (u16 or u32
-// bits).
+// indices never write out of bounds. One thread per element; W is the element width (u8, u16 or
+// u32 bits).
 template <typename W>
 __device__ void append_kv(W* __restrict__ cache, const W* __restrict__ src,
                           const int32_t* __restrict__ table, const uint32_t* __restrict__ start,
@@ -64,5 +64,74 @@ __device__ void append_kv(W* __restrict__ cache, const W* __restrict__ src,
         append_kv<W>(cache, src, table, start, batch, seq_new, heads, d, max_blocks, page,      \
                      num_blocks, c_batch, c_seq, c_head, c_dim, s_batch, s_seq, s_head, s_dim); \
     }
+APPEND_KV(append_kv_u8, uint8_t)
 APPEND_KV(append_kv_u16, uint16_t)
 APPEND_KV(append_kv_u32, uint32_t)
+
+// FP8 (e4m3) conversions of FP8 calls, over a strided rank-4 (n0, n1, n2, n3) view into a
+// contiguous buffer: e4m3 -> f16/bf16/f32 (exact), and f16/bf16 -> e4m3 as
+// saturate(x / descale[i0][i2]) with an f32 (n0, n2) descale table (null: 1), NaN kept. (candle
+// 0.11's own CUDA casts of F8E4M3 look up kernels under names its kernel library does not
+// define.) One thread per element.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+struct View4 {
+    int64_t n0, n1, n2, n3, s0, s1, s2, s3;
+};
+
+// The source offset of contiguous element i, and its (i0, i2) indices.
+__device__ __forceinline__ int64_t view_at(const View4& v, int64_t i, int64_t& i0, int64_t& i2) {
+    const int64_t i3 = i % v.n3;
+    int64_t rest = i / v.n3;
+    i2 = rest % v.n2;
+    rest /= v.n2;
+    const int64_t i1 = rest % v.n1;
+    i0 = rest / v.n1;
+    return i0 * v.s0 + i1 * v.s1 + i2 * v.s2 + i3 * v.s3;
+}
+
+__device__ __forceinline__ float e4m3_to_f32(uint8_t x) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(x, __NV_E4M3)));
+}
+
+__device__ __forceinline__ void store_f32(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store_f32(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void store_f32(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+__device__ __forceinline__ float load_f32(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ float load_f32(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+#define E4M3_TO(NAME, T)                                                                       \
+    extern "C" __global__ void NAME(const uint8_t* __restrict__ src, T* __restrict__ dst,      \
+                                    int64_t n0, int64_t n1, int64_t n2, int64_t n3, int64_t s0, \
+                                    int64_t s1, int64_t s2, int64_t s3) {                      \
+        const View4 v{n0, n1, n2, n3, s0, s1, s2, s3};                                         \
+        const int64_t total = v.n0 * v.n1 * v.n2 * v.n3;                                       \
+        for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;            \
+             i += (int64_t)gridDim.x * blockDim.x) {                                           \
+            int64_t i0, i2;                                                                    \
+            store_f32(dst + i, e4m3_to_f32(src[view_at(v, i, i0, i2)]));                       \
+        }                                                                                      \
+    }
+E4M3_TO(e4m3_to_f32, float)
+E4M3_TO(e4m3_to_f16, __half)
+E4M3_TO(e4m3_to_bf16, __nv_bfloat16)
+
+#define TO_E4M3(NAME, T)                                                                       \
+    extern "C" __global__ void NAME(const T* __restrict__ src, uint8_t* __restrict__ dst,      \
+                                    const float* __restrict__ descale, int64_t n0, int64_t n1, \
+                                    int64_t n2, int64_t n3, int64_t s0, int64_t s1, int64_t s2, \
+                                    int64_t s3) {                                              \
+        const View4 v{n0, n1, n2, n3, s0, s1, s2, s3};                                         \
+        const int64_t total = v.n0 * v.n1 * v.n2 * v.n3;                                       \
+        for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;            \
+             i += (int64_t)gridDim.x * blockDim.x) {                                           \
+            int64_t i0, i2;                                                                    \
+            float x = load_f32(src + view_at(v, i, i0, i2));                                   \
+            if (descale) x = x / descale[i0 * v.n2 + i2];                                      \
+            dst[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);                      \
+        }                                                                                      \
+    }
+TO_E4M3(f16_to_e4m3, __half)
+TO_E4M3(bf16_to_e4m3, __nv_bfloat16)

@@ -51,7 +51,10 @@
 //! Every function returns a [`candle::Error`] naming the offending argument, never panics, when:
 //!
 //! - q, k or v has the wrong rank (4, or 3 for varlen), or k and v differ in shape;
-//! - the dtype is not f32, f16 or bf16, or k/v's dtype differs from q's;
+//! - the dtype is not f32, f16 or bf16, or k/v's dtype differs from q's, except for FP8 calls
+//!   (F8E4M3 k and v with bf16/f16 q, or F8E4M3 everywhere; see [`FlashAttn::q_descale`]),
+//!   whose descales must be f32 `(batch, kv_heads)` on q's device and which refuse tracked
+//!   inputs and the backward pass;
 //! - k, v, the ALiBi slopes, the sinks or the sequence offsets live on another device than q;
 //! - batch sizes or head dims of q and k/v differ, or the head dim is 0 or above
 //!   [`MAX_HEAD_DIM`];

@@ -63,6 +63,7 @@ pub(crate) fn append_kv(
     let (func_name, esize) = match cache.dtype() {
         DType::F16 | DType::BF16 => ("append_kv_u16", 2u64),
         DType::F32 => ("append_kv_u32", 4u64),
+        DType::F8E4M3 => ("append_kv_u8", 1u64),
         dt => bail!("flash-attn: no KV cache append for dtype {dt:?}"),
     };
     // Byte addresses of element 0 of each side; the kernel copies raw element bits.
@@ -73,11 +74,15 @@ pub(crate) fn append_kv(
         DType::BF16 => cache
             .as_cuda_slice_mut::<half::bf16>()?
             .device_ptr_mut(&stream),
+        DType::F8E4M3 => cache
+            .as_cuda_slice_mut::<float8::F8E4M3>()?
+            .device_ptr_mut(&stream),
         _ => cache.as_cuda_slice_mut::<f32>()?.device_ptr_mut(&stream),
     };
     let (src, src_guard) = match new.dtype() {
         DType::F16 => new.as_cuda_slice::<half::f16>()?.device_ptr(&stream),
         DType::BF16 => new.as_cuda_slice::<half::bf16>()?.device_ptr(&stream),
+        DType::F8E4M3 => new.as_cuda_slice::<float8::F8E4M3>()?.device_ptr(&stream),
         _ => new.as_cuda_slice::<f32>()?.device_ptr(&stream),
     };
     let (dst, src) = (dst + c.offset as u64 * esize, src + s.offset as u64 * esize);

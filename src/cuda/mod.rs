@@ -6,7 +6,8 @@
 //! - `decode/`: split-KV decode for few query rows per K/V head, and its combine pass;
 //! - `backward/`: the D, dK/dV and dQ passes;
 //! - `append`: writing new keys and values into a KV cache;
-//! - `merge`: merging two attention states through their log-sum-exps.
+//! - `merge`: merging two attention states through their log-sum-exps;
+//! - `fp8`: F8E4M3 conversions of FP8 calls.
 //!
 //! Shared by all: `device` (what a plan knows of the GPU), `launch` (one launch description),
 //! `instances` (the kernel tables, from which `build.rs` also generates the entry points),
@@ -24,6 +25,8 @@ mod backward;
 mod decode;
 mod device;
 mod forward;
+#[cfg(feature = "cuda")]
+pub(crate) mod fp8;
 mod instances;
 mod launch;
 #[cfg(feature = "cuda")]

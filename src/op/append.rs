@@ -73,9 +73,10 @@ impl candle::InplaceOp2 for AppendKv<'_> {
             (CpuStorage::F32(c), CpuStorage::F32(n)) => self.copy(c, cl, n, nl),
             (CpuStorage::F16(c), CpuStorage::F16(n)) => self.copy(c, cl, n, nl),
             (CpuStorage::BF16(c), CpuStorage::BF16(n)) => self.copy(c, cl, n, nl),
+            (CpuStorage::F8E4M3(c), CpuStorage::F8E4M3(n)) => self.copy(c, cl, n, nl),
             (c, n) => bail!(
                 "flash-attn: the kv cache ({:?}) and the new keys/values ({:?}) must share one of \
-                 f32/f16/bf16",
+                 f32/f16/bf16/F8E4M3",
                 c.dtype(),
                 n.dtype()
             ),

@@ -4,6 +4,7 @@
 use candle::{bail, DType, Result, Tensor};
 
 use super::append::AppendKv;
+use super::fp8::quantize_new;
 use super::validate::read_paged;
 use super::FlashAttn;
 use crate::problem::{Paged, VarLen};
@@ -114,6 +115,18 @@ impl FlashAttn {
         let seq_new = match new_kv {
             None => 0,
             Some((k_new, v_new)) => check_new(k_new, v_new, k_cache, batch, cache_dims)?,
+        };
+        // New rows for an FP8 cache are stored quantized with their sequence's descale.
+        let quantized;
+        let new_kv = match new_kv {
+            Some((k_new, v_new)) if k_cache.dtype() == DType::F8E4M3 => {
+                quantized = (
+                    quantize_new("k_new", k_new, "k_descale", self.k_descale.as_ref())?,
+                    quantize_new("v_new", v_new, "v_descale", self.v_descale.as_ref())?,
+                );
+                Some((&quantized.0, &quantized.1))
+            }
+            other => other,
         };
         let lens: Vec<usize> = start.iter().map(|&s| s + seq_new).collect();
         let paged = match &self.block_table {
@@ -287,7 +300,10 @@ fn check_new(
                 cache_dims[3]
             ),
         }
-        if t.dtype() != k_cache.dtype() {
+        // An F8E4M3 cache also takes bf16/f16 rows, quantized on the way in.
+        let fp8_ok =
+            k_cache.dtype() == DType::F8E4M3 && matches!(t.dtype(), DType::BF16 | DType::F16);
+        if t.dtype() != k_cache.dtype() && !fp8_ok {
             bail!(
                 "flash-attn: {name} has dtype {:?} but the cache has {:?}",
                 t.dtype(),

@@ -5,6 +5,7 @@ mod append;
 mod backward;
 mod bias_grad;
 mod custom;
+mod fp8;
 mod kvcache;
 mod overrides;
 mod sinks;
@@ -67,6 +68,10 @@ pub struct FlashAttn {
     pub portable: bool,
     /// Choices forced on the planners (benchmarks, tests); `None` in normal use.
     pub plan_override: Option<PlanOverride>,
+    /// Descales of F8E4M3 operands, f32 `(batch, kv_heads)` (see [`q_descale`](Self::q_descale)).
+    pub q_descale: Option<Tensor>,
+    pub k_descale: Option<Tensor>,
+    pub v_descale: Option<Tensor>,
 }
 
 impl FlashAttn {
@@ -86,6 +91,9 @@ impl FlashAttn {
             mm_prefix_ranges: None,
             portable: false,
             plan_override: None,
+            q_descale: None,
+            k_descale: None,
+            v_descale: None,
         }
     }
 
@@ -522,6 +530,9 @@ impl FlashAttn {
         grad_out: &Tensor,
         lse: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        if fp8::Fp8::of(q, k, v)? != fp8::Fp8::None {
+            bail!("flash-attn backward: FP8 (F8E4M3) attention is inference only: it has no backward pass")
+        }
         validate::check_saved(&problem, q, out, grad_out, lse)?;
         if problem.out_shape().iter().product::<usize>() == 0 {
             // No query row: nothing flows back (dk and dv are zero too).
@@ -547,6 +558,15 @@ impl FlashAttn {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
+        // FP8 operands: the same call on operands the kernels read (see `fp8`).
+        if let Some(low) = fp8::Lowered::of(self, &problem, q, k, v)? {
+            let mut inner =
+                low.op
+                    .problem_with(&low.q, &low.k, &low.v, problem.varlen, problem.paged)?;
+            inner.seqused_k = problem.seqused_k;
+            let (out, lse) = low.op.run(inner, &low.q, &low.k, &low.v)?;
+            return Ok((low.finish(out)?, lse));
+        }
         let out_shape = problem.out_shape();
         let lse_shape = problem.lse_shape();
         if out_shape.iter().product::<usize>() == 0 {

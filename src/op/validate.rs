@@ -3,6 +3,7 @@
 
 use candle::{bail, DType, Result, Tensor};
 
+use super::fp8::{self, Fp8};
 use super::{FlashAttn, MAX_HEAD_DIM};
 use crate::problem::{Kernels, OnDevice, Paged, Prefix, Problem, Strides, VarLen};
 use crate::semantics::ScoreMod;
@@ -57,17 +58,8 @@ impl FlashAttn {
                 )
             }
         }
-        let dtype = q.dtype();
-        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-            bail!("flash-attn: q has dtype {dtype:?}, only f32, f16 and bf16 are supported")
-        }
+        let fp8 = Fp8::of(q, k, v)?;
         for (name, t) in [("k", k), ("v", v)] {
-            if t.dtype() != dtype {
-                bail!(
-                    "flash-attn: {name} has dtype {:?} but q has {dtype:?}",
-                    t.dtype()
-                )
-            }
             check_device(name, t, q)?;
         }
         let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
@@ -114,6 +106,7 @@ impl FlashAttn {
                 bail!("flash-attn: softcap must be a finite positive number (or 0 = off), got {c}")
             }
         };
+        fp8::check_descales(self, fp8, [q, k, v], batch, kv_heads)?;
         let alibi_batch_stride = match &self.alibi_slopes {
             None => 0,
             Some(s) => check_alibi(s, q, batch, heads)?,
@@ -163,10 +156,10 @@ impl FlashAttn {
             if !dense {
                 bail!("flash-attn: bias is supported on dense calls only (not varlen, paged or KV-cache calls)")
             }
-            if b.dtype() != DType::F32 && b.dtype() != q.dtype() {
+            let inputs = fp8.out_dtype(q.dtype());
+            if b.dtype() != DType::F32 && b.dtype() != inputs {
                 bail!(
-                    "flash-attn: bias must be f32 or q's dtype {:?}, got {:?}",
-                    q.dtype(),
+                    "flash-attn: bias must be f32 or the inputs' dtype {inputs:?}, got {:?}",
                     b.dtype()
                 )
             }

@@ -325,6 +325,9 @@ impl Target {
         o.block_table = put(&opts.block_table);
         o.mm_prefix_ranges = put(&opts.mm_prefix_ranges);
         o.sinks = put(&opts.sinks);
+        o.q_descale = put(&opts.q_descale);
+        o.k_descale = put(&opts.k_descale);
+        o.v_descale = put(&opts.v_descale);
         o.bias = opts.bias.as_ref().map(|b| put_view(b, &self.dev).unwrap());
         o.block_mask = opts.block_mask.as_ref().map(|m| BlockMask {
             mask: put_view(&m.mask, &self.dev).unwrap(),

@@ -133,10 +133,14 @@ pub fn values(t: &Tensor) -> Result<Vec<f64>> {
     if t.elem_count() == 0 {
         return Ok(Vec::new());
     }
-    t.to_device(&Device::Cpu)?
-        .to_dtype(DType::F64)?
-        .flatten_all()?
-        .to_vec1::<f64>()
+    let t = t.to_device(&Device::Cpu)?;
+    // candle 0.11's CPU F8E4M3 -> F64 conversion never returns; through f32 it is exact.
+    let t = if t.dtype() == DType::F8E4M3 {
+        t.to_dtype(DType::F32)?
+    } else {
+        t
+    };
+    t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()
 }
 
 /// Cumulative lengths of a packed varlen batch: `lens.len() + 1` entries from 0.

@@ -1,0 +1,148 @@
+//! FP8 (e4m3) conversions on the GPU for FP8 calls (`kernels/pack.cu`): F8E4M3 to the compute
+//! dtype, and f16/bf16 rows to F8E4M3 with a per-(sequence, head) descale. candle 0.11's own
+//! CUDA casts and strided copies of F8E4M3 look up kernels under names its kernel library does
+//! not define, so FP8 tensors are converted here, from any strided view.
+
+use candle::backend::BackendStorage;
+use candle::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut};
+use candle::op::BackpropOp;
+use candle::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
+
+use super::launch::{Launch, Module};
+use super::runtime::{launch, Arg};
+
+/// Threads per block of the conversion kernels (one element each, grid-stride).
+const THREADS: usize = 256;
+
+/// `t`'s dims and strides as a rank-4 view, leading dims of size 1 added.
+fn view4(l: &Layout) -> Result<[i64; 8]> {
+    let (dims, strides) = (l.dims(), l.stride());
+    if dims.len() > 4 {
+        bail!("flash-attn: FP8 conversion of a rank-{} tensor", dims.len())
+    }
+    let pad = 4 - dims.len();
+    let mut v = [1i64, 1, 1, 1, 0, 0, 0, 0];
+    for (i, (&n, &s)) in dims.iter().zip(strides).enumerate() {
+        v[pad + i] = n as i64;
+        v[4 + pad + i] = s as i64;
+    }
+    Ok(v)
+}
+
+fn grid(n: usize) -> (u32, u32, u32) {
+    (n.div_ceil(THREADS).clamp(1, 65535 * 8) as u32, 1, 1)
+}
+
+/// An F8E4M3 tensor (any strides, on the GPU) converted to f32, f16 or bf16, contiguous.
+pub(crate) fn from_e4m3(t: &Tensor, to: DType) -> Result<Tensor> {
+    let (st, l) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*st else {
+        bail!("flash-attn: FP8 conversion of a tensor that is not on the GPU")
+    };
+    let dev = s.device().clone();
+    let stream = dev.cuda_stream();
+    let n = l.shape().elem_count();
+    let v = view4(l)?;
+    let src = s.as_cuda_slice::<float8::F8E4M3>()?;
+    let (src_ptr, src_guard) = src.device_ptr(&stream);
+    let src_ptr = src_ptr + l.start_offset() as u64;
+    let f = match to {
+        DType::F32 => "e4m3_to_f32",
+        DType::F16 => "e4m3_to_f16",
+        DType::BF16 => "e4m3_to_bf16",
+        d => bail!("flash-attn: no FP8 conversion to {d:?}"),
+    };
+    let l4 = Launch {
+        module: Module::Pack,
+        function: f.into(),
+        grid: grid(n),
+        threads: THREADS as u32,
+        smem: 0,
+    };
+    macro_rules! run {
+        ($ty:ty) => {{
+            // SAFETY: the kernel writes every one of the `n` elements.
+            let mut out = unsafe { dev.alloc::<$ty>(n.max(1))? };
+            let (dst, g) = out.device_ptr_mut(&stream);
+            let mut a = vec![Arg::Ptr(&src_ptr), Arg::Ptr(&dst)];
+            a.extend(v.iter().map(Arg::I64));
+            // Reads the view's elements (inside the storage: candle checked the layout) and
+            // writes the `n` contiguous outputs.
+            launch(&dev, &l4, &a)?;
+            drop(g);
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = match to {
+        DType::F32 => run!(f32),
+        DType::F16 => run!(half::f16),
+        _ => run!(half::bf16),
+    };
+    drop(src_guard);
+    Ok(Tensor::from_storage(
+        Storage::Cuda(out),
+        t.shape().clone(),
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+/// `x` (f16/bf16 `(batch, seq, heads, d)`, any strides, on the GPU) as contiguous F8E4M3
+/// `saturate(x / descale[b][h])`; `descale` f32 `(batch, heads)` (absent: 1).
+pub(crate) fn to_e4m3(x: &Tensor, descale: Option<&Tensor>) -> Result<Tensor> {
+    let descale = descale.map(|d| d.contiguous()).transpose()?;
+    let (st, l) = x.storage_and_layout();
+    let Storage::Cuda(s) = &*st else {
+        bail!("flash-attn: FP8 quantization of a tensor that is not on the GPU")
+    };
+    let dev = s.device().clone();
+    let stream = dev.cuda_stream();
+    let n = l.shape().elem_count();
+    let v = view4(l)?;
+    let esize = 2u64;
+    let (src_ptr, src_guard) = match s.dtype() {
+        DType::F16 => s.as_cuda_slice::<half::f16>()?.device_ptr(&stream),
+        DType::BF16 => s.as_cuda_slice::<half::bf16>()?.device_ptr(&stream),
+        d => bail!("flash-attn: no FP8 quantization from {d:?}"),
+    };
+    let src_ptr = src_ptr + l.start_offset() as u64 * esize;
+    let f = if s.dtype() == DType::F16 {
+        "f16_to_e4m3"
+    } else {
+        "bf16_to_e4m3"
+    };
+    let dguard = descale.as_ref().map(|d| d.storage_and_layout());
+    let (d_ptr, _dg) = match &dguard {
+        None => (0u64, None),
+        Some((ds, dl)) => match &**ds {
+            Storage::Cuda(c) => {
+                let (p, g) = c.as_cuda_slice::<f32>()?.device_ptr(&stream);
+                (p + dl.start_offset() as u64 * 4, Some(g))
+            }
+            _ => bail!("flash-attn: a descale is on another device than the rows it quantizes"),
+        },
+    };
+    // SAFETY: the kernel writes every one of the `n` elements.
+    let mut out = unsafe { dev.alloc::<float8::F8E4M3>(n.max(1))? };
+    let (dst, g) = out.device_ptr_mut(&stream);
+    let mut a = vec![Arg::Ptr(&src_ptr), Arg::Ptr(&dst), Arg::Ptr(&d_ptr)];
+    a.extend(v.iter().map(Arg::I64));
+    let l4 = Launch {
+        module: Module::Pack,
+        function: f.into(),
+        grid: grid(n),
+        threads: THREADS as u32,
+        smem: 0,
+    };
+    // Reads the view's elements and the (n0, n2) descales (checked shape, contiguous), writes
+    // the `n` outputs.
+    launch(&dev, &l4, &a)?;
+    drop(g);
+    drop(src_guard);
+    Ok(Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev)),
+        x.shape().clone(),
+        BackpropOp::none(),
+        false,
+    ))
+}

@@ -1,0 +1,535 @@
+//! FP8 (e4m3) operands against the f64 reference of the dequantized inputs (`stored ·
+//! descale`): FP8 KV caches with bf16/f16 queries and all-FP8 calls; dense, varlen, paged and
+//! KV-cache calls (new rows quantized on append); and the errors of bad FP8 calls.
+//!
+//! Tolerance: FlashAttention's rule of the suite, against the naive path run in the output's
+//! dtype on the dequantized inputs rounded to that dtype. An e4m3 value converts exactly to
+//! f32, f16 and bf16, so what the fast path adds to the dtype's own error is the rounding of
+//! `q · q_descale · k_descale` to the compute dtype and one more rounding of the output after
+//! `v_descale`: about one unit roundoff each, which the naive path's error (several units over
+//! a softmax) covers.
+
+#[macro_use]
+mod common;
+
+use candle::{DType, Device, Result, Tensor};
+use candle_flash::{naive_attention, FlashAttn};
+use common::*;
+
+/// Distinct descales per (sequence, K/V head), so that a swapped or missing one shows.
+fn descales(batch: usize, hk: usize, salt: usize) -> Vec<f32> {
+    (0..batch * hk)
+        .map(|i| (1 + (i * 7 + salt * 3) % 5) as f32 / 64.0)
+        .collect()
+}
+
+/// `x` (rows of `(heads, d)`, leading dims flattened; row `r` of sequence `seq[r]`) quantized
+/// with `descale` (`batch × hk`): the stored F8E4M3 tensor (shaped like `x`) and its
+/// dequantized values in f64.
+fn quantize(x: &Tensor, seq: &[usize], hk: usize, descale: &[f32]) -> Result<(Tensor, Tensor)> {
+    let dims = x.dims().to_vec();
+    let (heads, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    let rows = x.elem_count() / (heads * d);
+    let group = heads / hk;
+    let f: Vec<f32> = (0..rows * heads)
+        .map(|i| descale[seq[i / heads] * hk + (i % heads) / group])
+        .collect();
+    let f = Tensor::from_vec(f, (rows, heads, 1), &Device::Cpu)?;
+    let x = x.to_dtype(DType::F32)?.reshape((rows, heads, d))?;
+    let stored = x.broadcast_div(&f)?.to_dtype(DType::F8E4M3)?;
+    let deq = stored
+        .to_dtype(DType::F32)?
+        .to_dtype(DType::F64)?
+        .broadcast_mul(&f.to_dtype(DType::F64)?)?;
+    Ok((
+        stored.reshape(dims.as_slice())?,
+        deq.reshape(dims.as_slice())?,
+    ))
+}
+
+fn table(batch: usize, hk: usize, v: &[f32], dev: &Device) -> Result<Tensor> {
+    Tensor::from_vec(v.to_vec(), (batch, hk), dev)
+}
+
+/// For each query row (of sequence `seq_q[r]`) and head, in the lse's layout (`(b, h, sq)` with
+/// `rows_per_seq`, else `(h, total_q)`): `scale · max_j Σ_x |q_x k_jx|` over the keys of its
+/// sequence, a bound on `|score|` (f64, dequantized inputs). Rounding `q · q_descale ·
+/// k_descale` to a dtype of unit roundoff `u` moves every score by at most `u` times it, and the
+/// log-sum-exp by as much.
+fn score_bounds(
+    q: &Tensor,
+    k: &Tensor,
+    seq_q: &[usize],
+    cu_k: &[usize],
+    scale: f64,
+    rows_per_seq: Option<usize>,
+) -> Result<Vec<f64>> {
+    let (h, d) = (q.dim(q.rank() - 2)?, q.dim(q.rank() - 1)?);
+    let hk = k.dim(k.rank() - 2)?;
+    let (qv, kv) = (values(q)?, values(k)?);
+    let rows = seq_q.len();
+    let mut out = vec![0f64; rows * h];
+    for (r, &b) in seq_q.iter().enumerate() {
+        for hi in 0..h {
+            let qr = &qv[(r * h + hi) * d..][..d];
+            let g = hi / (h / hk);
+            let m = (cu_k[b]..cu_k[b + 1])
+                .map(|j| {
+                    let kr = &kv[(j * hk + g) * d..][..d];
+                    qr.iter().zip(kr).map(|(a, b)| (a * b).abs()).sum::<f64>()
+                })
+                .fold(0f64, f64::max);
+            let at = match rows_per_seq {
+                Some(sq) => (b * h + hi) * sq + r % sq,
+                None => hi * rows + r,
+            };
+            out[at] = scale * m;
+        }
+    }
+    Ok(out)
+}
+
+/// Checks an FP8 call's output and lse against the reference of the dequantized inputs: the
+/// output by the suite's rule with the naive path in the output's dtype as the yardstick, the
+/// lse within the suite's bound plus the unit roundoff of the compute dtype (the GPU's is the
+/// output's) times each row's score bound ([`score_bounds`]).
+#[allow(clippy::too_many_arguments)]
+fn check(
+    what: &str,
+    out: &Tensor,
+    lse: &Tensor,
+    want: &[f64],
+    want_lse: &[f64],
+    bounds: &[f64],
+    naive: &Tensor,
+    out_dtype: DType,
+) {
+    assert_eq!(out.dtype(), out_dtype, "{what}: output dtype");
+    assert_close(what, out, naive, want, true);
+    let u = match (out.device().is_cuda(), out_dtype) {
+        (false, _) => 0.0,
+        (true, DType::F16) => REL_FLOOR_F16,
+        (true, _) => REL_FLOOR_BF16,
+    };
+    let got = values(lse).unwrap();
+    assert_eq!(got.len(), want_lse.len(), "{what}: lse length");
+    for (i, ((&a, &r), &bound)) in got.iter().zip(want_lse).zip(bounds).enumerate() {
+        let ok = if r.is_finite() {
+            (a - r).abs() <= 1e-4 * r.abs().max(1.0) + 1e-3 + u * bound
+        } else {
+            a == r || (a.is_nan() && r.is_nan())
+        };
+        assert!(
+            ok,
+            "{what}: lse[{i}] = {a}, reference {r} (score bound {bound:.3e})"
+        );
+    }
+}
+
+/// Dense calls: decode and prefill shapes, GQA and MHA, odd head dims, causal, windows and
+/// softcap; FP8 K/V with bf16 and f16 queries, and FP8 everywhere (with and without descales).
+fn dense(t: &Target) -> Result<()> {
+    let cpu = Device::Cpu;
+    let shapes = [
+        (2, 1, 257, 8, 2, 128),
+        (1, 113, 203, 6, 2, 80),
+        (3, 4, 64, 4, 4, 64),
+        (1, 16, 1000, 8, 1, 256),
+    ];
+    for (n, &(b, sq, sk, h, hk, d)) in shapes.iter().enumerate() {
+        let opts = match n % 3 {
+            0 => FlashAttn::new(scale(d)).causal(),
+            1 => FlashAttn::new(scale(d))
+                .window(Some(40), Some(0))
+                .softcap(20.0),
+            _ => FlashAttn::new(scale(d)),
+        };
+        let seed = 10 * n as u64;
+        let (qx, kx, vx) = (
+            randn(&[b, sq, h, d], DType::F32, seed, &cpu)?,
+            randn(&[b, sk, hk, d], DType::F32, seed + 1, &cpu)?,
+            randn(&[b, sk, hk, d], DType::F32, seed + 2, &cpu)?,
+        );
+        let (kd, vd) = (descales(b, hk, 1), descales(b, hk, 2));
+        let rows_q: Vec<usize> = (0..b * sq).map(|r| r / sq).collect();
+        let rows_k: Vec<usize> = (0..b * sk).map(|r| r / sk).collect();
+        let (k8, kq) = quantize(&kx, &rows_k, hk, &kd)?;
+        let (v8, vq) = quantize(&vx, &rows_k, hk, &vd)?;
+        for (kind, qdt) in [
+            ("kv", DType::BF16),
+            ("kv", DType::F16),
+            ("all", DType::BF16),
+        ] {
+            let (q_in, q_deq, qd) = if kind == "all" {
+                let qd = descales(b, hk, 3);
+                let (q8, qq) = quantize(&qx, &rows_q, hk, &qd)?;
+                (q8, qq, Some(qd))
+            } else {
+                let q = qx.to_dtype(qdt)?;
+                (q.clone(), q.to_dtype(DType::F64)?, None)
+            };
+            let (want, want_lse) = reference(&q_deq, &kq, &vq, &opts)?;
+            let low = |x: &Tensor| t.put(&x.to_dtype(qdt)?);
+            let naive = naive_attention(&low(&q_deq)?, &low(&kq)?, &low(&vq)?, &t.op(&opts))?;
+            let mut op = opts
+                .clone()
+                .k_descale(&table(b, hk, &kd, &t.dev)?)
+                .v_descale(&table(b, hk, &vd, &t.dev)?);
+            if let Some(qd) = &qd {
+                op = op.q_descale(&table(b, hk, qd, &t.dev)?);
+            }
+            let (q_in, k_in, v_in) = (t.put(&q_in)?, t.put(&k8)?, t.put(&v8)?);
+            t.poison(&out_and_lse_bytes(qdt, b * sq, h, d))?;
+            let (out, lse) = t.op(&op).forward_with_lse(&q_in, &k_in, &v_in)?;
+            let what = format!("dense {kind} q {qdt:?} b {b} sq {sq} sk {sk} {h}/{hk} d {d}");
+            let cu_k: Vec<usize> = (0..=b).map(|i| i * sk).collect();
+            let bounds = score_bounds(&q_deq, &kq, &rows_q, &cu_k, scale(d) as f64, Some(sq))?;
+            check(&what, &out, &lse, &want, &want_lse, &bounds, &naive, qdt);
+            let (again, _) = t.op(&op).forward_with_lse(&q_in, &k_in, &v_in)?;
+            assert_bitwise_eq(&format!("{what}: rerun"), &out, &again);
+        }
+        // No descales at all: the stored values are the values.
+        let (q8, qq) = quantize(&qx, &rows_q, hk, &vec![1.0; b * hk])?;
+        let (k8, kq) = quantize(&kx, &rows_k, hk, &vec![1.0; b * hk])?;
+        let (want, want_lse) = reference(&qq, &kq, &kq, &opts)?;
+        let low = |x: &Tensor| t.put(&x.to_dtype(DType::BF16)?);
+        let naive = naive_attention(&low(&qq)?, &low(&kq)?, &low(&kq)?, &t.op(&opts))?;
+        let k8 = t.put(&k8)?;
+        let (out, lse) = t.op(&opts).forward_with_lse(&t.put(&q8)?, &k8, &k8)?;
+        let what = format!("dense without descales b {b} sq {sq} sk {sk} {h}/{hk} d {d}");
+        let cu_k: Vec<usize> = (0..=b).map(|i| i * sk).collect();
+        let bounds = score_bounds(&qq, &kq, &rows_q, &cu_k, scale(d) as f64, Some(sq))?;
+        check(
+            &what,
+            &out,
+            &lse,
+            &want,
+            &want_lse,
+            &bounds,
+            &naive,
+            DType::BF16,
+        );
+    }
+    Ok(())
+}
+test_device!(dense, Decode);
+
+/// A ragged varlen batch (an empty sequence, more queries than keys) with per-sequence
+/// descales: FP8 K/V under bf16 queries, and FP8 everywhere.
+fn varlen(t: &Target) -> Result<()> {
+    let cpu = Device::Cpu;
+    let lens = [(1usize, 17usize), (5, 300), (0, 4), (9, 3), (2, 64)];
+    let (h, hk, d) = (6, 2, 64);
+    let cu_q = cumulative(&lens.iter().map(|l| l.0).collect::<Vec<_>>());
+    let cu_k = cumulative(&lens.iter().map(|l| l.1).collect::<Vec<_>>());
+    let seq_of = |cu: &[u32]| -> Vec<usize> {
+        (0..cu.len() - 1)
+            .flat_map(|b| std::iter::repeat_n(b, (cu[b + 1] - cu[b]) as usize))
+            .collect()
+    };
+    let (sq_of, sk_of) = (seq_of(&cu_q), seq_of(&cu_k));
+    let (tq, tk, batch) = (sq_of.len(), sk_of.len(), lens.len());
+    let (max_q, max_k) = (9, 300);
+    let opts = FlashAttn::new(scale(d)).causal();
+    let qx = randn(&[tq, h, d], DType::F32, 1, &cpu)?;
+    let kx = randn(&[tk, hk, d], DType::F32, 2, &cpu)?;
+    let vx = randn(&[tk, hk, d], DType::F32, 3, &cpu)?;
+    let (qd, kd, vd) = (
+        descales(batch, hk, 4),
+        descales(batch, hk, 5),
+        descales(batch, hk, 6),
+    );
+    let (k8, kq) = quantize(&kx, &sk_of, hk, &kd)?;
+    let (v8, vq) = quantize(&vx, &sk_of, hk, &vd)?;
+    let cq = t.put(&Tensor::new(cu_q.as_slice(), &cpu)?)?;
+    let ck = t.put(&Tensor::new(cu_k.as_slice(), &cpu)?)?;
+    for all in [false, true] {
+        let (q_in, q_deq) = if all {
+            quantize(&qx, &sq_of, hk, &qd)?
+        } else {
+            let q = qx.to_dtype(DType::BF16)?;
+            (q.clone(), q.to_dtype(DType::F64)?)
+        };
+        let (want, want_lse) = reference_varlen(&q_deq, &kq, &vq, &cu_q, &cu_k, &opts)?;
+        let low = |x: &Tensor| t.put(&x.to_dtype(DType::BF16)?);
+        let naive = naive_varlen(
+            &low(&q_deq)?,
+            &low(&kq)?,
+            &low(&vq)?,
+            &cu_q,
+            &cu_k,
+            &t.op(&opts),
+        )?;
+        let mut op = opts
+            .clone()
+            .k_descale(&table(batch, hk, &kd, &t.dev)?)
+            .v_descale(&table(batch, hk, &vd, &t.dev)?);
+        if all {
+            op = op.q_descale(&table(batch, hk, &qd, &t.dev)?);
+        }
+        t.poison(&out_and_lse_bytes(DType::BF16, tq, h, d))?;
+        let (out, lse) = t.op(&op).forward_varlen_with_lse(
+            &t.put(&q_in)?,
+            &t.put(&k8)?,
+            &t.put(&v8)?,
+            &cq,
+            &ck,
+            max_q,
+            max_k,
+        )?;
+        let what = format!("varlen all-fp8 {all}");
+        let cu: Vec<usize> = cu_k.iter().map(|&c| c as usize).collect();
+        let bounds = score_bounds(&q_deq, &kq, &sq_of, &cu, scale(d) as f64, None)?;
+        check(
+            &what,
+            &out,
+            &lse,
+            &want,
+            &want_lse,
+            &bounds,
+            &naive,
+            DType::BF16,
+        );
+    }
+    Ok(())
+}
+test_device!(varlen, Decode);
+
+/// `forward_kvcache` on F8E4M3 caches, contiguous and paged (7- and 16-row pages, shuffled
+/// blocks): bf16 rows appended are stored as `saturate(x / k_descale)` of their sequence (one
+/// planted past e4m3's range saturates to 448), every cache row no sequence owns holds NaN, and
+/// the output matches the reference over the dequantized cache after the append.
+fn kvcache(t: &Target) -> Result<()> {
+    let cpu = Device::Cpu;
+    let (h, hk, d) = (8, 2, 80);
+    let lens = [3usize, 17, 0, 40];
+    let (b, sq, seq_new, max_len) = (lens.len(), 2, 2, 48);
+    let kd = descales(b, hk, 7);
+    let vd = descales(b, hk, 8);
+    for page in [0usize, 7, 16] {
+        // Logical cache contents of each sequence (its first `len` rows), quantized.
+        let kx = randn(&[b, max_len, hk, d], DType::F32, page as u64, &cpu)?;
+        let vx = randn(&[b, max_len, hk, d], DType::F32, page as u64 + 1, &cpu)?;
+        let rows: Vec<usize> = (0..b * max_len).map(|r| r / max_len).collect();
+        let (k8, _) = quantize(&kx, &rows, hk, &kd)?;
+        let (v8, _) = quantize(&vx, &rows, hk, &vd)?;
+        let mut knew = randn(&[b, seq_new, hk, d], DType::F32, 3, &cpu)?;
+        // One value far past 448 · descale: stored as 448.
+        knew = knew.slice_assign(
+            &[0..1, 0..1, 0..1, 0..1],
+            &Tensor::full(1e4f32, (1, 1, 1, 1), &cpu)?,
+        )?;
+        let (knew, vnew) = (
+            knew.to_dtype(DType::BF16)?,
+            randn(&[b, seq_new, hk, d], DType::BF16, 4, &cpu)?,
+        );
+        let q = randn(&[b, sq, h, d], DType::BF16, 5, &cpu)?;
+        // The caches: NaN everywhere but the rows each sequence owns before the call.
+        let nan = f32::NAN;
+        let owned = |x: &Tensor| -> Result<Vec<Vec<f32>>> {
+            let x = x.to_dtype(DType::F32)?;
+            (0..b)
+                .map(|s| x.get(s)?.flatten_all()?.to_vec1::<f32>())
+                .collect()
+        };
+        let (kown, vown) = (owned(&k8)?, owned(&v8)?);
+        let row = hk * d;
+        let (cache_k, cache_v, tab, op) = if page == 0 {
+            let fill = |own: &[Vec<f32>]| -> Result<Tensor> {
+                let mut c = vec![nan; b * max_len * row];
+                for (s, &len) in lens.iter().enumerate() {
+                    let base = s * max_len * row;
+                    c[base..base + len * row].copy_from_slice(&own[s][..len * row]);
+                }
+                Tensor::from_vec(c, (b, max_len, hk, d), &cpu)?.to_dtype(DType::F8E4M3)
+            };
+            (
+                fill(&kown)?,
+                fill(&vown)?,
+                None,
+                FlashAttn::new(scale(d)).causal(),
+            )
+        } else {
+            let pages = (max_len).div_ceil(page);
+            let nb = b * pages + 2;
+            // Shuffled blocks: sequence s's page p is block (s * pages + p) * 5 % nb.
+            let blocks: Vec<Vec<u32>> = (0..b)
+                .map(|s| {
+                    (0..pages)
+                        .map(|p| (((s * pages + p) * 5) % nb) as u32)
+                        .collect()
+                })
+                .collect();
+            let fill = |own: &[Vec<f32>]| -> Result<Tensor> {
+                let mut c = vec![nan; nb * page * row];
+                for (s, &len) in lens.iter().enumerate() {
+                    for j in 0..len {
+                        let dst = (blocks[s][j / page] as usize * page + j % page) * row;
+                        c[dst..dst + row].copy_from_slice(&own[s][j * row..(j + 1) * row]);
+                    }
+                }
+                Tensor::from_vec(c, (nb, page, hk, d), &cpu)?.to_dtype(DType::F8E4M3)
+            };
+            let flat: Vec<u32> = blocks.iter().flatten().copied().collect();
+            let tab = Tensor::from_vec(flat, (b, pages), &cpu)?;
+            let op = FlashAttn::new(scale(d)).causal().paged(&tab, page);
+            (fill(&kown)?, fill(&vown)?, Some(blocks), op)
+        };
+        let (kc, vc) = (t.put(&cache_k)?, t.put(&cache_v)?);
+        let op = t
+            .op(&op)
+            .k_descale(&table(b, hk, &kd, &t.dev)?)
+            .v_descale(&table(b, hk, &vd, &t.dev)?);
+        let seqlens = t.put(&Tensor::new(
+            lens.iter()
+                .map(|&l| l as u32)
+                .collect::<Vec<_>>()
+                .as_slice(),
+            &cpu,
+        )?)?;
+        t.poison(&out_and_lse_bytes(DType::BF16, b * sq, h, d))?;
+        let out = op.forward_kvcache(
+            &t.put(&q)?,
+            &kc,
+            &vc,
+            &seqlens,
+            Some((&t.put(&knew)?, &t.put(&vnew)?)),
+        )?;
+        // Each sequence's logical rows after the append, read back from the caches.
+        let logical = |c: &Tensor, s: usize, n: usize| -> Result<Tensor> {
+            let c = c.to_device(&cpu)?;
+            let rows: Vec<Tensor> = (0..n)
+                .map(|j| match &tab {
+                    None => c.get(s)?.get(j),
+                    Some(bl) => c.get(bl[s][j / page] as usize)?.get(j % page),
+                })
+                .collect::<Result<_>>()?;
+            Tensor::stack(&rows, 0)
+        };
+        let what = format!("kvcache page {page}");
+        let mut want = Vec::new();
+        for (s, &len) in lens.iter().enumerate() {
+            let n = len + seq_new;
+            let (ks, vs) = (logical(&kc, s, n)?, logical(&vc, s, n)?);
+            // The appended rows: saturate(x / descale) of this sequence, bit for bit.
+            for (name, got, new, dsc) in [("k", &ks, &knew, &kd), ("v", &vs, &vnew, &vd)] {
+                let f = Tensor::from_vec(dsc[s * hk..(s + 1) * hk].to_vec(), (1, hk, 1), &cpu)?;
+                let expect = new
+                    .get(s)?
+                    .to_dtype(DType::F32)?
+                    .broadcast_div(&f)?
+                    .clamp(-448f32, 448f32)?
+                    .to_dtype(DType::F8E4M3)?;
+                let got = got.narrow(0, len, seq_new)?;
+                let (g, e) = (values(&got)?, values(&expect)?);
+                assert_eq!(g, e, "{what}: sequence {s}: appended {name} rows");
+            }
+            let deq = |x: &Tensor, dsc: &[f32]| -> Result<Tensor> {
+                let f = Tensor::from_vec(dsc[s * hk..(s + 1) * hk].to_vec(), (1, hk, 1), &cpu)?;
+                x.to_dtype(DType::F32)?
+                    .to_dtype(DType::F64)?
+                    .broadcast_mul(&f.to_dtype(DType::F64)?)?
+                    .unsqueeze(0)
+            };
+            let (kq, vq) = (deq(&ks, &kd)?, deq(&vs, &vd)?);
+            let qs = q.get(s)?.unsqueeze(0)?;
+            let (o, _) = reference(&qs, &kq, &vq, &FlashAttn::new(scale(d)).causal())?;
+            want.extend(o);
+        }
+        // The yardstick: the naive path over each sequence's dequantized rows in bf16.
+        let naive: Vec<Tensor> = lens
+            .iter()
+            .enumerate()
+            .map(|(s, &len)| {
+                let n = len + seq_new;
+                let deq = |c: &Tensor, dsc: &[f32]| -> Result<Tensor> {
+                    let f = Tensor::from_vec(dsc[s * hk..(s + 1) * hk].to_vec(), (1, hk, 1), &cpu)?;
+                    logical(c, s, n)?
+                        .to_dtype(DType::F32)?
+                        .broadcast_mul(&f)?
+                        .to_dtype(DType::BF16)?
+                        .unsqueeze(0)
+                };
+                naive_attention(
+                    &q.get(s)?.unsqueeze(0)?,
+                    &deq(&kc, &kd)?,
+                    &deq(&vc, &vd)?,
+                    &FlashAttn::new(scale(d)).causal(),
+                )
+            })
+            .collect::<Result<_>>()?;
+        let naive = Tensor::cat(&naive, 0)?;
+        assert_eq!(out.dtype(), DType::BF16, "{what}: output dtype");
+        assert_close(&what, &out, &naive, &want, true);
+    }
+    Ok(())
+}
+test_device!(kvcache, Decode);
+
+/// Bad FP8 calls are errors naming the argument.
+#[test]
+fn errors() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = randn(&[2, 3, 4, 16], DType::BF16, 1, &dev)?;
+    let k8 = randn(&[2, 5, 2, 16], DType::F8E4M3, 2, &dev)?;
+    let kb = randn(&[2, 5, 2, 16], DType::BF16, 3, &dev)?;
+    let good = Tensor::ones((2, 2), DType::F32, &dev)?;
+    let op = FlashAttn::new(0.25);
+    let fails = |r: Result<Tensor>, needle: &str| {
+        let e = r.expect_err(needle).to_string();
+        assert!(
+            e.contains(needle),
+            "expected an error naming {needle}, got: {e}"
+        );
+    };
+    fails(
+        op.forward(&q.to_dtype(DType::F8E4M3)?, &kb, &kb),
+        "q is F8E4M3",
+    );
+    fails(op.forward(&q, &k8, &kb), "an FP8 KV cache holds both");
+    fails(
+        op.forward(&q.to_dtype(DType::F32)?, &k8, &k8),
+        "need q in bf16 or f16",
+    );
+    fails(
+        op.clone().q_descale(&good).forward(&q, &k8, &k8),
+        "q_descale",
+    );
+    fails(
+        op.clone().k_descale(&good).forward(&q, &kb, &kb),
+        "k_descale",
+    );
+    let bad_shape = Tensor::ones((2, 4), DType::F32, &dev)?;
+    fails(
+        op.clone().v_descale(&bad_shape).forward(&q, &k8, &k8),
+        "v_descale",
+    );
+    let bad_dtype = Tensor::ones((2, 2), DType::BF16, &dev)?;
+    fails(
+        op.clone().k_descale(&bad_dtype).forward(&q, &k8, &k8),
+        "k_descale",
+    );
+    // Inference only: tracked inputs and the backward functions are refused.
+    let tracked = candle::Var::from_tensor(&q)?;
+    fails(op.forward(tracked.as_tensor(), &k8, &k8), "inference only");
+    let (out, lse) = op.forward_with_lse(&q, &k8, &k8)?;
+    let r = op.backward(&q, &k8, &k8, &out, &out, &lse).map(|g| g.0);
+    fails(r, "inference only");
+    // A KV-cache append with a descale of the wrong shape, before anything is written.
+    let cache = Tensor::zeros((2, 8, 2, 16), DType::F8E4M3, &dev)?;
+    let lens = Tensor::new(&[1u32, 2], &dev)?;
+    let new = randn(&[2, 1, 2, 16], DType::BF16, 4, &dev)?;
+    let r = op.clone().k_descale(&bad_shape).forward_kvcache(
+        &q,
+        &cache,
+        &cache.clone().copy()?,
+        &lens,
+        Some((&new, &new)),
+    );
+    fails(r, "k_descale");
+    assert!(
+        values(&cache)?.iter().all(|&x| x == 0.0),
+        "the cache was written"
+    );
+    Ok(())
+}
