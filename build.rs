@@ -48,6 +48,12 @@ const ARCH_MODULES: &[(&str, &str, &[&str])] = &[
         "flash_bwd_sm90",
         &["-gencode=arch=compute_90a,code=compute_90a"],
     ),
+    // Decode from FP8 caches: the e4m3 -> f16 conversion instruction is sm_89's.
+    (
+        "kernels/decode/decode_fp8.cu",
+        "flash_decode_fp8",
+        &["-gencode=arch=compute_89,code=compute_89"],
+    ),
 ];
 
 fn main() {
@@ -275,6 +281,21 @@ fn instances_header() -> String {
             i.bc,
             i.stages,
             i.smem()
+        )
+        .unwrap();
+    }
+    h.push_str("\n\n#define FLASH_DECODE_KV8_INSTANCES(PREFIX, T)");
+    for i in DECODE_INSTANCES {
+        write!(
+            h,
+            " \\\n    FLASH_DECODE_KV8_INSTANCE(PREFIX##_{}, T, {}, {}, {}, {}, {}, {})",
+            i.suffix(),
+            i.d,
+            i.rg,
+            i.kg,
+            i.bc,
+            i.stages,
+            i.smem_kv8()
         )
         .unwrap();
     }

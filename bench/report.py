@@ -48,6 +48,8 @@ SCHEMAS = {
     "gpu-variants": "variant,dtype,head_dim,heads,kv_heads,batch,seq_q,seq_k,causal,plain_ms,"
                     "variant_ms,ratio",
     "gpu-flex": "variant,batch,seq_q,seq_k,causal,flex_plain_ms,flex_variant_ms,flex_ratio",
+    "gpu-fp8-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,"
+                      "ref_gbps",
 }
 INTEGER = {"batch", "seq", "heads", "kv_heads", "head_dim", "seq_q", "kv", "seq_k", "gpus"}
 REAL = {"ms", "tflops", "gflops", "us", "gbps", "ref_gbps", "plain_ms", "variant_ms", "ratio",
@@ -677,6 +679,13 @@ FLEX_NOTE = ("`bench/torch_flex.py`: PyTorch's FlexAttention (`torch.compile`d, 
              "bench/results/gpu-flex.csv).")
 
 
+FP8_DECODE_NOTE = ("One decode step (causal) from an FP8 (e4m3) K/V cache with bf16 queries, "
+                   "beside the same step from a bf16 cache, timed in one command "
+                   "(`decode_bench --dtype bf16,f8e4m3`). GB/s counts the bytes the step must "
+                   "move (K and V at one byte each for FP8); % of copy is that over the 1 GiB "
+                   "device copy measured in the same run (read plus written).")
+
+
 def variant_note(r):
     """The bias's read bandwidth, or a block-sparse row's target ratio."""
     v = r["variant"]
@@ -799,6 +808,34 @@ def build(plots):
             readme.append(f"**Attention variants ({where})**: time with the variant / time "
                           f"without, the largest over the shapes: {worst} "
                           f"({provenance(drows, device)})\n")
+
+    rows = read("gpu-fp8-decode")
+    page.append("## GPU decode from FP8 caches\n")
+    if rows:
+        page.append(FP8_DECODE_NOTE + "\n")
+        for device, drows in by_device(rows):
+            shape = lambda r: (r["layout"], r["heads"], r["kv_heads"], r["head_dim"], r["batch"],
+                               r["seq_q"], r["kv"])
+            bf16 = {shape(r): r for r in drows if r["dtype"] == "bf16"}
+            head = ["heads", "d", "batch", "seq_q", "kv", "bf16 µs", "FP8 µs", "bf16 / FP8",
+                    "FP8 GB/s", "% of copy"]
+            body, speedups = [], []
+            for r in sorted((r for r in drows if r["dtype"] == "f8e4m3"), key=shape):
+                b = bf16.get(shape(r))
+                up = b["us"] / r["us"] if b else None
+                if up and r["kv"] >= 32768:
+                    speedups.append(up)
+                body.append([f"{r['heads']}/{r['kv_heads']}", str(r["head_dim"]),
+                             str(r["batch"]), str(r["seq_q"]), str(r["kv"]),
+                             fnum(b["us"]) if b else "", fnum(r["us"]), fratio(up) if up else "",
+                             fnum(r["gbps"]), fpct(r["gbps"] / r["ref_gbps"])])
+            page.append(f"{provenance(drows, device)}\n\n" + table(head, body, ["r"] * 10) + "\n")
+            if speedups:
+                readme.append(f"**GPU decode from FP8 caches**: bf16-cache time / FP8-cache time "
+                              f"at kv ≥ 32768, {span(speedups)} "
+                              f"({provenance(drows, device)})\n")
+    else:
+        page.append(no_results("gpu-fp8-decode"))
 
     rows = read("gpu-ring")
     page.append("## Ring attention across GPUs\n")

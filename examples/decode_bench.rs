@@ -169,12 +169,15 @@ impl Layout {
     }
 }
 
+/// A dtype of the queries, or `f8e4m3` for an FP8 (e4m3) K/V cache under bf16 queries (the
+/// output is bf16; the cache's descales are 1).
 fn parse_dtype(s: &str) -> Result<DType> {
     match s.trim().to_ascii_lowercase().as_str() {
         "f32" | "float32" => Ok(DType::F32),
         "f16" | "float16" => Ok(DType::F16),
         "bf16" | "bfloat16" => Ok(DType::BF16),
-        _ => bail!("dtype {s:?}: expected f32, f16 or bf16"),
+        "f8e4m3" | "e4m3" => Ok(DType::F8E4M3),
+        _ => bail!("dtype {s:?}: expected f32, f16, bf16 or f8e4m3"),
     }
 }
 
@@ -183,6 +186,7 @@ fn dtype_name(d: DType) -> &'static str {
         DType::F32 => "f32",
         DType::F16 => "f16",
         DType::BF16 => "bf16",
+        DType::F8E4M3 => "f8e4m3",
         _ => "other",
     }
 }
@@ -201,18 +205,23 @@ struct Shape {
 }
 
 impl Shape {
-    fn esize(&self) -> usize {
-        self.dtype.size_in_bytes()
+    /// The queries' (and output's) dtype: bf16 over an FP8 cache.
+    fn q_dtype(&self) -> DType {
+        match self.dtype {
+            DType::F8E4M3 => DType::BF16,
+            d => d,
+        }
     }
 
     /// Bytes of K and V.
     fn kv_bytes(&self) -> usize {
-        2 * self.batch * self.kv * self.kv_heads * self.head_dim * self.esize()
+        2 * self.batch * self.kv * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
     }
 
     /// Bytes a decode step must move: K and V read once, q read, the output written.
     fn step_bytes(&self) -> usize {
-        self.kv_bytes() + 2 * self.batch * self.seq_q * self.heads * self.head_dim * self.esize()
+        let q = self.batch * self.seq_q * self.heads * self.head_dim;
+        self.kv_bytes() + 2 * q * self.q_dtype().size_in_bytes()
     }
 
     /// Bytes of the naive baseline's K and V, repeated to the query heads.
@@ -579,6 +588,11 @@ struct FlashInputs {
 }
 
 fn randn(shape: &[usize], dtype: DType, dev: &Device) -> Result<Tensor> {
+    if dtype == DType::F8E4M3 {
+        // candle 0.11 converts to F8E4M3 on the CPU only.
+        let t = Tensor::randn(0f32, 1., shape, &Device::Cpu)?.to_dtype(dtype)?;
+        return Ok(t.to_device(dev)?);
+    }
     Ok(Tensor::randn(0f32, 1., shape, dev)?.to_dtype(dtype)?)
 }
 
@@ -586,7 +600,7 @@ fn flash_inputs(s: &Shape, dev: &Device, seed: u64) -> Result<FlashInputs> {
     let (b, h, hk, d) = (s.batch, s.heads, s.kv_heads, s.head_dim);
     Ok(match s.layout {
         Layout::Contiguous => FlashInputs {
-            q: randn(&[b, s.seq_q, h, d], s.dtype, dev)?,
+            q: randn(&[b, s.seq_q, h, d], s.q_dtype(), dev)?,
             k: randn(&[b, s.kv, hk, d], s.dtype, dev)?,
             v: randn(&[b, s.kv, hk, d], s.dtype, dev)?,
             paged: None,
@@ -604,7 +618,7 @@ fn flash_inputs(s: &Shape, dev: &Device, seed: u64) -> Result<FlashInputs> {
                 Ok(Tensor::new(v.as_slice(), dev)?)
             };
             FlashInputs {
-                q: randn(&[b * s.seq_q, h, d], s.dtype, dev)?,
+                q: randn(&[b * s.seq_q, h, d], s.q_dtype(), dev)?,
                 k: randn(&[blocks, page, hk, d], s.dtype, dev)?,
                 v: randn(&[blocks, page, hk, d], s.dtype, dev)?,
                 paged: Some((
@@ -777,7 +791,11 @@ fn measure(
         });
     }
     drop(inputs);
-    if naive && s.layout == Layout::Contiguous && s.naive_bytes() as f64 <= naive_max * 1e9 {
+    if naive
+        && s.dtype != DType::F8E4M3
+        && s.layout == Layout::Contiguous
+        && s.naive_bytes() as f64 <= naive_max * 1e9
+    {
         let sets = set_count(s.naive_bytes(), cache);
         let inputs = (0..sets)
             .map(|_| naive_inputs(s, dev))

@@ -296,17 +296,19 @@ fn varlen(t: &Target) -> Result<()> {
 test_device!(varlen, Decode);
 
 /// `forward_kvcache` on F8E4M3 caches, contiguous and paged (7- and 16-row pages, shuffled
-/// blocks): bf16 rows appended are stored as `saturate(x / k_descale)` of their sequence (one
+/// blocks), at head dims 64, 80 and 128: bf16 rows appended are stored as `saturate(x / k_descale)` of their sequence (one
 /// planted past e4m3's range saturates to 448), every cache row no sequence owns holds NaN, and
 /// the output matches the reference over the dequantized cache after the append.
 fn kvcache(t: &Target) -> Result<()> {
     let cpu = Device::Cpu;
-    let (h, hk, d) = (8, 2, 80);
+    let (h, hk) = (8, 2);
     let lens = [3usize, 17, 0, 40];
     let (b, sq, seq_new, max_len) = (lens.len(), 2, 2, 48);
     let kd = descales(b, hk, 7);
     let vd = descales(b, hk, 8);
-    for page in [0usize, 7, 16] {
+    // Head dims that the CUDA decode kernels read as stored (multiples of 16) and one they
+    // convert first.
+    for (page, d) in [(0usize, 64usize), (7, 80), (16, 128)] {
         // Logical cache contents of each sequence (its first `len` rows), quantized.
         let kx = randn(&[b, max_len, hk, d], DType::F32, page as u64, &cpu)?;
         let vx = randn(&[b, max_len, hk, d], DType::F32, page as u64 + 1, &cpu)?;
@@ -406,7 +408,7 @@ fn kvcache(t: &Target) -> Result<()> {
                 .collect::<Result<_>>()?;
             Tensor::stack(&rows, 0)
         };
-        let what = format!("kvcache page {page}");
+        let what = format!("kvcache page {page} d {d}");
         let mut want = Vec::new();
         for (s, &len) in lens.iter().enumerate() {
             let n = len + seq_new;

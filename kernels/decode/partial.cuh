@@ -23,7 +23,18 @@
 //   otherwise O / l (f32) and its base-2 log-sum-exp go to the split scratch.
 // Masking (causal, windows, prefix ranges), softcap and ALiBi follow src/semantics.rs through
 // common/.
+//
+// FP8 caches (KV8): K and V stream as stored (e4m3, one byte per element) through a ring of half
+// the size; each tile is converted once in shared memory into f16 tiles that the warps read as
+// above, and the products run in f16 (e4m3 converts to it exactly, by one instruction per pair
+// on sm_89 and later, the only GPUs this variant is built for). Q, read in T, becomes f16
+// scaled by a power of two 2^-e per block so that its largest value stays below 2^15 (f16's
+// range; the scaling is exact), and the scores are taken times 2^e.
 #pragma once
+#include <cuda_fp8.h>
+
+#include <type_traits>
+
 #include "common/extras.cuh"
 #include "common/mask.cuh"
 #include "common/math.cuh"
@@ -42,17 +53,21 @@ using flash::Mma;
 using flash::swz;
 using flash::SwzRow;
 
-template <typename T, int D, int RG, int KG, int BC, int STAGES>
+template <typename T, int D, int RG, int KG, int BC, int STAGES, bool KV8 = false>
 struct Traits {
     static constexpr int WARPS = RG * KG;
     static constexpr int THREADS = WARPS * 32;
     static constexpr int ROWS = 16 * RG;  // packed rows per block
     static constexpr int KW = BC / KG;    // keys per warp and tile
     static constexpr int DT = D / 8;      // n8 tiles of O
-    // Q tile, then STAGES (K, V) tiles. The f32 merge buffer (KG > 1) reuses the ring.
-    static constexpr int SMEM = (ROWS * D + STAGES * 2 * BC * D) * (int)sizeof(T);
+    // Bytes of one stored K (or V) tile, and of the f16 pair an FP8 tile is converted into.
+    static constexpr int TILE = BC * D * (KV8 ? 1 : (int)sizeof(T));
+    static constexpr int WORK = KV8 ? 2 * BC * D * 2 : 0;
+    // Q tile (2-byte elements), then STAGES (K, V) tiles, then the converted pair (KV8). The f32
+    // merge buffer (KG > 1) reuses the ring and the pair.
+    static constexpr int SMEM = ROWS * D * 2 + STAGES * 2 * TILE + WORK;
     static_assert(KW % 16 == 0, "a warp's keys are whole k16 steps");
-    static_assert(KG == 1 || ROWS * D * 4 <= STAGES * 2 * BC * D * (int)sizeof(T),
+    static_assert(KG == 1 || ROWS * D * 4 <= STAGES * 2 * TILE + WORK,
                   "the merge buffer fits in the ring");
 };
 
@@ -134,6 +149,106 @@ __device__ __forceinline__ void load_kv(T* sK, T* sV, const FlashParams& p, cons
     }
 }
 
+// load_kv for FP8 caches: keys [key0, key0 + TILE) as stored, D bytes a row, row-major (the
+// conversion reads each 16-byte chunk once, so no swizzle). The head dim is a multiple of 16
+// (whole chunks; the planner sends others to the converting path); chunks past it are
+// zero-filled as in load_kv.
+template <int D, int TILE, int THREADS>
+__device__ __forceinline__ void load_kv8(uint8_t* sK, uint8_t* sV, const FlashParams& p,
+                                         const uint8_t* kg, const uint8_t* vg, int64_t k_head_off,
+                                         int64_t v_head_off, int key0, int rows_valid,
+                                         const int* blk) {
+    constexpr int C = D / 16;
+    constexpr int RPI = THREADS / C;
+    static_assert(RPI >= 1, "a row must fit in one pass of the block");
+    const int r0 = threadIdx.x / C, c = threadIdx.x % C;
+    if (r0 >= RPI) return;
+    // Chunks past the head dim (an instance wider than the head) are zero-filled.
+    const bool col_ok = c * 16 < p.d_load;
+    const uint8_t* kc = static_cast<const uint8_t*>(p.k);
+    const uint8_t* vc = static_cast<const uint8_t*>(p.v);
+    constexpr int N = (TILE + RPI - 1) / RPI;
+#pragma unroll
+    for (int it = 0; it < N; ++it) {
+        const int r = r0 + it * RPI;
+        if (TILE % RPI != 0 && r >= TILE) break;
+        const int j = key0 + r;
+        const uint8_t* ks = nullptr;
+        const uint8_t* vs = nullptr;
+        if (col_ok && r < rows_valid) {
+            if (blk) {
+                const int bi = blk[r];
+                if (bi >= 0 && bi < p.num_blocks) {
+                    const int row = p.page_shift >= 0 ? j & (p.page - 1) : j % p.page;
+                    ks = kc + (int64_t)bi * p.k_batch + (int64_t)row * p.k_seq + k_head_off;
+                    vs = vc + (int64_t)bi * p.v_batch + (int64_t)row * p.v_seq + v_head_off;
+                }
+            } else {
+                ks = kg + (int64_t)j * p.k_seq;
+                vs = vg + (int64_t)j * p.v_seq;
+            }
+        }
+        flash::cp_async16(sK + r * D + c * 16, ks ? ks + c * 16 : kc, ks ? 16 : 0);
+        flash::cp_async16(sV + r * D + c * 16, vs ? vs + c * 16 : vc, vs ? 16 : 0);
+    }
+}
+
+// Two e4m3 values (low byte first) as an f16 pair, exactly; NaN stays NaN.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t x) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(x, __NV_E4M3);
+    return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+// Converts a stored (K, V) FP8 tile pair (row-major, D bytes a row) into the swizzled f16
+// tiles the warps read: each 16-byte chunk once, into two 8-element chunks.
+template <int D, int BC, int THREADS>
+__device__ __forceinline__ void convert_kv8(__half* wK, const uint8_t* sK) {
+    constexpr int C = D / 16;
+    for (int idx = threadIdx.x; idx < 2 * BC * C; idx += THREADS) {
+        const int which = idx / (BC * C), rc = idx % (BC * C);
+        const int r = rc / C, c = rc % C;
+        const uint4 raw = *reinterpret_cast<const uint4*>(sK + which * BC * D + r * D + c * 16);
+        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t h[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            h[2 * i] = e4m3x2_to_f16x2((uint16_t)(w[i] & 0xffff));
+            h[2 * i + 1] = e4m3x2_to_f16x2((uint16_t)(w[i] >> 16));
+        }
+        __half* dst = wK + which * BC * D;
+        *reinterpret_cast<uint4*>(dst + swz<D>(r, 2 * c)) = make_uint4(h[0], h[1], h[2], h[3]);
+        *reinterpret_cast<uint4*>(dst + swz<D>(r, 2 * c + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+    }
+}
+
+// Q of a KV8 block, loaded in T into sQ, becomes f16 times 2^-e in place, e >= 0 the least
+// keeping every |value| below 2^15; returns 2^e (the factor of every score). Every thread
+// takes part (two barriers).
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ float q_to_f16(void* sQ) {
+    __shared__ float sh_amax[THREADS / 32];
+    constexpr int N = ROWS * D;
+    T* qt = static_cast<T*>(sQ);
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < N; i += THREADS)
+        amax = fmaxf(amax, fabsf(rowwise::to_f32(qt[i])));
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if (threadIdx.x % 32 == 0) sh_amax[threadIdx.x / 32] = amax;
+    __syncthreads();
+    amax = 0.f;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) amax = fmaxf(amax, sh_amax[w]);
+    // 2^e with amax / 2^e < 2^15 (a NaN or infinite Q keeps e = 0 and its value).
+    int e = 0;
+    if (amax >= 32768.f && amax <= 3.4e38f) e = ilogbf(amax) - 14;
+    const float down = exp2f((float)-e);
+    for (int i = threadIdx.x; i < N; i += THREADS)
+        reinterpret_cast<__half*>(sQ)[i] = __float2half_rn(rowwise::to_f32(qt[i]) * down);
+    __syncthreads();
+    return exp2f((float)e);
+}
+
 // The block-table entry of key j of sequence b (paged caches), or -1 past the sequence's sk
 // keys. Only the load is issued here: the value is first used when it is stored to shared
 // memory, after the tile's compute, so the load's latency hides behind it.
@@ -182,7 +297,8 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
                                           const SwzRow<D>& k_off, const SwzRow<D>& v_off, int k0,
                                           const int (&row_lo)[2], const int (&row_hi)[2],
                                           const int (&diag)[2], const float (&slope_log2)[2],
-                                          float unit, const int64_t (&bias_off)[2], int sk) {
+                                          float unit, const int64_t (&bias_off)[2], int sk,
+                                          float qscale) {
     constexpr int NT = KW / 8;
     const int lane = threadIdx.x % 32;
     float s[NT][4];
@@ -204,11 +320,12 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
     }
     const int col = k0 + 2 * (lane % 4);
     if constexpr (MODS) {
+        // (qscale: the power of two a KV8 block's Q was scaled down by; exactly 1 otherwise.)
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                s[j][e] = modded_score(p, s[j][e], slope_log2[e / 2], diag[e / 2],
+                s[j][e] = modded_score(p, s[j][e] * qscale, slope_log2[e / 2], diag[e / 2],
                                        col + j * 8 + e % 2);
         if (p.bias) {
             const char* base = static_cast<const char*>(p.bias);
@@ -302,14 +419,20 @@ __device__ __forceinline__ void store_lse(const FlashParams& p, const PackedRow&
     }
 }
 
-template <typename T, int D, int RG, int KG, int BC, int STAGES, bool MODS>
+// T: the dtype of q and the output. KV8: K and V are e4m3 (then the tiles and products are
+// f16, `Tc`).
+template <typename T, int D, int RG, int KG, int BC, int STAGES, bool MODS, bool KV8 = false>
 __device__ __forceinline__ void partial(const FlashParams& p) {
-    using Tr = Traits<T, D, RG, KG, BC, STAGES>;
+    using Tr = Traits<T, D, RG, KG, BC, STAGES, KV8>;
+    using Tc = typename std::conditional<KV8, __half, T>::type;
     constexpr int THREADS = Tr::THREADS, ROWS = Tr::ROWS, KW = Tr::KW, DT = Tr::DT;
     constexpr int WARPS = Tr::WARPS;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    T* sQ = reinterpret_cast<T*>(smem_raw);
-    T* sKV = sQ + ROWS * D;  // stage s: K at sKV + 2 s BC D, V right after
+    Tc* sQ = reinterpret_cast<Tc*>(smem_raw);
+    // Stage s: K at sKV + 2 s TILE bytes, V right after; KV8: the converted f16 pair after the
+    // ring.
+    unsigned char* sKV = smem_raw + ROWS * D * 2;
+    Tc* sWork = reinterpret_cast<Tc*>(sKV + STAGES * 2 * Tr::TILE);
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int rg = warp / KG, kg = warp % KG;
@@ -324,10 +447,11 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     if (i_first >= g.sq) return;
     split_keys(p, split, i_first, min(g.sq - 1, (m0 + ROWS - 1) / p.kv_group), g);
 
-    const T* kg_ptr = static_cast<const T*>(p.k) + (int64_t)b * p.k_batch + g.k_row0 * p.k_seq +
-                      (int64_t)kvh * p.k_head;
-    const T* vg_ptr = static_cast<const T*>(p.v) + (int64_t)b * p.v_batch + g.k_row0 * p.v_seq +
-                      (int64_t)kvh * p.v_head;
+    using Ts = typename std::conditional<KV8, uint8_t, T>::type;  // K/V as stored
+    const Ts* kg_ptr = static_cast<const Ts*>(p.k) + (int64_t)b * p.k_batch +
+                       g.k_row0 * p.k_seq + (int64_t)kvh * p.k_head;
+    const Ts* vg_ptr = static_cast<const Ts*>(p.v) + (int64_t)b * p.v_batch +
+                       g.k_row0 * p.v_seq + (int64_t)kvh * p.v_head;
 
     // This thread's two packed rows: diagonal, visible keys (within this split), ALiBi slope.
     int diag[2], row_lo[2], row_hi[2];
@@ -350,7 +474,6 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         for (int e = 0; e < 4; ++e) w.o[j][e] = 0.f;
     w.m[0] = w.m[1] = -INFINITY;
     w.l[0] = w.l[1] = 0.f;
-    const float unit = MODS ? 1.f : p.scale_log2;
 
     const SwzRow<D> q_off(16 * rg + lane % 16, lane / 16);
     const SwzRow<D> k_off(KW * kg + (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
@@ -382,13 +505,21 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     // Issues the copies of tile t into ring stage `stage` (the table entries of a paged tile
     // must be in shared memory, behind a barrier).
     auto issue = [&](int t, int stage) {
-        T* sK = sKV + stage * 2 * BC * D;
-        load_kv<T, D, BC, THREADS>(sK, sK + BC * D, p, kg_ptr, vg_ptr, (int64_t)kvh * p.k_head,
-                                   (int64_t)kvh * p.v_head, t * BC, min(BC, g.sk - t * BC),
-                                   paged ? sh_blk[t % 2] : nullptr);
+        unsigned char* st = sKV + stage * 2 * Tr::TILE;
+        if constexpr (KV8)
+            load_kv8<D, BC, THREADS>(st, st + Tr::TILE, p, kg_ptr, vg_ptr,
+                                     (int64_t)kvh * p.k_head, (int64_t)kvh * p.v_head, t * BC,
+                                     min(BC, g.sk - t * BC), paged ? sh_blk[t % 2] : nullptr);
+        else
+            load_kv<T, D, BC, THREADS>(reinterpret_cast<T*>(st),
+                                       reinterpret_cast<T*>(st + Tr::TILE), p, kg_ptr, vg_ptr,
+                                       (int64_t)kvh * p.k_head, (int64_t)kvh * p.v_head, t * BC,
+                                       min(BC, g.sk - t * BC), paged ? sh_blk[t % 2] : nullptr);
     };
 
-    load_q<T, D, ROWS, THREADS>(sQ, p, b, g, m0, kvh);
+    load_q<T, D, ROWS, THREADS>(reinterpret_cast<T*>(sQ), p, b, g, m0, kvh);
+    // KV8: Q in a group of its own, converted once the first tiles are on their way.
+    if constexpr (KV8) cp_async_commit();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         const int t = t_begin + s;
@@ -403,6 +534,13 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     }
     // The first tile the loop issues: its table entries are in place before its first barrier.
     put(t_begin + STAGES - 1, fetch(t_begin + STAGES - 1));
+    float qscale = 1.f;
+    if constexpr (KV8) {
+        cp_async_wait<STAGES - 1>();
+        __syncthreads();
+        qscale = q_to_f16<T, D, ROWS, THREADS>(sQ);
+    }
+    const float unit = MODS ? 1.f : p.scale_log2 * qscale;
 
     for (int t = t_begin; t < t_end; ++t) {
         const int it = t - t_begin;
@@ -414,11 +552,19 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         // The table entries of the tile after: loaded now, stored after this tile's compute
         // (its buffer was last read by the copies of tile tn - 1, before the barrier above).
         const int next_blk = fetch(tn + 1);
-        const T* sK = sKV + (it % STAGES) * 2 * BC * D;
+        const Tc* sK;
+        if constexpr (KV8) {
+            convert_kv8<D, BC, THREADS>(sWork, sKV + (it % STAGES) * 2 * Tr::TILE);
+            __syncthreads();
+            sK = sWork;
+        } else {
+            sK = reinterpret_cast<const Tc*>(sKV + (it % STAGES) * 2 * Tr::TILE);
+        }
         const int k0 = t * BC + KW * kg;  // this warp's first key
         if (k0 < g.n_hi && k0 + KW > g.n_lo)
-            warp_tile<T, D, KW, MODS>(w, p, sQ, sK, sK + BC * D, q_off, k_off, v_off, k0, row_lo,
-                                      row_hi, diag, slope_log2, unit, bias_off, g.sk);
+            warp_tile<Tc, D, KW, MODS>(w, p, sQ, sK, sK + BC * D, q_off, k_off, v_off, k0,
+                                       row_lo, row_hi, diag, slope_log2, unit, bias_off, g.sk,
+                                       qscale);
         put(tn + 1, next_blk);
     }
     cp_async_wait<0>();
@@ -536,4 +682,15 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(RG * KG * 32) NAME##_mods(const FlashParams p) { \
         decode::partial<T, D, RG, KG, BC, STAGES, true>(p);                                      \
+    }
+
+// The FP8-cache twins of the table's instances (kernels/decode/decode_fp8.cu).
+#define FLASH_DECODE_KV8_INSTANCE(NAME, T, D, RG, KG, BC, STAGES, SMEM_BYTES)                    \
+    static_assert(decode::Traits<T, D, RG, KG, BC, STAGES, true>::SMEM == SMEM_BYTES,            \
+                  "src/cuda/instances.rs and the kernel disagree on shared memory");            \
+    extern "C" __global__ void __launch_bounds__(RG * KG * 32) NAME(const FlashParams p) {       \
+        decode::partial<T, D, RG, KG, BC, STAGES, false, true>(p);                               \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(RG * KG * 32) NAME##_mods(const FlashParams p) { \
+        decode::partial<T, D, RG, KG, BC, STAGES, true, true>(p);                                \
     }

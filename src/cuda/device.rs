@@ -16,6 +16,9 @@ pub(crate) struct DeviceCaps {
     /// Run the sm_90a (wgmma + TMA) kernels where they cover the problem: compute capability
     /// 9.0, unless the caller asked for the portable path.
     pub hopper: bool,
+    /// Run the FP8-cache decode kernels (compute_89 code, for sm_89's e4m3 conversion), unless
+    /// the caller asked for the portable path.
+    pub fp8: bool,
 }
 
 /// Shared memory the plan keeps free for the kernels' static `__shared__` values (a few
@@ -51,6 +54,7 @@ impl DeviceCaps {
             smem_optin,
             dram_bytes_per_us,
             hopper: major == 9 && minor == 0,
+            fp8: major > 8 || (major == 8 && minor >= 9),
         }
     }
 
@@ -58,6 +62,7 @@ impl DeviceCaps {
     pub const fn portable(self) -> Self {
         Self {
             hopper: false,
+            fp8: false,
             ..self
         }
     }

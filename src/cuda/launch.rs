@@ -15,6 +15,8 @@ pub(crate) enum Module {
     Sm90,
     /// The sm_90a backward kernels (kernels/sm90/bwd_sm90.cu).
     Sm90Bwd,
+    /// Decode from FP8 caches (kernels/decode/decode_fp8.cu, compute_89), f16 and bf16.
+    DecodeFp8,
     /// Operand packing and KV-cache appends (kernels/pack.cu).
     Pack,
     /// The merge of two attention states (kernels/merge.cu).

@@ -43,6 +43,24 @@ pub(crate) use backward::{backward, Saved as BwdSaved};
 #[cfg(feature = "cuda")]
 pub(crate) use merge::merge;
 
+/// Whether the FP8 (e4m3) K and V of `p` (bf16 or f16 queries `dtype`, validated) are read as
+/// stored, by the decode kernels: on GPUs with sm_89's e4m3 conversion, for decode-shaped calls
+/// whose head dim is a multiple of 16 and whose K and V rows are 16-byte aligned with
+/// contiguous head dims. Elsewhere the caller converts K and V first.
+#[cfg(feature = "cuda")]
+pub(crate) fn kv8_decode(
+    p: &crate::problem::Problem,
+    dtype: candle::DType,
+    dev: &candle::CudaDevice,
+) -> candle::Result<bool> {
+    let caps = runtime::caps(&dev.cuda_stream(), p.kernels.portable)?;
+    if forward::plan::check_device(p, &caps).is_err() || !operands::chunk_aligned_8bit(p) {
+        return Ok(false);
+    }
+    let residency = |l: &launch::Launch| runtime::residency(dev, l);
+    Ok(decode::plan::plan_kv8(p, dtype, &caps, &residency)?.is_some())
+}
+
 /// The forward pass of `p` on the GPU: the decode plan where the problem is decode-shaped,
 /// else the prefill plan. Returns (out, lse).
 #[cfg(feature = "cuda")]
@@ -59,6 +77,20 @@ pub(crate) fn forward(
 
     let dev = q.device().clone();
     let dtype = q.dtype();
+    let caps = runtime::caps(&dev.cuda_stream(), p.kernels.portable)?;
+    let qkv = [q, k, v];
+    let residency = |l: &launch::Launch| runtime::residency(&dev, l);
+    if k.dtype() == DType::F8E4M3 && v.dtype() == DType::F8E4M3 {
+        // Only calls that `kv8_decode` accepted come here with FP8 K and V.
+        let Some(plan) = decode::plan::plan_kv8(p, dtype, &caps, &residency)? else {
+            candle::bail!("flash-attn: no CUDA kernel reads FP8 K and V for this call")
+        };
+        return match dtype {
+            DType::BF16 => decode::launch::run::<bf16>(p, &plan, alibi, &dev, qkv),
+            DType::F16 => decode::launch::run::<f16>(p, &plan, alibi, &dev, qkv),
+            dt => candle::bail!("flash-attn: no CUDA FP8 decode kernel for {dt:?} queries"),
+        };
+    }
     if k.dtype() != dtype || v.dtype() != dtype {
         candle::bail!(
             "flash-attn: q, k, v must share one of f32/f16/bf16, got {dtype:?}/{:?}/{:?}",
@@ -66,10 +98,7 @@ pub(crate) fn forward(
             v.dtype()
         )
     }
-    let caps = runtime::caps(&dev.cuda_stream(), p.kernels.portable)?;
     forward::plan::check_device(p, &caps)?;
-    let qkv = [q, k, v];
-    let residency = |l: &launch::Launch| runtime::residency(&dev, l);
     if let Some(plan) = decode::plan::plan(p, dtype, &caps, &residency)? {
         return match dtype {
             DType::BF16 => decode::launch::run::<bf16>(p, &plan, alibi, &dev, qkv),

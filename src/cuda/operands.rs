@@ -31,6 +31,23 @@ fn chunk_aligned(p: &Problem, s: &Strides, batch: usize, rows: usize, heads: usi
         && aligned(s.head, heads)
 }
 
+/// Can the FP8 decode kernels read K and V of `p` in place (16-byte chunks of one-byte
+/// elements)? The head dim must be a multiple of 16 with unit stride and every row 16-byte
+/// aligned. (They never pack.)
+pub(crate) fn chunk_aligned_8bit(p: &Problem) -> bool {
+    let (_, k_rows) = p.storage_rows();
+    let (_, k_batch) = p.storage_batches();
+    let aligned = |stride: usize, n: usize| n <= 1 || stride.is_multiple_of(16);
+    let ok = |s: &Strides| {
+        s.dim == 1
+            && s.offset.is_multiple_of(16)
+            && aligned(s.batch, k_batch)
+            && aligned(s.seq, k_rows)
+            && aligned(s.head, p.kv_heads)
+    };
+    p.head_dim.is_multiple_of(16) && ok(&p.k) && ok(&p.v)
+}
+
 /// Does an axis of more than one element have stride 0 (a broadcast view)?
 pub(crate) fn has_zero_stride(s: &Strides, batch: usize, rows: usize, heads: usize) -> bool {
     [(s.batch, batch), (s.seq, rows), (s.head, heads)]

@@ -4,11 +4,12 @@
 //! The descales never touch the big operands. With `c = q_descale · k_descale` and
 //! `d = v_descale` of a row's sequence and K/V head,
 //! `softmax(scale · (c q)·k) (d v) = d · softmax(scale · (c q)·k) v`: `c` multiplies the (few)
-//! query rows, `d` the output, and K and V are attended as stored. An e4m3 value converts
-//! exactly to f32, f16 and bf16, so where no kernel reads FP8 itself, K and V are converted as
-//! they are (f32 on the CPU, the output's dtype on the GPU) and the result is the one of the
-//! dequantized inputs up to that path's rounding: `c q` rounded once to the compute dtype, and
-//! the output rounded once more after `d` on the GPU.
+//! query rows, `d` the output, and K and V are attended as stored. The CUDA decode kernels read
+//! e4m3 K and V directly (one byte per element, on GPUs from sm_89; see
+//! `kernels/decode/partial.cuh`). Elsewhere K and V are converted first, exactly (an e4m3 value
+//! is exact in f32, f16 and bf16): to f32 on the CPU, to the output's dtype on the GPU. The
+//! result is the one of the dequantized inputs up to that path's rounding: `c q` rounded once
+//! to the compute dtype, and the output rounded once more after `d` on the GPU.
 
 use candle::{bail, DType, Result, Tensor};
 
@@ -234,9 +235,10 @@ pub(crate) fn quantize_new(
     }
 }
 
-/// An FP8 call rewritten for kernels that read f32/f16/bf16: the options without descales, q
-/// scaled by `q_descale · k_descale`, K and V converted as stored, and the factor `v_descale`
-/// that the output takes afterwards.
+/// An FP8 call rewritten for the kernels: the options without descales, q scaled by
+/// `q_descale · k_descale` in the compute dtype, K and V as stored where a kernel reads e4m3
+/// (the CUDA decode kernels) or converted, and the factor `v_descale` that the output takes
+/// afterwards.
 pub(crate) struct Lowered {
     pub op: FlashAttn,
     pub q: Tensor,
@@ -286,6 +288,19 @@ impl Lowered {
             .as_ref()
             .map(|d| rows.expand(d, p))
             .transpose()?;
+        // Decode-shaped calls on GPUs with e4m3 conversion read K and V as stored.
+        let native = match q.device() {
+            #[cfg(feature = "cuda")]
+            candle::Device::Cuda(dev) => crate::cuda::kv8_decode(p, compute, dev)?,
+            _ => false,
+        };
+        let kv = |t: &Tensor| {
+            if native {
+                Ok(t.clone())
+            } else {
+                convert(t, compute)
+            }
+        };
         let mut inner = op.clone();
         inner.q_descale = None;
         inner.k_descale = None;
@@ -299,8 +314,8 @@ impl Lowered {
         Ok(Some(Self {
             op: inner,
             q: q_low,
-            k: convert(k, compute)?,
-            v: convert(v, compute)?,
+            k: kv(k)?,
+            v: kv(v)?,
             out_factor,
             out_dtype,
         }))

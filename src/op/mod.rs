@@ -564,9 +564,20 @@ impl FlashAttn {
                 low.op
                     .problem_with(&low.q, &low.k, &low.v, problem.varlen, problem.paged)?;
             inner.seqused_k = problem.seqused_k;
-            let (out, lse) = low.op.run(inner, &low.q, &low.k, &low.v)?;
+            let (out, lse) = low.op.run_kernels(inner, &low.q, &low.k, &low.v)?;
             return Ok((low.finish(out)?, lse));
         }
+        self.run_kernels(problem, q, k, v)
+    }
+
+    /// [`run`](Self::run) for operands the backends read as they are.
+    fn run_kernels(
+        &self,
+        problem: Problem,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
         let out_shape = problem.out_shape();
         let lse_shape = problem.lse_shape();
         if out_shape.iter().product::<usize>() == 0 {

@@ -84,6 +84,33 @@ pub(crate) fn plan(
     caps: &DeviceCaps,
     residency: Residency,
 ) -> Result<Option<Plan>> {
+    plan_with(p, dtype, caps, residency, false)
+}
+
+/// The decode plan of `p` over FP8 (e4m3) K and V with `dtype` queries and output (the
+/// `kernels/decode/decode_fp8.cu` twins of the instances), or `None` where they do not apply:
+/// a GPU without sm_89's e4m3 conversion (or the portable path), a head dim that is not a
+/// multiple of 16 (the kernels copy whole 16-byte chunks of FP8 rows), or a call that is not
+/// decode-shaped.
+pub(crate) fn plan_kv8(
+    p: &Problem,
+    dtype: DType,
+    caps: &DeviceCaps,
+    residency: Residency,
+) -> Result<Option<Plan>> {
+    if !caps.fp8 || !p.head_dim.is_multiple_of(16) {
+        return Ok(None);
+    }
+    plan_with(p, dtype, caps, residency, true)
+}
+
+fn plan_with(
+    p: &Problem,
+    dtype: DType,
+    caps: &DeviceCaps,
+    residency: Residency,
+    kv8: bool,
+) -> Result<Option<Plan>> {
     let rows = p.heads / p.kv_heads * p.max_seq_q;
     let rows_only = p.paged.is_some() || p.prefix.is_some();
     // A block mask (dense calls only) is read by the prefill kernels; a bias by the `_mods`
@@ -105,12 +132,17 @@ pub(crate) fn plan(
     let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0 || p.bias.is_some();
     let mods = if mods { "_mods" } else { "" };
     let module = Module::of(dtype)?;
+    let smem = |i: &DecodeInstance| if kv8 { i.smem_kv8() } else { i.smem() };
     let launch = |i: &DecodeInstance| Launch {
-        module,
-        function: format!("flash_decode_{dn}_{}{mods}", i.suffix()),
+        module: if kv8 { Module::DecodeFp8 } else { module },
+        function: format!(
+            "flash_decode_{dn}_{}{}{mods}",
+            if kv8 { "kv8_" } else { "" },
+            i.suffix()
+        ),
         grid: (1, 1, 1),
         threads: i.threads() as u32,
-        smem: i.smem(),
+        smem: smem(i),
     };
     let key = SearchKey {
         caps: *caps,
@@ -124,6 +156,7 @@ pub(crate) fn plan(
         rows,
         max_seq_k: p.max_seq_k,
         d_load,
+        kv8,
         forced: p.kernels.overrides.decode_instance.clone(),
     };
     let cached = SEARCHES
@@ -133,7 +166,13 @@ pub(crate) fn plan(
     let (instance, m_tiles, splits) = match cached {
         Some(found) => found,
         None => {
-            let found = search(p, caps, width, rows, d_load, &|i| residency(&launch(i)))?;
+            let shape = Shape {
+                width,
+                rows,
+                d_load,
+                esize: if kv8 { 1 } else { 2 },
+            };
+            let found = search(p, caps, shape, &smem, &|i| residency(&launch(i)))?;
             if let Ok(mut c) = SEARCHES.lock() {
                 if c.len() == SEARCH_CACHE {
                     c.remove(0);
@@ -182,7 +221,11 @@ pub(crate) fn plan(
         split_keys,
         m_tiles,
         d_load,
-        pack: pack_flags(p, false),
+        // FP8 operands are read in place (the caller checked their layout).
+        pack: match kv8 {
+            true => [pack_flags(p, false)[0], false, false],
+            false => pack_flags(p, false),
+        },
     }))
 }
 
@@ -201,6 +244,7 @@ struct SearchKey {
     rows: usize,
     max_seq_k: usize,
     d_load: usize,
+    kv8: bool,
     forced: Option<String>,
 }
 
@@ -212,13 +256,28 @@ type Found = (DecodeInstance, usize, usize);
 
 static SEARCHES: std::sync::Mutex<Vec<(SearchKey, Found)>> = std::sync::Mutex::new(Vec::new());
 
-/// The cheapest (instance, row blocks, splits) for `p` by [`cost`].
-fn search(
-    p: &Problem,
-    caps: &DeviceCaps,
+/// What the search reads of a call besides the problem: the instance width, the packed rows per
+/// K/V head, the columns read and the bytes of one K/V element.
+#[derive(Clone, Copy)]
+struct Shape {
     width: usize,
     rows: usize,
     d_load: usize,
+    esize: usize,
+}
+
+/// The cheapest (instance, row blocks, splits) for `p` by [`cost`]; `smem` is an instance's
+/// dynamic shared memory in the variant searched.
+fn search(
+    p: &Problem,
+    caps: &DeviceCaps,
+    Shape {
+        width,
+        rows,
+        d_load,
+        esize,
+    }: Shape,
+    smem: &dyn Fn(&DecodeInstance) -> usize,
     residency: &dyn Fn(&DecodeInstance) -> Result<usize>,
 ) -> Result<Found> {
     // Every instance of that width that fits the device, whatever its row tiles: several row
@@ -226,7 +285,7 @@ fn search(
     // of a wide one, whose warps each compute every key for their own rows. A paged tile's
     // copies wait for its block-table entries, fetched one tile ahead, which a ring with one
     // tile in flight exposes: paged caches take the deep rings where they fit.
-    let fits = |i: &DecodeInstance| i.d == width && caps.fits(i.smem());
+    let fits = |i: &DecodeInstance| i.d == width && caps.fits(smem(i));
     let deeper_fits = |i: &DecodeInstance| {
         DECODE_INSTANCES
             .iter()
@@ -245,7 +304,7 @@ fn search(
         None => None,
     };
     let candidates: Vec<DecodeInstance> = match forced {
-        Some(&i) if caps.fits(i.smem()) => vec![i],
+        Some(&i) if caps.fits(smem(&i)) => vec![i],
         Some(i) => bail!(
             "flash-attn: decode instance {} needs more shared memory than this device has",
             i.suffix()
@@ -267,14 +326,14 @@ fn search(
         let most = max_splits(p, i);
         // No plan moves its bytes faster than the DRAM, and the combine pass only grows with
         // the splits: past the count where that floor exceeds the best, none can win.
-        let all_bytes = (p.batch * p.kv_heads * m_tiles * p.max_seq_k * d_load * 4) as f64;
+        let all_bytes = (p.batch * p.kv_heads * m_tiles * p.max_seq_k * d_load * 2 * esize) as f64;
         let mut splits = 1;
         while splits <= most {
             let floor = WAVE_US + all_bytes / dram + combine_cost(p, splits, d_load, dram);
             if best.is_some_and(|(b, _)| floor >= b) {
                 break;
             }
-            let t = cost(p, caps, i, slots, m_tiles, splits, d_load);
+            let t = cost(p, caps, i, slots, m_tiles, splits, d_load, esize);
             if best.is_none_or(|(b, _)| t < b) {
                 best = Some((t, (i, m_tiles, splits)));
             }
@@ -298,7 +357,10 @@ fn max_splits(p: &Problem, i: DecodeInstance) -> usize {
 
 /// Modelled time, in microseconds, of instance `i` (`slots` blocks of it resident at once over
 /// the GPU) over `splits` slices of the keys of each of the `m_tiles` row blocks of every
-/// (sequence, K/V head).
+/// (sequence, K/V head), of `esize`-byte K/V elements. A block's rate is its keys' pace: the
+/// instance rates are of 2-byte caches, and an FP8 block computes as many keys per
+/// microsecond (plus their conversion), so its bytes stream at `esize / 2` of that rate.
+#[allow(clippy::too_many_arguments)]
 fn cost(
     p: &Problem,
     caps: &DeviceCaps,
@@ -307,18 +369,20 @@ fn cost(
     m_tiles: usize,
     splits: usize,
     d_load: usize,
+    esize: usize,
 ) -> f64 {
     let dram = caps.dram_bytes_per_us as f64 * STREAM_EFFICIENCY;
     let blocks = p.batch * p.kv_heads * m_tiles * splits;
     // Keys a block walks: its slice, in whole tiles.
     let keys = p.max_seq_k.div_ceil(splits).next_multiple_of(i.bc);
-    let block_bytes = (keys * d_load * 2 * 2) as f64;
+    let block_bytes = (keys * d_load * 2 * esize) as f64;
     // A wave of n blocks: the block scheduler deals them out over the SMs, so the busiest SM
     // holds ceil(n / SMs) of them; an SM streams at most its even share of the DRAM bandwidth
     // and its blocks at most their own rate each. The wave lasts as long as its busiest SM.
     let sms = caps.sms as usize;
     let sm_share = dram / sms as f64;
-    let rate = i.rate as f64 * if p.paged.is_some() { PAGED_RATE } else { 1.0 };
+    let rate =
+        i.rate as f64 * if p.paged.is_some() { PAGED_RATE } else { 1.0 } * esize as f64 / 2.0;
     let wave = |n: usize| {
         let load = n.div_ceil(sms) as f64;
         WAVE_US + load * block_bytes / sm_share.min(load * rate)
@@ -402,6 +466,45 @@ mod tests {
             let by_regs = 65_536 / (128 * l.threads as usize);
             Ok(((caps.smem_optin + 1024) / per_block).min(by_regs))
         }
+    }
+
+    /// FP8 caches take the FP8 twins where the GPU converts e4m3 (sm_89 on, not the portable
+    /// path) and the head dim is whole 16-byte chunks; their shared memory is the twin's, and
+    /// they fit every GPU that has them. Elsewhere there is no FP8 plan (the caller converts).
+    #[test]
+    fn fp8_caches_take_the_fp8_twins() {
+        let opts = FlashAttn::new(0.1).causal();
+        for (b, sq, sk, h, hk, d) in [
+            (8, 1, 32768, 32, 8, 128),
+            (1, 4, 3000, 8, 1, 256),
+            (3, 1, 77, 6, 6, 64),
+        ] {
+            let p = problem(b, sq, sk, h, hk, d, DType::BF16, &opts);
+            for caps in [DeviceCaps::SM89, DeviceCaps::SM90] {
+                let pl = plan_kv8(&p, DType::BF16, &caps, &by_smem(caps))
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(pl.partial.module, Module::DecodeFp8);
+                assert!(pl.partial.function.starts_with("flash_decode_bf16_kv8_"));
+                assert_eq!(pl.partial.smem, pl.instance.smem_kv8());
+                assert!(caps.fits(pl.partial.smem) && pl.pack[1..] == [false, false]);
+                assert!(pl.instance.smem_kv8() <= pl.instance.smem());
+            }
+            for caps in [
+                DeviceCaps::SM80,
+                DeviceCaps::SM86,
+                DeviceCaps::SM90.portable(),
+            ] {
+                assert!(plan_kv8(&p, DType::BF16, &caps, &by_smem(caps))
+                    .unwrap()
+                    .is_none());
+            }
+        }
+        let p = problem(2, 1, 1000, 8, 2, 72, DType::BF16, &opts);
+        let caps = DeviceCaps::SM90;
+        assert!(plan_kv8(&p, DType::BF16, &caps, &by_smem(caps))
+            .unwrap()
+            .is_none());
     }
 
     /// Packed rows per K/V head up to 128 take the decode kernel (f16/bf16, heads up to 256),

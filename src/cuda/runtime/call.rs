@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use candle::cuda_backend::{CudaDType, CudaDevice};
 use candle::{bail, CudaStorage, DType, Result, Storage, Tensor};
@@ -223,12 +224,22 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
         d_load: usize,
     ) -> Result<Self> {
         let stream = dev.cuda_stream();
-        let (q, k, v) = (
-            q.as_cuda_slice::<T>()?,
-            k.as_cuda_slice::<T>()?,
-            v.as_cuda_slice::<T>()?,
-        );
-        p.check_bounds(q.len(), k.len(), v.len())?;
+        let q = q.as_cuda_slice::<T>()?;
+        // K and V in T, or e4m3 (FP8 caches, for the decode kernels, read in place).
+        let kv = |s: &CudaStorage| -> Result<(u64, usize, usize)> {
+            Ok(match s.dtype() {
+                DType::F8E4M3 => {
+                    let x = s.as_cuda_slice::<float8::F8E4M3>()?;
+                    (x.device_ptr(&stream).0, x.len(), 1)
+                }
+                _ => {
+                    let x = s.as_cuda_slice::<T>()?;
+                    (x.device_ptr(&stream).0, x.len(), std::mem::size_of::<T>())
+                }
+            })
+        };
+        let (k, v) = (kv(k)?, kv(v)?);
+        p.check_bounds(q.len(), k.1, v.1)?;
         if p.has_alibi != alibi.is_some() {
             bail!("flash-attn: ALiBi slopes do not match the validated problem")
         }
@@ -246,12 +257,21 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
         };
         let mut scratch = Vec::new();
         let d = p.head_dim;
-        let mut op = |slice: &CudaSlice<T>, s: Strides, e: Extent, pack: bool| {
-            let base = slice.device_ptr(&stream).0;
+        let mut op = |(base, _, esize): (u64, usize, usize), s: Strides, e: Extent, pack: bool| {
+            if esize != std::mem::size_of::<T>() {
+                if pack {
+                    bail!("flash-attn: FP8 K and V are read in place, never packed")
+                }
+                return Ok(Operand {
+                    ptr: base + (s.offset * esize) as u64,
+                    s,
+                });
+            }
             operand::<T>(dev, &stream, base, s, e, d, d_load, pack, &mut scratch)
         };
+        let qb = (q.device_ptr(&stream).0, q.len(), std::mem::size_of::<T>());
         let (qo, ko, vo) = (
-            op(q, p.q, qe, pack[0])?,
+            op(qb, p.q, qe, pack[0])?,
             op(k, p.k, ke, pack[1])?,
             op(v, p.v, ke, pack[2])?,
         );

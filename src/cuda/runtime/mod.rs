@@ -51,6 +51,10 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
             "candle_flash_bwd_sm90",
             include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_sm90.ptx")),
         ),
+        Module::DecodeFp8 => (
+            "candle_flash_decode_fp8",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_decode_fp8.ptx")),
+        ),
         Module::Pack => (
             "candle_flash_pack",
             include_str!(concat!(env!("OUT_DIR"), "/pack.ptx")),
@@ -115,6 +119,7 @@ fn read_caps(stream: &CudaStream) -> Result<DeviceCaps> {
         smem_optin: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
         dram_bytes_per_us: mem_khz * bus_bits * 2 / 8 / 1000,
         hopper: major == 9 && minor == 0,
+        fp8: major > 8 || (major == 8 && minor >= 9),
     })
 }
 
