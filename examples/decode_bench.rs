@@ -11,6 +11,9 @@
 //! # The GPU grid (bench/results/gpu-decode.csv), or a small part of it while iterating:
 //! cargo run --release --features cuda,candle-nn/cuda --example decode_bench -- --device cuda --sweep
 //! cargo run --release --features cuda,candle-nn/cuda --example decode_bench -- --device cuda --quick
+//! # Decode from an FP8 (e4m3) cache beside a bf16 one (bench/results/gpu-fp8-decode.csv):
+//! cargo run --release --features cuda,candle-nn/cuda --example decode_bench -- --device cuda \
+//!     --dtype bf16,f8e4m3 --batch 1,8 --kv 4096,32768,131072 --seq-q 1,4 --naive off
 //! # Exactly the shapes of another CSV (columns heads, kv_heads, head_dim, batch, seq_q, kv,
 //! # dtype, layout, in any order, among others):
 //! cargo run --release --example decode_bench -- --device cuda --shapes-csv torch.csv
