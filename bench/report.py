@@ -50,9 +50,11 @@ SCHEMAS = {
     "gpu-flex": "variant,batch,seq_q,seq_k,causal,flex_plain_ms,flex_variant_ms,flex_ratio",
     "gpu-fp8-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,"
                       "ref_gbps",
+    "fp8-accuracy": "inputs,method,heads,kv_heads,head_dim,batch,seq_q,seq_k,rmse,rel_rmse,"
+                    "max_abs",
 }
 INTEGER = {"batch", "seq", "heads", "kv_heads", "head_dim", "seq_q", "kv", "seq_k", "gpus"}
-REAL = {"ms", "tflops", "gflops", "us", "gbps", "ref_gbps", "plain_ms", "variant_ms", "ratio",
+REAL = {"rmse", "rel_rmse", "max_abs", "ms", "tflops", "gflops", "us", "gbps", "ref_gbps", "plain_ms", "variant_ms", "ratio",
         "fwd_ms", "fwd_bwd_ms", "tokens_per_s", "gib_per_gpu", "single_fwd_ms",
         "single_fwd_bwd_ms", "flex_plain_ms", "flex_variant_ms", "flex_ratio"}
 TORCH = ("torch-flash", "torch-cudnn")
@@ -686,6 +688,14 @@ FP8_DECODE_NOTE = ("One decode step (causal) from an FP8 (e4m3) K/V cache with b
                    "device copy measured in the same run (read plus written).")
 
 
+FP8_ACCURACY_NOTE = ("What FP8 loses (`examples/fp8_accuracy.rs`): the error of candle-flash's "
+                     "output against f32 attention over the original f32 data (32/8 heads, d 128, "
+                     "batch 2, causal), for inputs rounded to bf16 and for inputs quantized to "
+                     "e4m3 with one scale per (sequence, K/V head) from their absolute maximum: "
+                     "K and V only (`fp8-kv`, an FP8 cache) or q, k and v (`fp8`). `normal` is "
+                     "N(0, 1); `outliers` multiplies one element in a thousand by 30.")
+
+
 def variant_note(r):
     """The bias's read bandwidth, or a block-sparse row's target ratio."""
     v = r["variant"]
@@ -836,6 +846,19 @@ def build(plots):
                               f"({provenance(drows, device)})\n")
     else:
         page.append(no_results("gpu-fp8-decode"))
+
+    rows = read("fp8-accuracy")
+    page.append("## FP8 accuracy\n")
+    if rows:
+        page.append(FP8_ACCURACY_NOTE + "\n")
+        for device, drows in by_device(rows):
+            head = ["inputs", "seq_q", "method", "RMSE", "RMSE / RMS(output)", "max abs error"]
+            body = [[r["inputs"], str(r["seq_q"]), r["method"], f"{r['rmse']:.2e}",
+                     f"{r['rel_rmse']:.2e}", f"{r['max_abs']:.2e}"] for r in drows]
+            page.append(f"{provenance(drows, device)}\n\n"
+                        + table(head, body, ["l", "r", "l", "r", "r", "r"]) + "\n")
+    else:
+        page.append(no_results("fp8-accuracy"))
 
     rows = read("gpu-ring")
     page.append("## Ring attention across GPUs\n")
