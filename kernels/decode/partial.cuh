@@ -104,31 +104,35 @@ __device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const
     }
 }
 
-// Copies keys [key0, key0 + TILE) of one K/V head into the swizzled K and V tiles. Contiguous
-// caches (blk null) read row j at kg / vg (the sequence's first row) plus j rows; paged caches
-// read row j % page of block blk[j - key0], the tile's block-table entries fetched beforehand
-// (-1 for rows past the sequence). Rows past `rows_valid`, columns past d_load and blocks outside
-// the cache are zero-filled.
-template <typename T, int D, int TILE, int THREADS>
-__device__ __forceinline__ void load_kv(T* sK, T* sV, const FlashParams& p, const T* kg,
-                                        const T* vg, int64_t k_head_off, int64_t v_head_off,
+// Copies keys [key0, key0 + TILE) of one K/V head, 16-byte chunks of elements E, into the K and
+// V tiles: swizzled for 2-byte elements (read by ldmatrix), row-major for e4m3 bytes (read once
+// by the conversion, D bytes a row; their head dim is a multiple of 16, whole chunks, the
+// planner sends others to the converting path). Contiguous caches (blk null) read row j at kg /
+// vg (the sequence's first row) plus j rows; paged caches read row j % page of block
+// blk[j - key0], the tile's block-table entries fetched beforehand (-1 for rows past the
+// sequence). Rows past `rows_valid`, columns past d_load and blocks outside the cache are
+// zero-filled.
+template <typename E, int D, int TILE, int THREADS>
+__device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, const E* kg,
+                                        const E* vg, int64_t k_head_off, int64_t v_head_off,
                                         int key0, int rows_valid, const int* blk) {
-    constexpr int C = D / 8;
+    constexpr int EPC = 16 / (int)sizeof(E);  // elements per chunk
+    constexpr int C = D / EPC;
     constexpr int RPI = THREADS / C;
     static_assert(RPI >= 1, "a row must fit in one pass of the block");
     const int r0 = threadIdx.x / C, c = threadIdx.x % C;
     if (r0 >= RPI) return;
-    const bool col_ok = c * 8 < p.d_load;
-    const T* kc = static_cast<const T*>(p.k);
-    const T* vc = static_cast<const T*>(p.v);
+    const bool col_ok = c * EPC < p.d_load;
+    const E* kc = static_cast<const E*>(p.k);
+    const E* vc = static_cast<const E*>(p.v);
     constexpr int N = (TILE + RPI - 1) / RPI;
 #pragma unroll
     for (int it = 0; it < N; ++it) {
         const int r = r0 + it * RPI;
         if (TILE % RPI != 0 && r >= TILE) break;
         const int j = key0 + r;
-        const T* ks = nullptr;
-        const T* vs = nullptr;
+        const E* ks = nullptr;
+        const E* vs = nullptr;
         if (col_ok && r < rows_valid) {
             if (blk) {
                 const int bi = blk[r];
@@ -143,53 +147,10 @@ __device__ __forceinline__ void load_kv(T* sK, T* sV, const FlashParams& p, cons
                 vs = vg + (int64_t)j * p.v_seq;
             }
         }
+        const int dst = sizeof(E) == 1 ? r * D + c * EPC : swz<D>(r, c);
         // A zero-byte copy reads nothing; point it at the cache base, which is always mapped.
-        flash::cp_async16(sK + swz<D>(r, c), ks ? ks + c * 8 : kc, ks ? 16 : 0);
-        flash::cp_async16(sV + swz<D>(r, c), vs ? vs + c * 8 : vc, vs ? 16 : 0);
-    }
-}
-
-// load_kv for FP8 caches: keys [key0, key0 + TILE) as stored, D bytes a row, row-major (the
-// conversion reads each 16-byte chunk once, so no swizzle). The head dim is a multiple of 16
-// (whole chunks; the planner sends others to the converting path); chunks past it are
-// zero-filled as in load_kv.
-template <int D, int TILE, int THREADS>
-__device__ __forceinline__ void load_kv8(uint8_t* sK, uint8_t* sV, const FlashParams& p,
-                                         const uint8_t* kg, const uint8_t* vg, int64_t k_head_off,
-                                         int64_t v_head_off, int key0, int rows_valid,
-                                         const int* blk) {
-    constexpr int C = D / 16;
-    constexpr int RPI = THREADS / C;
-    static_assert(RPI >= 1, "a row must fit in one pass of the block");
-    const int r0 = threadIdx.x / C, c = threadIdx.x % C;
-    if (r0 >= RPI) return;
-    // Chunks past the head dim (an instance wider than the head) are zero-filled.
-    const bool col_ok = c * 16 < p.d_load;
-    const uint8_t* kc = static_cast<const uint8_t*>(p.k);
-    const uint8_t* vc = static_cast<const uint8_t*>(p.v);
-    constexpr int N = (TILE + RPI - 1) / RPI;
-#pragma unroll
-    for (int it = 0; it < N; ++it) {
-        const int r = r0 + it * RPI;
-        if (TILE % RPI != 0 && r >= TILE) break;
-        const int j = key0 + r;
-        const uint8_t* ks = nullptr;
-        const uint8_t* vs = nullptr;
-        if (col_ok && r < rows_valid) {
-            if (blk) {
-                const int bi = blk[r];
-                if (bi >= 0 && bi < p.num_blocks) {
-                    const int row = p.page_shift >= 0 ? j & (p.page - 1) : j % p.page;
-                    ks = kc + (int64_t)bi * p.k_batch + (int64_t)row * p.k_seq + k_head_off;
-                    vs = vc + (int64_t)bi * p.v_batch + (int64_t)row * p.v_seq + v_head_off;
-                }
-            } else {
-                ks = kg + (int64_t)j * p.k_seq;
-                vs = vg + (int64_t)j * p.v_seq;
-            }
-        }
-        flash::cp_async16(sK + r * D + c * 16, ks ? ks + c * 16 : kc, ks ? 16 : 0);
-        flash::cp_async16(sV + r * D + c * 16, vs ? vs + c * 16 : vc, vs ? 16 : 0);
+        flash::cp_async16(sK + dst, ks ? ks + c * EPC : kc, ks ? 16 : 0);
+        flash::cp_async16(sV + dst, vs ? vs + c * EPC : vc, vs ? 16 : 0);
     }
 }
 
@@ -506,15 +467,10 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     // must be in shared memory, behind a barrier).
     auto issue = [&](int t, int stage) {
         unsigned char* st = sKV + stage * 2 * Tr::TILE;
-        if constexpr (KV8)
-            load_kv8<D, BC, THREADS>(st, st + Tr::TILE, p, kg_ptr, vg_ptr,
-                                     (int64_t)kvh * p.k_head, (int64_t)kvh * p.v_head, t * BC,
-                                     min(BC, g.sk - t * BC), paged ? sh_blk[t % 2] : nullptr);
-        else
-            load_kv<T, D, BC, THREADS>(reinterpret_cast<T*>(st),
-                                       reinterpret_cast<T*>(st + Tr::TILE), p, kg_ptr, vg_ptr,
-                                       (int64_t)kvh * p.k_head, (int64_t)kvh * p.v_head, t * BC,
-                                       min(BC, g.sk - t * BC), paged ? sh_blk[t % 2] : nullptr);
+        load_kv<Ts, D, BC, THREADS>(reinterpret_cast<Ts*>(st),
+                                    reinterpret_cast<Ts*>(st + Tr::TILE), p, kg_ptr, vg_ptr,
+                                    (int64_t)kvh * p.k_head, (int64_t)kvh * p.v_head, t * BC,
+                                    min(BC, g.sk - t * BC), paged ? sh_blk[t % 2] : nullptr);
     };
 
     load_q<T, D, ROWS, THREADS>(reinterpret_cast<T*>(sQ), p, b, g, m0, kvh);
