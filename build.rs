@@ -269,35 +269,34 @@ fn instances_header() -> String {
         )
         .unwrap();
     }
-    h.push_str("\n\n#define FLASH_DECODE_INSTANCES(PREFIX, T)");
-    for i in DECODE_INSTANCES {
-        write!(
-            h,
-            " \\\n    FLASH_DECODE_INSTANCE(PREFIX##_{}, T, {}, {}, {}, {}, {}, {})",
-            i.suffix(),
-            i.d,
-            i.rg,
-            i.kg,
-            i.bc,
-            i.stages,
+    // The decode instances and their FP8-cache twins: the same tiles, their own shared memory.
+    type Smem = fn(&instances::DecodeInstance) -> usize;
+    let decode: [(&str, &str, Smem); 2] = [
+        ("FLASH_DECODE_INSTANCES", "FLASH_DECODE_INSTANCE", |i| {
             i.smem()
-        )
-        .unwrap();
-    }
-    h.push_str("\n\n#define FLASH_DECODE_KV8_INSTANCES(PREFIX, T)");
-    for i in DECODE_INSTANCES {
-        write!(
-            h,
-            " \\\n    FLASH_DECODE_KV8_INSTANCE(PREFIX##_{}, T, {}, {}, {}, {}, {}, {})",
-            i.suffix(),
-            i.d,
-            i.rg,
-            i.kg,
-            i.bc,
-            i.stages,
-            i.smem_kv8()
-        )
-        .unwrap();
+        }),
+        (
+            "FLASH_DECODE_KV8_INSTANCES",
+            "FLASH_DECODE_KV8_INSTANCE",
+            |i| i.smem_kv8(),
+        ),
+    ];
+    for (list, one, smem) in decode {
+        write!(h, "\n\n#define {list}(PREFIX, T)").unwrap();
+        for i in DECODE_INSTANCES {
+            write!(
+                h,
+                " \\\n    {one}(PREFIX##_{}, T, {}, {}, {}, {}, {}, {})",
+                i.suffix(),
+                i.d,
+                i.rg,
+                i.kg,
+                i.bc,
+                i.stages,
+                smem(i)
+            )
+            .unwrap();
+        }
     }
     h.push_str("\n\n#define FLASH_SM90_INSTANCES(T, TN)");
     for i in SM90_INSTANCES {
