@@ -271,23 +271,27 @@ impl Lowered {
         } else {
             out_dtype
         };
-        let rows = RowSeqs::of(p, q)?;
         let qk = match (&op.q_descale, &op.k_descale) {
             (None, None) => None,
             (Some(a), None) | (None, Some(a)) => Some(a.clone()),
             (Some(a), Some(b)) => Some((a * b)?),
         };
-        let q_low = match &qk {
-            None => convert(q, compute)?,
-            Some(c) => convert(q, DType::F32)?
+        // Only a descale needs each query row's sequence (on the GPU, a varlen call's lengths
+        // are read back for it).
+        let rows = match qk.is_some() || op.v_descale.is_some() {
+            true => Some(RowSeqs::of(p, q)?),
+            false => None,
+        };
+        let q_low = match (&qk, &rows) {
+            (Some(c), Some(rows)) => convert(q, DType::F32)?
                 .broadcast_mul(&rows.expand(c, p)?)?
                 .to_dtype(compute)?,
+            _ => convert(q, compute)?,
         };
-        let out_factor = op
-            .v_descale
-            .as_ref()
-            .map(|d| rows.expand(d, p))
-            .transpose()?;
+        let out_factor = match (&op.v_descale, &rows) {
+            (Some(d), Some(rows)) => Some(rows.expand(d, p)?),
+            _ => None,
+        };
         // Decode-shaped calls on GPUs with e4m3 conversion read K and V as stored.
         let native = match q.device() {
             #[cfg(feature = "cuda")]
