@@ -82,6 +82,10 @@ pub(crate) struct VarLen {
     /// Rows of the packed k and v (unused for paged caches).
     pub total_k: usize,
     pub device: Option<OnDevice>,
+    /// The query rows and keys of one sequence that a bias spans (its last two dimensions):
+    /// the caller's `max_seqlen_q` and `max_seqlen_k` on every device (a KV-cache call: its new
+    /// rows and the cache's capacity), where `max_seqlen_*` above may be the actual maxima.
+    pub extent: (usize, usize),
 }
 
 impl VarLen {

@@ -193,6 +193,16 @@ fn paged_every_option(t: &Target) -> Result<()> {
         &[0.5f32, -2.0, 3.0, f32::NEG_INFINITY, 8.0, 0.0],
         &Device::Cpu,
     )?;
+    // A key bias (`-inf` at some keys) and a full one, over (max_seqlen_q, max_seqlen_k).
+    let mut kb = values(&randn(&[3, 1, 1, r.max_k], DType::F32, 31, &Device::Cpu)?)?;
+    kb.iter_mut()
+        .skip(2)
+        .step_by(7)
+        .for_each(|x| *x = f64::NEG_INFINITY);
+    let key_bias = Tensor::new(kb, &Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .reshape((3, 1, 1, r.max_k))?;
+    let full_bias = randn(&[3, 6, r.max_q, r.max_k], DType::F32, 32, &Device::Cpu)?;
     let all = [
         FlashAttn::new(s),
         FlashAttn::new(s).causal(),
@@ -206,6 +216,8 @@ fn paged_every_option(t: &Target) -> Result<()> {
             .softcap(3.0),
         FlashAttn::new(s).causal().sinks(&sinks),
         FlashAttn::new(s).window(Some(4), Some(0)).sinks(&sinks),
+        FlashAttn::new(s).causal().bias(&key_bias),
+        FlashAttn::new(s).window(Some(9), Some(1)).bias(&full_bias),
     ];
     for (n, opts) in all.iter().enumerate() {
         for page in [7, 16] {
@@ -396,10 +408,12 @@ fn new_cache(paged: Option<usize>, cap: usize, k: &Tensor, v: &Tensor, prompt: &
 }
 
 /// Sequences of different prompt lengths (0, 1, 23) in a cache; then steps through
-/// `forward_kvcache` appending 9, 9 (chunked prefill) and 1, 2, 3, 4, 1 (decode) positions.
-/// The rows computed step by step equal each sequence's full causal attention over all its
-/// keys (the reference), the last step equals attention over the already appended cache
-/// bitwise, and the cache holds NaN everywhere no sequence wrote.
+/// `forward_kvcache` appending 9, 9 (chunked prefill) and 1, 2, 3, 4, 1 (decode) positions,
+/// every other run with attention sinks, the others with a key bias over the cache's capacity
+/// (`-inf` at some keys of the longest sequence). The rows computed step by step equal each
+/// sequence's full causal attention over all its keys (the reference), the last step equals
+/// attention over the already appended cache bitwise, and the cache holds NaN everywhere no
+/// sequence wrote.
 fn kvcache_chunked_prefill_and_decode_match_full_attention(t: &Target) -> Result<()> {
     let cpu = Device::Cpu;
     let (h, hk, d) = (6, 2, 40);
@@ -419,20 +433,30 @@ fn kvcache_chunked_prefill_and_decode_match_full_attention(t: &Target) -> Result
             let v = randn(&[batch, cap, hk, d], dtype, 23, &cpu)?;
             let cache = new_cache(paged, cap, &k, &v, &prompt);
             let (kc, vc) = (t.put(&cache.k)?, t.put(&cache.v)?);
-            // Every other run with attention sinks.
+            // Every other run with attention sinks, the others with a key bias.
+            let capacity = paged.map_or(cap, |page| cap.div_ceil(page) * page);
+            let mut kb = values(&randn(&[batch, 1, 1, capacity], DType::F32, 24, &cpu)?)?;
+            kb[2 * capacity..]
+                .iter_mut()
+                .step_by(5)
+                .for_each(|x| *x = f64::NEG_INFINITY);
+            let key_bias = Tensor::new(kb, &cpu)?
+                .to_dtype(DType::F32)?
+                .reshape((batch, 1, 1, capacity))?;
             let opts = FlashAttn::new(scale(d)).causal();
             let opts = if (di + pi) % 2 == 1 {
                 opts.sinks(&sinks)
             } else {
-                opts
+                opts.bias(&key_bias)
             };
             let op = t.op(&match &cache.table {
                 Some(table) => opts.clone().paged(table, cache.page),
                 None => opts.clone(),
             });
             let what = format!(
-                "kvcache {dtype:?} paged {paged:?} sinks {}",
-                opts.sinks.is_some()
+                "kvcache {dtype:?} paged {paged:?} sinks {} bias {}",
+                opts.sinks.is_some(),
+                opts.bias.is_some()
             );
             let mut lens = prompt.to_vec();
             let mut outs = Vec::new();
@@ -466,8 +490,14 @@ fn kvcache_chunked_prefill_and_decode_match_full_attention(t: &Target) -> Result
                 let qb = t.put(&q.narrow(0, b, 1)?)?;
                 let kb = t.put(&k.narrow(0, b, 1)?.narrow(1, 0, len)?)?;
                 let vb = t.put(&v.narrow(0, b, 1)?.narrow(1, 0, len)?)?;
-                want.extend(reference(&qb, &kb, &vb, &opts)?.0);
-                naive.push(candle_flash::naive_attention(&qb, &kb, &vb, &t.op(&opts))?);
+                // Key j of the sequence reads the bias at cache position j.
+                let mut one = opts.clone();
+                one.bias = match &opts.bias {
+                    Some(bias) => Some(bias.narrow(0, b, 1)?.narrow(3, 0, len)?),
+                    None => None,
+                };
+                want.extend(reference(&qb, &kb, &vb, &one)?.0);
+                naive.push(candle_flash::naive_attention(&qb, &kb, &vb, &t.op(&one))?);
             }
             let naive = Tensor::cat(&naive, 0)?;
             assert_close(&what, &got, &naive, &want, true);

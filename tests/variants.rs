@@ -1,9 +1,9 @@
 //! Attention variants against the f64 reference: learnable sinks (one more logit per head that
 //! carries no value) in every path (dense, varlen, decode, paged and KV-cache calls, which share
 //! the `sinks` of tests/paged.rs), their gradients through autograd and
-//! `FlashAttn::backward_all`, and their bad inputs; the additive bias and the block-sparse mask
-//! of dense calls (CPU and CUDA forward, CPU gradients, the bias's own included), and their bad
-//! inputs.
+//! `FlashAttn::backward_all`, and their bad inputs; the additive bias (dense and packed calls
+//! here, paged and KV-cache calls in tests/paged.rs) and the block-sparse mask of dense calls
+//! (CPU and CUDA forward, CPU gradients, the bias's own included), and their bad inputs.
 //!
 //! ```text
 //! cargo test --release --test variants
@@ -16,7 +16,7 @@ mod common;
 use candle::{DType, Device, Result, Tensor, Var};
 use candle_flash::{naive_attention, FlashAttn};
 use common::grad::{
-    autograd, check_grad, check_grads, dbias_of, grad_bytes, reference_grads,
+    autograd, check_grad, check_grads, dbias_of, dbias_varlen, grad_bytes, reference_grads,
     reference_grads_varlen,
 };
 use common::*;
@@ -426,6 +426,109 @@ fn bias_decode(t: &Target) -> Result<()> {
 }
 test_device!(bias_decode, Decode);
 
+/// The bias on packed calls (the ragged batch of the varlen tests: sequences without queries or
+/// keys, odd lengths): full with `-inf` keys, key padding, per head with sinks, in q's dtype,
+/// under causal masks and windows; and one sized by bounds above the longest sequences, which
+/// index it from 0 all the same.
+fn bias_varlen(t: &Target) -> Result<()> {
+    let r = Ragged::standard(t);
+    let nb = r.lens.len();
+    for (n, dtype) in DTYPES.into_iter().enumerate() {
+        let (h, hk, d) = (6, [2, 3, 6][n], [64, 40, 128][n]);
+        let seed = 800 + 10 * n as u64;
+        let q = randn(&[r.total_q, h, d], dtype, seed, &t.dev)?;
+        let k = randn(&[r.total_k, hk, d], dtype, seed + 1, &t.dev)?;
+        let v = randn(&[r.total_k, hk, d], dtype, seed + 2, &t.dev)?;
+        let (mq, mk) = (r.max_q, r.max_k);
+        let full = bias_of(&[nb, h, mq, mk], seed + 3)?;
+        let padding = bias_of(&[nb, 1, 1, mk], seed + 4)?;
+        let per_head = bias_of(&[h, 1, mk], seed + 5)?;
+        let typed = randn(&[nb, h, mq, mk], dtype, seed + 6, &Device::Cpu)?;
+        let o = |b: &Tensor| FlashAttn::new(scale(d)).bias(b);
+        let cases = [
+            o(&full),
+            o(&padding).causal(),
+            o(&per_head).window(Some(5), Some(0)).sinks(&sinks(h)),
+            o(&typed).causal(),
+        ];
+        for (i, opts) in cases.iter().enumerate() {
+            let what = format!("varlen bias {dtype:?} case {i}");
+            check_varlen(t, &what, &r, &q, &k, &v, opts)?;
+        }
+        let mut wide = Ragged::new(&r.lens);
+        (wide.max_q, wide.max_k) = (mq + 2, mk + 5);
+        let bias = bias_of(&[nb, h, mq + 2, mk + 5], seed + 7)?;
+        let what = format!("varlen bias {dtype:?} wider bounds");
+        check_varlen(t, &what, &wide, &q, &k, &v, &o(&bias).causal())?;
+    }
+    Ok(())
+}
+test_device!(bias_varlen, Forward);
+
+/// Packed calls' gradients with a bias (full, key padding, per head): q, k and v through
+/// autograd, and the bias's own through autograd and `backward_varlen_all`, against each
+/// sequence's f64 reference. The CUDA backward refuses a bias.
+fn bias_varlen_gradients(t: &Target) -> Result<()> {
+    let r = Ragged::new(&[(13, 20), (0, 4), (9, 0), (30, 25)]);
+    let (h, hk, d, nb) = (4, 2, 32, 4);
+    let q = randn(&[r.total_q, h, d], DType::F32, 320, &t.dev)?;
+    let k = randn(&[r.total_k, hk, d], DType::F32, 321, &t.dev)?;
+    let v = randn(&[r.total_k, hk, d], DType::F32, 322, &t.dev)?;
+    let g = randn(&[r.total_q, h, d], DType::F32, 323, &t.dev)?;
+    let (cq, ck) = r.tensors(t)?;
+    let biases = [
+        bias_of(&[nb, h, r.max_q, r.max_k], 324)?,
+        bias_of(&[nb, 1, 1, r.max_k], 325)?,
+        bias_of(&[h, 1, r.max_k], 326)?,
+    ];
+    for (i, bias) in biases.iter().enumerate() {
+        let what = format!("varlen bias gradients case {i}");
+        let opts = FlashAttn::new(scale(d)).causal().bias(bias);
+        let op = t.op(&opts);
+        let (out, lse) = op.forward_varlen_with_lse(&q, &k, &v, &cq, &ck, r.max_q, r.max_k)?;
+        let all = op.backward_varlen_all(&q, &k, &v, &out, &g, &lse, &cq, &ck, r.max_q, r.max_k);
+        if t.is_cuda() {
+            let e = all.expect_err("no CUDA backward with a bias yet");
+            assert!(e.to_string().contains("bias"), "{what}: {e}");
+            continue;
+        }
+        let fast = autograd(&q, &k, &v, &g, |q, k, v| {
+            op.forward_varlen(q, k, v, &cq, &ck, r.max_q, r.max_k)
+        })?;
+        let naive = autograd(&q, &k, &v, &g, |q, k, v| {
+            naive_varlen(q, k, v, &r.cu_q, &r.cu_k, &op)
+        })?;
+        let reference = reference_grads_varlen(&q, &k, &v, &g, &r.cu_q, &r.cu_k, &opts)?;
+        check_grads(&what, &fast, &naive, &reference, [&q, &k, &v]);
+        let r_bias = dbias_varlen(&q, &k, &v, &g, &r.cu_q, &r.cu_k, &opts, bias.dims())?;
+        let tracked = |f: &dyn Fn(&FlashAttn) -> Result<Tensor>| -> Result<Tensor> {
+            let var = Var::from_tensor(bias)?;
+            let mut o = op.clone();
+            o.bias = Some(var.as_tensor().clone());
+            let loss = (f(&o)? * &g)?.sum_all()?;
+            let grads = loss.backward()?;
+            let db = grads.get(var.as_tensor()).cloned();
+            db.ok_or_else(|| candle::Error::Msg("no gradient reached the bias".into()))
+        };
+        let fast_bias = tracked(&|o| o.forward_varlen(&q, &k, &v, &cq, &ck, r.max_q, r.max_k))?;
+        let naive_bias = tracked(&|o| naive_varlen(&q, &k, &v, &r.cu_q, &r.cu_k, o))?;
+        let from_all = all?
+            .dbias
+            .expect("backward_varlen_all returns dbias with a bias");
+        for (how, db) in [("autograd", &fast_bias), ("backward_varlen_all", &from_all)] {
+            check_grad(
+                &format!("{what} dbias ({how})"),
+                db,
+                &naive_bias,
+                &r_bias,
+                bias,
+            );
+        }
+    }
+    Ok(())
+}
+test_device!(bias_varlen_gradients, Once);
+
 /// A random u8 block mask of `(b, h, nq, nk)` blocks, about half of them 0, seeded.
 fn blocks_of(shape: &[usize], seed: u64) -> Result<Tensor> {
     randn(shape, DType::F32, seed, &Device::Cpu)?
@@ -645,14 +748,41 @@ fn bias_and_block_mask_errors() -> Result<()> {
         base.clone().block_mask(&blocks.to_dtype(DType::F32)?, 4, 4),
         "block_mask",
     );
-    // Varlen calls do not take them yet.
+    // Packed calls: the bias spans max_seqlen_q and max_seqlen_k; block masks are refused.
     let cu = Tensor::new(&[0u32, 5], &dev)?;
     let cuk = Tensor::new(&[0u32, 7], &dev)?;
+    let varlen = |o: FlashAttn, max_k: usize| {
+        o.forward_varlen(&q.get(0)?, &k.get(0)?, &k.get(0)?, &cu, &cuk, 5, max_k)
+    };
+    let keys = |n: usize| Tensor::zeros((n,), DType::F32, &dev);
+    varlen(base.clone().bias(&keys(7)?), 7)?;
+    varlen(base.clone().bias(&keys(9)?), 9)?;
+    for (o, max_k, name) in [
+        (base.clone().bias(&keys(7)?), 9, "bias"),
+        (base.clone().bias(&keys(6)?), 7, "bias"),
+        (base.clone().block_mask(&blocks, 4, 4), 7, "block_mask"),
+    ] {
+        let e = varlen(o, max_k).expect_err(name).to_string();
+        assert!(e.contains(name), "{e}");
+    }
+    // Not with prefix ranges; a tracked bias gets no gradient through a KV-cache call.
+    let ranges = Tensor::new(&[[[0i32, 2]], [[0, 2]]], &dev)?;
     let e = base
         .clone()
-        .bias(&Tensor::zeros((7,), DType::F32, &dev)?)
-        .forward_varlen(&q.get(0)?, &k.get(0)?, &k.get(0)?, &cu, &cuk, 5, 7)
-        .expect_err("varlen with a bias");
-    assert!(e.to_string().contains("bias"), "{e}");
+        .bias(&keys(7)?)
+        .mm_prefix_ranges(&ranges)
+        .forward(&q, &k, &k)
+        .expect_err("bias with prefix ranges")
+        .to_string();
+    assert!(e.contains("bias") && e.contains("mm_prefix_ranges"), "{e}");
+    let var = Var::from_tensor(&Tensor::zeros((2, 1, 1, 7), DType::F32, &dev)?)?;
+    let lens = Tensor::new(&[3u32, 4], &dev)?;
+    let e = base
+        .clone()
+        .bias(var.as_tensor())
+        .forward_kvcache(&q.narrow(1, 0, 1)?, &k, &k, &lens, None)
+        .expect_err("tracked bias in a KV-cache call")
+        .to_string();
+    assert!(e.contains("bias") && e.contains("KV-cache"), "{e}");
     Ok(())
 }

@@ -24,10 +24,25 @@ pub(super) fn grad(
     grad_out: &Tensor,
     lse: &Tensor,
 ) -> Result<Tensor> {
+    grad_f32(opts, bias, q, k, v, out, grad_out, lse)?.to_dtype(bias.dtype())
+}
+
+/// [`grad`] in f32 (sums over sequences stay in f32 until the caller's last one).
+#[allow(clippy::too_many_arguments)]
+fn grad_f32(
+    opts: &FlashAttn,
+    bias: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
+) -> Result<Tensor> {
     let (b, sq, h, _) = q.dims4()?;
     if b * sq * h == 0 || k.dim(1)? == 0 {
         // No score: nothing flows to the bias.
-        return super::empty_zeros(bias.dims(), bias.dtype(), bias.device());
+        return super::empty_zeros(bias.dims(), DType::F32, bias.device());
     }
     let f32 = |t: &Tensor| t.to_dtype(DType::F32);
     // The bias's dimensions against (batch, heads, seq_q, seq_k), missing leading ones as 1.
@@ -70,6 +85,98 @@ pub(super) fn grad(
         Some(t) => t,
         None => Tensor::cat(&per_seq, 0)?,
     };
+    ds.reshape(bias.dims())
+}
+
+/// `dbias` of a packed variable-length call (q `(total_q, h, d)`, k and v `(total_k, hk, d)`,
+/// `lse` `(h, total_q)`) with host offsets `cu_q` and `cu_k`: each sequence's through [`grad`]
+/// on its part of the bias (rows and keys from 0, its batch entry where the bias has one), the
+/// rows and keys past the sequence left at 0, summed over the sequences where the bias has no
+/// batch dimension.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn grad_varlen(
+    opts: &FlashAttn,
+    bias: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    grad_out: &Tensor,
+    lse: &Tensor,
+    cu_q: &[u32],
+    cu_k: &[u32],
+) -> Result<Tensor> {
+    let mut dims = bias.dims().to_vec();
+    while dims.len() < 4 {
+        dims.insert(0, 1);
+    }
+    let full = bias.reshape(dims.as_slice())?;
+    let (batched, rows, keys) = (dims[0] > 1, dims[2], dims[3]);
+    let mut per_seq = Vec::new();
+    let mut total = Tensor::zeros(dims.as_slice(), DType::F32, bias.device())?;
+    if batched {
+        total = total.narrow(0, 0, 1)?;
+    }
+    for s in 0..cu_q.len().saturating_sub(1) {
+        let (q0, lq) = (cu_q[s] as usize, (cu_q[s + 1] - cu_q[s]) as usize);
+        let (k0, lk) = (cu_k[s] as usize, (cu_k[s + 1] - cu_k[s]) as usize);
+        let mut part = if batched {
+            full.narrow(0, s, 1)?
+        } else {
+            full.clone()
+        };
+        if rows > 1 {
+            part = part.narrow(2, 0, lq)?;
+        }
+        if keys > 1 {
+            part = part.narrow(3, 0, lk)?;
+        }
+        let mut one = opts.clone();
+        one.bias = Some(part.clone());
+        if let Some(sl) = &opts.alibi_slopes {
+            if sl.rank() == 2 && sl.dim(0)? > 1 {
+                one.alibi_slopes = Some(sl.narrow(0, s, 1)?);
+            }
+        }
+        let seq = |t: &Tensor, at: usize, n: usize| t.narrow(0, at, n)?.unsqueeze(0);
+        let ds = if lq == 0 || lk == 0 {
+            // No score of this sequence: nothing flows to the bias.
+            let mut shape = part.dims().to_vec();
+            (shape[2], shape[3]) = (rows, keys);
+            Tensor::zeros(shape, DType::F32, bias.device())?
+        } else {
+            let ds = grad_f32(
+                &one,
+                &part,
+                &seq(q, q0, lq)?,
+                &seq(k, k0, lk)?,
+                &seq(v, k0, lk)?,
+                &seq(out, q0, lq)?,
+                &seq(grad_out, q0, lq)?,
+                &lse.narrow(1, q0, lq)?.unsqueeze(0)?,
+            )?;
+            let ds = if rows > 1 {
+                ds.pad_with_zeros(2, 0, rows - lq)?
+            } else {
+                ds
+            };
+            if keys > 1 {
+                ds.pad_with_zeros(3, 0, keys - lk)?
+            } else {
+                ds
+            }
+        };
+        if batched {
+            per_seq.push(ds);
+        } else {
+            total = (total + ds)?;
+        }
+    }
+    let ds = if batched {
+        Tensor::cat(&per_seq, 0)?
+    } else {
+        total
+    };
     ds.reshape(bias.dims())?.to_dtype(bias.dtype())
 }
 
@@ -103,12 +210,14 @@ pub(super) fn track(
     v: &Tensor,
     out: &Tensor,
     lse: &Tensor,
+    offsets: Option<[Tensor; 2]>,
 ) -> Result<Tensor> {
     let mut opts = opts.clone();
     opts.bias = Some(bias.detach());
     let zero = bias.apply_op1(BiasGrad {
         opts,
         saved: [q, k, v, out, lse].map(Tensor::detach),
+        offsets,
     })?;
     out + zero
 }
@@ -119,6 +228,9 @@ struct BiasGrad {
     opts: FlashAttn,
     /// q, k, v, out and lse of the call, detached.
     saved: [Tensor; 5],
+    /// A packed call's u32 offsets `seqlens_q` and `seqlens_k` (read to the host by the
+    /// backward pass only).
+    offsets: Option<[Tensor; 2]>,
 }
 
 impl BiasGrad {
@@ -152,6 +264,21 @@ impl CustomOp1 for BiasGrad {
 
     fn bwd(&self, bias: &Tensor, _: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let [q, k, v, out, lse] = &self.saved;
-        grad(&self.opts, bias, q, k, v, out, grad_res, lse).map(Some)
+        match &self.offsets {
+            None => grad(&self.opts, bias, q, k, v, out, grad_res, lse),
+            Some([cu_q, cu_k]) => grad_varlen(
+                &self.opts,
+                bias,
+                q,
+                k,
+                v,
+                out,
+                grad_res,
+                lse,
+                &cu_q.to_vec1::<u32>()?,
+                &cu_k.to_vec1::<u32>()?,
+            ),
+        }
+        .map(Some)
     }
 }

@@ -183,6 +183,7 @@ impl FlashAttn {
             cu_q,
             cu_k,
             device: None,
+            extent: (seq_q, capacity),
         };
         let q3 = q.reshape((batch * seq_q, heads, head_dim))?;
         // Everything is validated before the caches are written.

@@ -161,12 +161,18 @@ impl FlashAttn {
     /// before the mask: `s = softcap(scale · q·k) − ALiBi + bias`, then masked. A `-inf` entry
     /// masks its key; a `(batch, 1, 1, seq_k)` bias of 0 and `-inf` is a key-padding mask.
     ///
-    /// Dense calls, on the CPU and CUDA; gradients of q, k and v on the CPU. The bias's own
+    /// Dense, packed (varlen), paged and KV-cache calls, on the CPU and CUDA. In a packed or
+    /// paged call sequence `b`'s query rows and keys index the bias from 0: its last two
+    /// dimensions span the call's `max_seqlen_q` and `max_seqlen_k` (or are 1); in a KV-cache
+    /// call they span the new rows and the cache's capacity (`k_cache`'s second dimension, or
+    /// `max_blocks · page_block_size` pages), key `j` being position `j` of the sequence's
+    /// cache. Not with `mm_prefix_ranges`. Gradients of q, k and v on the CPU. The bias's own
     /// gradient: `loss.backward()` reaches a tracked (`Var`) bias, and
-    /// [`backward_all`](Self::backward_all) returns `dbias`; both rebuild the scores one
-    /// sequence at a time (`(heads, seq_q, seq_k)` f32, the memory of naive attention for one
-    /// sequence). Varlen, paged and KV-cache calls and the CUDA backward pass are refused with
-    /// an error that says so.
+    /// [`backward_all`](Self::backward_all) and
+    /// [`backward_varlen_all`](Self::backward_varlen_all) return `dbias`; they rebuild the
+    /// scores one sequence at a time (`(heads, seq_q, seq_k)` f32, the memory of naive
+    /// attention for one sequence). Paged and KV-cache calls are inference only (a tracked bias
+    /// is refused there), and the CUDA backward pass is refused, with errors that say so.
     /// [`naive_attention`](crate::naive_attention) takes it on every device. A bias without a
     /// query-row dimension (key padding) is read once per key tile; a full bias is read per
     /// score and costs several times the plain call on the GPU.
@@ -461,7 +467,7 @@ impl FlashAttn {
         lse: &Tensor,
     ) -> Result<AttnGrads> {
         let (dq, dk, dv) = self.backward(q, k, v, out, grad_out, lse)?;
-        self.with_option_grads((dq, dk, dv), [q, k, v], out, grad_out, lse, false)
+        self.with_option_grads((dq, dk, dv), [q, k, v], out, grad_out, lse, None)
     }
 
     /// [`backward_all`](Self::backward_all) for a packed variable-length batch, with the
@@ -492,7 +498,8 @@ impl FlashAttn {
             max_seqlen_q,
             max_seqlen_k,
         )?;
-        self.with_option_grads(grads, [q, k, v], out, grad_out, lse, true)
+        let offsets = [seqlens_q.clone(), seqlens_k.clone()];
+        self.with_option_grads(grads, [q, k, v], out, grad_out, lse, Some(offsets))
     }
 
     fn with_option_grads(
@@ -502,16 +509,27 @@ impl FlashAttn {
         out: &Tensor,
         grad_out: &Tensor,
         lse: &Tensor,
-        varlen: bool,
+        offsets: Option<[Tensor; 2]>,
     ) -> Result<AttnGrads> {
         let dsinks = match &self.sinks {
             None => None,
-            Some(s) => Some(sinks::grad(out, grad_out, lse, s, varlen)?),
+            Some(s) => Some(sinks::grad(out, grad_out, lse, s, offsets.is_some())?),
         };
-        // (A bias is on dense calls only.)
-        let dbias = match &self.bias {
-            None => None,
-            Some(b) => Some(bias_grad::grad(self, b, q, k, v, out, grad_out, lse)?),
+        let dbias = match (&self.bias, offsets) {
+            (None, _) => None,
+            (Some(b), None) => Some(bias_grad::grad(self, b, q, k, v, out, grad_out, lse)?),
+            (Some(b), Some([cu_q, cu_k])) => Some(bias_grad::grad_varlen(
+                self,
+                b,
+                q,
+                k,
+                v,
+                out,
+                grad_out,
+                lse,
+                &cu_q.to_vec1::<u32>()?,
+                &cu_k.to_vec1::<u32>()?,
+            )?),
         };
         Ok(AttnGrads {
             dq,
@@ -591,6 +609,26 @@ impl FlashAttn {
             return Ok((out, lse));
         }
         let varlen = problem.varlen.is_some();
+        // A tracked bias's gradient is rebuilt per sequence (packed calls: from their offsets);
+        // paged and KV-cache calls have no backward pass.
+        let bias_offsets = match (&self.bias, &problem.varlen) {
+            (Some(b), Some(vl)) if b.track_op() => {
+                if problem.paged.is_some() {
+                    bail!(
+                        "flash-attn: a tracked bias gets no gradient through a paged or KV-cache \
+                         call (inference only): detach it"
+                    )
+                }
+                Some(match &vl.device {
+                    Some(d) => [d.cu_q.clone(), d.cu_k.clone()],
+                    None => [
+                        Tensor::new(vl.cu_q.as_slice(), &candle::Device::Cpu)?,
+                        Tensor::new(vl.cu_k.as_slice(), &candle::Device::Cpu)?,
+                    ],
+                })
+            }
+            _ => None,
+        };
         let op = FlashAttnOp::new(problem, self.alibi_slopes.clone());
         let (stash, saved) = (op.lse_stash.clone(), op.lse.clone());
         // Applied with backpropagation recorded: `loss.backward()` reaches `FlashAttnOp::bwd`
@@ -610,9 +648,10 @@ impl FlashAttn {
             Some(s) if s.track_op() => sinks::track(&out, &lse, s, varlen)?,
             _ => out,
         };
-        // (A bias is on dense calls only.)
         let out = match &self.bias {
-            Some(bias) if bias.track_op() => bias_grad::track(self, bias, q, k, v, &out, &lse)?,
+            Some(bias) if bias.track_op() => {
+                bias_grad::track(self, bias, q, k, v, &out, &lse, bias_offsets)?
+            }
             _ => out,
         };
         Ok((out, lse))

@@ -153,9 +153,12 @@ impl FlashAttn {
         }
         let dense = varlen.is_none() && paged.is_none() && prefix.is_none();
         if let Some(b) = &self.bias {
-            if !dense {
-                bail!("flash-attn: bias is supported on dense calls only (not varlen, paged or KV-cache calls)")
+            if prefix.is_some() {
+                bail!("flash-attn: bias is not supported together with mm_prefix_ranges")
             }
+            // A sequence's rows and keys index the bias: dense calls span (seq_q, seq_k), packed,
+            // paged and KV-cache calls the extents their caller gave.
+            let (rows, keys) = varlen.as_ref().map_or((seq_q, seq_k), |vl| vl.extent);
             let inputs = fp8.out_dtype(q.dtype());
             if b.dtype() != DType::F32 && b.dtype() != inputs {
                 bail!(
@@ -164,7 +167,7 @@ impl FlashAttn {
                 )
             }
             check_device("bias", b, q)?;
-            check_broadcast("bias", b.dims(), [batch, heads, seq_q, seq_k])?;
+            check_broadcast("bias", b.dims(), [batch, heads, rows, keys])?;
         }
         if let Some(m) = &self.block_mask {
             if !dense {
@@ -418,6 +421,7 @@ pub(super) fn read_seqlens(
                 cu_q: seqlens_q.contiguous()?,
                 cu_k: seqlens_k.contiguous()?,
             }),
+            extent: (max_seqlen_q, max_seqlen_k),
         });
     }
     // The longest actual sequences, not the caller's bounds: kernels size their grids by them.
@@ -435,6 +439,7 @@ pub(super) fn read_seqlens(
         cu_q,
         cu_k,
         device: None,
+        extent: (max_seqlen_q, max_seqlen_k),
     })
 }
 

@@ -163,6 +163,55 @@ pub fn reference_grads_varlen(
     Ok(out)
 }
 
+/// The f64 gradient of a packed call's bias of shape `bias_dims` (its last two dimensions
+/// spanning the call's `max_seqlen_q` and `max_seqlen_k`, or 1): each sequence's from its own
+/// reference score gradients, added into the rows and keys it reads (its batch entry where the
+/// bias has one), in the bias's contiguous layout.
+#[allow(clippy::too_many_arguments)]
+pub fn dbias_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    grad_out: &Tensor,
+    cu_q: &[u32],
+    cu_k: &[u32],
+    opts: &FlashAttn,
+    bias_dims: &[usize],
+) -> Result<Vec<f64>> {
+    let h = q.dim(1)?;
+    let cpu = Device::Cpu;
+    let host = |t: &Tensor| super::device::to_device(t, &cpu);
+    let (q, k, v, grad_out) = (host(q)?, host(k)?, host(v)?, host(grad_out)?);
+    let mut dims = bias_dims.to_vec();
+    while dims.len() < 4 {
+        dims.insert(0, 1);
+    }
+    let mut out = vec![0f64; dims.iter().product()];
+    let seqs = sequences(&q, &k, &v, cu_q, cu_k, opts)?;
+    for (b, s) in seqs.iter().enumerate() {
+        let (lq, lk) = (s.q1 - s.q0, s.k.dim(1)?);
+        if lq == 0 || lk == 0 {
+            continue;
+        }
+        let go = grad_out.narrow(0, s.q0, lq)?.unsqueeze(0)?;
+        let r = reference_grads(&s.q, &s.k, &s.v, &go, &s.opts)?;
+        let part_dims = s.opts.bias.as_ref().expect("a bias").dims().to_vec();
+        let part = dbias_of(&r, (1, h, lq, lk), &part_dims);
+        // Part element (0, x, i, j) is bias element (b or 0, x, i, j).
+        let (ph, pi, pj) = (part_dims[1], part_dims[2], part_dims[3]);
+        let b0 = if dims[0] > 1 { b } else { 0 };
+        for x in 0..ph {
+            for i in 0..pi {
+                for j in 0..pj {
+                    out[((b0 * dims[1] + x) * dims[2] + i) * dims[3] + j] +=
+                        part[(x * pi + i) * pj + j];
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// The shape and options of one dense call.
 struct Geometry {
     b: usize,

@@ -421,6 +421,9 @@ pub fn sequences(
                     o.alibi_slopes = Some(s.i(b)?);
                 }
             }
+            if let Some(bias) = &opts.bias {
+                o.bias = Some(sequence_bias(bias, b, q1 - q0, k1 - k0)?);
+            }
             Ok(Sequence {
                 q0,
                 q1,
@@ -431,6 +434,22 @@ pub fn sequences(
             })
         })
         .collect()
+}
+
+/// The part of a packed or paged call's bias that sequence `b` (`sq` rows, `sk` keys) reads,
+/// as a dense call's bias: its batch entry where the bias has a batch dimension, and its first
+/// `sq` rows and `sk` keys where it has those dimensions.
+pub fn sequence_bias(bias: &Tensor, b: usize, sq: usize, sk: usize) -> Result<Tensor> {
+    let mut t = bias.clone();
+    while t.rank() < 4 {
+        t = t.unsqueeze(0)?;
+    }
+    for (dim, at, n) in [(0, b, 1), (2, 0, sq), (3, 0, sk)] {
+        if t.dim(dim)? > 1 {
+            t = t.narrow(dim, at, n)?;
+        }
+    }
+    Ok(t)
 }
 
 /// Golden varlen attention: each packed sequence pair through [`reference`]. Returns the output

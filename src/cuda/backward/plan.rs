@@ -488,6 +488,7 @@ mod tests {
             max_seqlen_k: 517,
             total_k: 1034,
             device: None,
+            extent: (300, 517),
         });
         let v = plan_with(&packed, DType::BF16, [0, 0], &H100, &[]).unwrap();
         assert_eq!(v.dkdv.function, "flash_bwd_sm90_bf16_dkdv_d128_varlen");
