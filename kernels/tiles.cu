@@ -17,10 +17,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     if (m_block >= p.q_tiles) return;
     const int64_t l = tile_list(p, b, h, m_block);
     int32_t* list = const_cast<int32_t*>(p.tiles) + l * p.k_tiles;
-    // Dense calls only: every (batch, head) has the same lengths and band.
+    // The band of batch b (one list per sequence of a packed call; dense calls share one
+    // list where the mask has no batch dimension: every batch has the same lengths and band).
     BlockGeom g;
     int n = 0;
-    if (block_geom(p, m_block, br, 0, 0, g)) {
+    if (block_geom(p, m_block, br, 0, b, g)) {
         const KeyTiles<false> band = band_tiles(g, bc);
         const int64_t mask0 = (int64_t)b * p.bm_b + (int64_t)h * p.bm_h;
         const int qb0 = g.m0 / p.block_q, qb1 = (g.m0 + g.rows - 1) / p.block_q;

@@ -169,7 +169,9 @@ fn block_mask(m: &crate::BlockMask, sq: usize, sk: usize) -> candle::Result<Tens
         let idx: Vec<u32> = (0..n).map(|i| (i / size) as u32).collect();
         Tensor::new(idx.as_slice(), dev)
     };
-    // Rows and columns of a broadcast (size-1) block dimension stay size 1.
+    // Rows and columns of a broadcast (size-1) block dimension stay size 1. (index_select reads
+    // contiguous tensors only; a mask may be any view.)
+    let mut t = t.contiguous()?;
     if t.dim(2)? > 1 {
         t = t.index_select(&block(sq, m.block_q)?, 2)?;
     }

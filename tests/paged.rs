@@ -203,6 +203,14 @@ fn paged_every_option(t: &Target) -> Result<()> {
         .to_dtype(DType::F32)?
         .reshape((3, 1, 1, r.max_k))?;
     let full_bias = randn(&[3, 6, r.max_q, r.max_k], DType::F32, 32, &Device::Cpu)?;
+    let blocks = randn(
+        &[3, 6, r.max_q.div_ceil(4), r.max_k.div_ceil(8)],
+        DType::F32,
+        33,
+        &Device::Cpu,
+    )?
+    .ge(0.0)?
+    .to_dtype(DType::U8)?;
     let all = [
         FlashAttn::new(s),
         FlashAttn::new(s).causal(),
@@ -218,6 +226,11 @@ fn paged_every_option(t: &Target) -> Result<()> {
         FlashAttn::new(s).window(Some(4), Some(0)).sinks(&sinks),
         FlashAttn::new(s).causal().bias(&key_bias),
         FlashAttn::new(s).window(Some(9), Some(1)).bias(&full_bias),
+        FlashAttn::new(s).block_mask(&blocks, 4, 8),
+        FlashAttn::new(s)
+            .causal()
+            .bias(&key_bias)
+            .block_mask(&blocks, 4, 8),
     ];
     for (n, opts) in all.iter().enumerate() {
         for page in [7, 16] {
@@ -443,20 +456,27 @@ fn kvcache_chunked_prefill_and_decode_match_full_attention(t: &Target) -> Result
             let key_bias = Tensor::new(kb, &cpu)?
                 .to_dtype(DType::F32)?
                 .reshape((batch, 1, 1, capacity))?;
+            // A block mask over the keys (the same for every row), key block 0 open.
+            let nk = capacity.div_ceil(8);
+            let open: Vec<u8> = (0..batch * nk).map(|x| u8::from(x % nk % 3 != 1)).collect();
+            let key_blocks = Tensor::from_vec(open, (batch, 1, 1, nk), &cpu)?;
             let opts = FlashAttn::new(scale(d)).causal();
             let opts = if (di + pi) % 2 == 1 {
                 opts.sinks(&sinks)
-            } else {
+            } else if pi % 2 == 0 {
                 opts.bias(&key_bias)
+            } else {
+                opts.bias(&key_bias).block_mask(&key_blocks, 1, 8)
             };
             let op = t.op(&match &cache.table {
                 Some(table) => opts.clone().paged(table, cache.page),
                 None => opts.clone(),
             });
             let what = format!(
-                "kvcache {dtype:?} paged {paged:?} sinks {} bias {}",
+                "kvcache {dtype:?} paged {paged:?} sinks {} bias {} blocks {}",
                 opts.sinks.is_some(),
-                opts.bias.is_some()
+                opts.bias.is_some(),
+                opts.block_mask.is_some()
             );
             let mut lens = prompt.to_vec();
             let mut outs = Vec::new();
@@ -496,6 +516,9 @@ fn kvcache_chunked_prefill_and_decode_match_full_attention(t: &Target) -> Result
                     Some(bias) => Some(bias.narrow(0, b, 1)?.narrow(3, 0, len)?),
                     None => None,
                 };
+                if let Some(m) = &mut one.block_mask {
+                    m.mask = m.mask.narrow(0, b, 1)?.narrow(3, 0, len.div_ceil(8))?;
+                }
                 want.extend(reference(&qb, &kb, &vb, &one)?.0);
                 naive.push(candle_flash::naive_attention(&qb, &kb, &vb, &t.op(&one))?);
             }

@@ -1,9 +1,9 @@
 //! Attention variants against the f64 reference: learnable sinks (one more logit per head that
 //! carries no value) in every path (dense, varlen, decode, paged and KV-cache calls, which share
 //! the `sinks` of tests/paged.rs), their gradients through autograd and
-//! `FlashAttn::backward_all`, and their bad inputs; the additive bias (dense and packed calls
-//! here, paged and KV-cache calls in tests/paged.rs) and the block-sparse mask of dense calls
-//! (CPU and CUDA forward, CPU gradients, the bias's own included), and their bad inputs.
+//! `FlashAttn::backward_all`, and their bad inputs; the additive bias and the block-sparse mask
+//! (dense and packed calls here, paged and KV-cache calls in tests/paged.rs; CPU and CUDA
+//! forward, CPU gradients, the bias's own included), and their bad inputs.
 //!
 //! ```text
 //! cargo test --release --test variants
@@ -426,10 +426,11 @@ fn bias_decode(t: &Target) -> Result<()> {
 }
 test_device!(bias_decode, Decode);
 
-/// The bias on packed calls (the ragged batch of the varlen tests: sequences without queries or
-/// keys, odd lengths): full with `-inf` keys, key padding, per head with sinks, in q's dtype,
-/// under causal masks and windows; and one sized by bounds above the longest sequences, which
-/// index it from 0 all the same.
+/// The bias and block masks on packed calls (the ragged batch of the varlen tests: sequences
+/// without queries or keys, odd lengths): a full bias with `-inf` keys, key padding, per head
+/// with sinks, in q's dtype, a block mask per sequence and head alone and with a bias, under
+/// causal masks and windows; and a bias and block mask sized by bounds above the longest
+/// sequences, which index them from 0 all the same.
 fn bias_varlen(t: &Target) -> Result<()> {
     let r = Ragged::standard(t);
     let nb = r.lens.len();
@@ -444,12 +445,16 @@ fn bias_varlen(t: &Target) -> Result<()> {
         let padding = bias_of(&[nb, 1, 1, mk], seed + 4)?;
         let per_head = bias_of(&[h, 1, mk], seed + 5)?;
         let typed = randn(&[nb, h, mq, mk], dtype, seed + 6, &Device::Cpu)?;
+        let blocks = blocks_of(&[nb, h, mq.div_ceil(16), mk.div_ceil(8)], seed + 8)?;
+        let shared = blocks_of(&[1, 1, mq.div_ceil(64), mk.div_ceil(128)], seed + 9)?;
         let o = |b: &Tensor| FlashAttn::new(scale(d)).bias(b);
         let cases = [
             o(&full),
             o(&padding).causal(),
             o(&per_head).window(Some(5), Some(0)).sinks(&sinks(h)),
             o(&typed).causal(),
+            FlashAttn::new(scale(d)).block_mask(&blocks, 16, 8),
+            o(&padding).causal().block_mask(&shared, 64, 128),
         ];
         for (i, opts) in cases.iter().enumerate() {
             let what = format!("varlen bias {dtype:?} case {i}");
@@ -458,8 +463,10 @@ fn bias_varlen(t: &Target) -> Result<()> {
         let mut wide = Ragged::new(&r.lens);
         (wide.max_q, wide.max_k) = (mq + 2, mk + 5);
         let bias = bias_of(&[nb, h, mq + 2, mk + 5], seed + 7)?;
+        let blocks = blocks_of(&[nb, 1, (mq + 2).div_ceil(32), (mk + 5).div_ceil(32)], seed)?;
         let what = format!("varlen bias {dtype:?} wider bounds");
-        check_varlen(t, &what, &wide, &q, &k, &v, &o(&bias).causal())?;
+        let opts = o(&bias).causal().block_mask(&blocks, 32, 32);
+        check_varlen(t, &what, &wide, &q, &k, &v, &opts)?;
     }
     Ok(())
 }
@@ -481,9 +488,15 @@ fn bias_varlen_gradients(t: &Target) -> Result<()> {
         bias_of(&[nb, 1, 1, r.max_k], 325)?,
         bias_of(&[h, 1, r.max_k], 326)?,
     ];
+    let blocks = blocks_of(&[nb, h, r.max_q.div_ceil(8), r.max_k.div_ceil(8)], 327)?;
     for (i, bias) in biases.iter().enumerate() {
         let what = format!("varlen bias gradients case {i}");
         let opts = FlashAttn::new(scale(d)).causal().bias(bias);
+        // The last case under a block mask too.
+        let opts = match i {
+            2 => opts.block_mask(&blocks, 8, 8),
+            _ => opts,
+        };
         let op = t.op(&opts);
         let (out, lse) = op.forward_varlen_with_lse(&q, &k, &v, &cq, &ck, r.max_q, r.max_k)?;
         let all = op.backward_varlen_all(&q, &k, &v, &out, &g, &lse, &cq, &ck, r.max_q, r.max_k);
@@ -748,7 +761,7 @@ fn bias_and_block_mask_errors() -> Result<()> {
         base.clone().block_mask(&blocks.to_dtype(DType::F32)?, 4, 4),
         "block_mask",
     );
-    // Packed calls: the bias spans max_seqlen_q and max_seqlen_k; block masks are refused.
+    // Packed calls: the bias and the block mask span max_seqlen_q and max_seqlen_k.
     let cu = Tensor::new(&[0u32, 5], &dev)?;
     let cuk = Tensor::new(&[0u32, 7], &dev)?;
     let varlen = |o: FlashAttn, max_k: usize| {
@@ -760,7 +773,7 @@ fn bias_and_block_mask_errors() -> Result<()> {
     for (o, max_k, name) in [
         (base.clone().bias(&keys(7)?), 9, "bias"),
         (base.clone().bias(&keys(6)?), 7, "bias"),
-        (base.clone().block_mask(&blocks, 4, 4), 7, "block_mask"),
+        (base.clone().block_mask(&blocks, 4, 2), 7, "block_mask"),
     ] {
         let e = varlen(o, max_k).expect_err(name).to_string();
         assert!(e.contains(name), "{e}");

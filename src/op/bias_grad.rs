@@ -120,19 +120,12 @@ pub(super) fn grad_varlen(
     for s in 0..cu_q.len().saturating_sub(1) {
         let (q0, lq) = (cu_q[s] as usize, (cu_q[s + 1] - cu_q[s]) as usize);
         let (k0, lk) = (cu_k[s] as usize, (cu_k[s + 1] - cu_k[s]) as usize);
-        let mut part = if batched {
-            full.narrow(0, s, 1)?
-        } else {
-            full.clone()
-        };
-        if rows > 1 {
-            part = part.narrow(2, 0, lq)?;
-        }
-        if keys > 1 {
-            part = part.narrow(3, 0, lk)?;
-        }
+        let part = sequence_part(&full, s, lq, lk)?;
         let mut one = opts.clone();
         one.bias = Some(part.clone());
+        if let Some(m) = &mut one.block_mask {
+            m.mask = sequence_part(&m.mask, s, lq.div_ceil(m.block_q), lk.div_ceil(m.block_k))?;
+        }
         if let Some(sl) = &opts.alibi_slopes {
             if sl.rank() == 2 && sl.dim(0)? > 1 {
                 one.alibi_slopes = Some(sl.narrow(0, s, 1)?);
@@ -178,6 +171,22 @@ pub(super) fn grad_varlen(
         total
     };
     ds.reshape(bias.dims())?.to_dtype(bias.dtype())
+}
+
+/// What sequence `s` of a packed call reads of a per-position tensor broadcastable to
+/// `(batch, heads, rows, cols)`: its batch entry where there is a batch dimension, and its
+/// first `rows` and `cols` where those dimensions are not broadcast. Returned with rank 4.
+fn sequence_part(t: &Tensor, s: usize, rows: usize, cols: usize) -> Result<Tensor> {
+    let mut t = t.clone();
+    while t.rank() < 4 {
+        t = t.unsqueeze(0)?;
+    }
+    for (dim, at, n) in [(0, s, 1), (2, 0, rows), (3, 0, cols)] {
+        if t.dim(dim)? > 1 {
+            t = t.narrow(dim, at, n)?;
+        }
+    }
+    Ok(t)
 }
 
 /// The options of sequence `i` alone: the bias, ALiBi slopes and block mask narrowed to it

@@ -185,7 +185,9 @@ impl FlashAttn {
     /// `(batch, heads, ceil(seq_q / block_q), ceil(seq_k / block_k))`; where an entry is 0, the
     /// keys of that block are hidden from the queries of that block (on top of the other masks).
     /// Rows that see no key output 0 with lse `-inf`. Key tiles that no open block reaches are
-    /// neither read nor computed. Dense forward calls, as for [`bias`](Self::bias).
+    /// neither read nor computed (on the GPU: by the tiled kernels; paged and KV-cache calls
+    /// check each key's block). Every kind of call, its blocks indexed per sequence, with the
+    /// gradients and limits of [`bias`](Self::bias).
     pub fn block_mask(mut self, mask: &Tensor, block_q: usize, block_k: usize) -> Self {
         self.block_mask = Some(BlockMask {
             mask: mask.clone(),

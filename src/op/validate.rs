@@ -151,14 +151,18 @@ impl FlashAttn {
         if let Some(s) = &self.sinks {
             check_sinks(s, q, heads)?;
         }
-        let dense = varlen.is_none() && paged.is_none() && prefix.is_none();
-        if let Some(b) = &self.bias {
-            if prefix.is_some() {
-                bail!("flash-attn: bias is not supported together with mm_prefix_ranges")
+        // A sequence's rows and keys index the bias and the block mask: dense calls span
+        // (seq_q, seq_k), packed, paged and KV-cache calls the extents their caller gave.
+        let (rows, keys) = varlen.as_ref().map_or((seq_q, seq_k), |vl| vl.extent);
+        for (name, given) in [
+            ("bias", self.bias.is_some()),
+            ("block_mask", self.block_mask.is_some()),
+        ] {
+            if given && prefix.is_some() {
+                bail!("flash-attn: {name} is not supported together with mm_prefix_ranges")
             }
-            // A sequence's rows and keys index the bias: dense calls span (seq_q, seq_k), packed,
-            // paged and KV-cache calls the extents their caller gave.
-            let (rows, keys) = varlen.as_ref().map_or((seq_q, seq_k), |vl| vl.extent);
+        }
+        if let Some(b) = &self.bias {
             let inputs = fp8.out_dtype(q.dtype());
             if b.dtype() != DType::F32 && b.dtype() != inputs {
                 bail!(
@@ -170,9 +174,6 @@ impl FlashAttn {
             check_broadcast("bias", b.dims(), [batch, heads, rows, keys])?;
         }
         if let Some(m) = &self.block_mask {
-            if !dense {
-                bail!("flash-attn: block_mask is supported on dense calls only (not varlen, paged or KV-cache calls)")
-            }
             if m.block_q == 0 || m.block_k == 0 {
                 bail!(
                     "flash-attn: block_mask block sizes must be positive, got block_q {} and block_k {}",
@@ -190,8 +191,8 @@ impl FlashAttn {
             let blocks = [
                 batch,
                 heads,
-                seq_q.div_ceil(m.block_q),
-                seq_k.div_ceil(m.block_k),
+                rows.div_ceil(m.block_q),
+                keys.div_ceil(m.block_k),
             ];
             check_broadcast("block_mask", m.mask.dims(), blocks)?;
         }

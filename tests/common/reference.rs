@@ -269,7 +269,8 @@ impl HostExtras {
                 let (nq, nk) = (sq.div_ceil(m.block_q), sk.div_ceil(m.block_k));
                 let blocks = values(&m.mask.to_dtype(DType::F64)?.broadcast_as((b, h, nq, nk))?)?;
                 let mut v = vec![0f64; b * h * sq * sk];
-                for (bh, rows) in v.chunks_mut(sq * sk).enumerate() {
+                // (A sequence without rows or keys has no score to mask.)
+                for (bh, rows) in v.chunks_mut((sq * sk).max(1)).enumerate() {
                     for (i, row) in rows.chunks_mut(sk).enumerate() {
                         for (j, x) in row.iter_mut().enumerate() {
                             *x = blocks[(bh * nq + i / m.block_q) * nk + j / m.block_k];
@@ -424,6 +425,10 @@ pub fn sequences(
             if let Some(bias) = &opts.bias {
                 o.bias = Some(sequence_bias(bias, b, q1 - q0, k1 - k0)?);
             }
+            if let Some(m) = &mut o.block_mask {
+                let (nq, nk) = ((q1 - q0).div_ceil(m.block_q), (k1 - k0).div_ceil(m.block_k));
+                m.mask = sequence_bias(&m.mask, b, nq, nk)?;
+            }
             Ok(Sequence {
                 q0,
                 q1,
@@ -438,7 +443,8 @@ pub fn sequences(
 
 /// The part of a packed or paged call's bias that sequence `b` (`sq` rows, `sk` keys) reads,
 /// as a dense call's bias: its batch entry where the bias has a batch dimension, and its first
-/// `sq` rows and `sk` keys where it has those dimensions.
+/// `sq` rows and `sk` keys where it has those dimensions. (A block mask's part: with its
+/// sequence's row and key blocks.)
 pub fn sequence_bias(bias: &Tensor, b: usize, sq: usize, sk: usize) -> Result<Tensor> {
     let mut t = bias.clone();
     while t.rank() < 4 {

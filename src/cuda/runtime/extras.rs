@@ -75,14 +75,16 @@ pub(crate) fn fill(
     let Some((rows, cols)) = tile else {
         return Ok(None);
     };
-    // One list per (batch, head) the mask distinguishes.
+    // One list per (batch, head) the mask distinguishes, and per sequence of a packed call
+    // (whose lengths, and so bands, differ).
+    let per_batch = sb != 0 || p.varlen.is_some();
     let (batches, heads) = (
-        if sb == 0 { 1 } else { p.batch },
+        if per_batch { p.batch } else { 1 },
         if sh == 0 { 1 } else { p.heads },
     );
     let (q_tiles, k_tiles) = (p.max_seq_q.div_ceil(rows), p.max_seq_k.div_ceil(cols));
     let lists = batches * heads * q_tiles;
-    params.tiles_b = to_i32(if sb == 0 { 0 } else { heads }, "heads")?;
+    params.tiles_b = to_i32(if per_batch { heads } else { 0 }, "heads")?;
     params.tiles_h = (sh != 0) as i32;
     params.q_tiles = to_i32(q_tiles, "query tiles")?;
     params.k_tiles = to_i32(k_tiles, "key tiles")?;
