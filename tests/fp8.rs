@@ -127,7 +127,8 @@ fn check(
 }
 
 /// Dense calls: decode and prefill shapes, GQA and MHA, odd head dims, causal, windows and
-/// softcap; FP8 K/V with bf16 and f16 queries, and FP8 everywhere (with and without descales).
+/// softcap, a key bias (`-inf` at some keys) and a per-head bias in the output's dtype; FP8 K/V
+/// with bf16 and f16 queries, and FP8 everywhere (with and without descales).
 fn dense(t: &Target) -> Result<()> {
     let cpu = Device::Cpu;
     let shapes = [
@@ -167,6 +168,23 @@ fn dense(t: &Target) -> Result<()> {
             } else {
                 let q = qx.to_dtype(qdt)?;
                 (q.clone(), q.to_dtype(DType::F64)?, None)
+            };
+            // A bias in the output's dtype: one value per key, or per head and key.
+            let out_dt = if kind == "all" { DType::BF16 } else { qdt };
+            let opts = match n {
+                0 => {
+                    let mut kb = values(&randn(&[b, 1, 1, sk], DType::F32, seed + 5, &cpu)?)?;
+                    kb.iter_mut()
+                        .skip(3)
+                        .step_by(7)
+                        .for_each(|x| *x = f64::NEG_INFINITY);
+                    let kb = Tensor::new(kb, &cpu)?.reshape((b, 1, 1, sk))?;
+                    opts.clone().bias(&kb.to_dtype(out_dt)?)
+                }
+                2 => opts
+                    .clone()
+                    .bias(&randn(&[h, 1, sk], out_dt, seed + 6, &cpu)?),
+                _ => opts.clone(),
             };
             let (want, want_lse) = reference(&q_deq, &kq, &vq, &opts)?;
             let low = |x: &Tensor| t.put(&x.to_dtype(qdt)?);

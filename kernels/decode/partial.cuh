@@ -251,8 +251,9 @@ struct WarpState {
 
 // S = Q K^T, softmax update and O += P V for this warp's KW keys of one tile, whose first key is
 // `k0`. Masks with the rows' visible ranges [row_lo, row_hi) (within this split). MODS: softcap,
-// ALiBi and the bias (the rows' offsets into it, `bias_row`, of keys < sk) first.
-template <typename T, int D, int KW, bool MODS>
+// ALiBi and the bias (the rows' offsets into it, `bias_row`, of keys < sk) first: a 2-byte bias
+// has the dtype of q, TB, which is not T where an FP8 cache's tiles are converted to f16.
+template <typename T, typename TB, int D, int KW, bool MODS>
 __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p, const T* sQ,
                                           const T* sK, const T* sV, const SwzRow<D>& q_off,
                                           const SwzRow<D>& k_off, const SwzRow<D>& v_off, int k0,
@@ -293,13 +294,13 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
             const int esize = p.bias_f32 ? 4 : 2;
             // Rows with one offset (a key-padding bias, or one query row) read each key once.
             if (bias_off[0] == bias_off[1]) {
-                add_bias_row<T, NT>(p, &s[0][0], base + bias_off[0] * esize, col, sk, LOG2E_F,
-                                    true);
+                add_bias_row<TB, NT>(p, &s[0][0], base + bias_off[0] * esize, col, sk, LOG2E_F,
+                                     true);
             } else {
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf)
-                    add_bias_row<T, NT>(p, &s[0][0] + 2 * hf, base + bias_off[hf] * esize, col,
-                                        sk, LOG2E_F, false);
+                    add_bias_row<TB, NT>(p, &s[0][0] + 2 * hf, base + bias_off[hf] * esize, col,
+                                         sk, LOG2E_F, false);
             }
         }
     }
@@ -380,8 +381,8 @@ __device__ __forceinline__ void store_lse(const FlashParams& p, const PackedRow&
     }
 }
 
-// T: the dtype of q and the output. KV8: K and V are e4m3 (then the tiles and products are
-// f16, `Tc`).
+// T: the dtype of q and the output (and of a 2-byte bias). KV8: K and V are e4m3 (then the tiles
+// and products are f16, `Tc`).
 template <typename T, int D, int RG, int KG, int BC, int STAGES, bool MODS, bool KV8 = false>
 __device__ __forceinline__ void partial(const FlashParams& p) {
     using Tr = Traits<T, D, RG, KG, BC, STAGES, KV8>;
@@ -518,9 +519,9 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         }
         const int k0 = t * BC + KW * kg;  // this warp's first key
         if (k0 < g.n_hi && k0 + KW > g.n_lo)
-            warp_tile<Tc, D, KW, MODS>(w, p, sQ, sK, sK + BC * D, q_off, k_off, v_off, k0,
-                                       row_lo, row_hi, diag, slope_log2, unit, bias_off, g.sk,
-                                       qscale);
+            warp_tile<Tc, T, D, KW, MODS>(w, p, sQ, sK, sK + BC * D, q_off, k_off, v_off, k0,
+                                          row_lo, row_hi, diag, slope_log2, unit, bias_off, g.sk,
+                                          qscale);
         put(tn + 1, next_blk);
     }
     cp_async_wait<0>();
