@@ -89,7 +89,8 @@ fn grad_f32(
 }
 
 /// `dbias` of a packed variable-length call (q `(total_q, h, d)`, k and v `(total_k, hk, d)`,
-/// `lse` `(h, total_q)`) with host offsets `cu_q` and `cu_k`: each sequence's through [`grad`]
+/// `lse` `(h, total_q)`) with u32 offsets `[seqlens_q, seqlens_k]` (read to the host here, on
+/// any device): each sequence's through [`grad`]
 /// on its part of the bias (rows and keys from 0, its batch entry where the bias has one), the
 /// rows and keys past the sequence left at 0, summed over the sequences where the bias has no
 /// batch dimension.
@@ -103,9 +104,9 @@ pub(super) fn grad_varlen(
     out: &Tensor,
     grad_out: &Tensor,
     lse: &Tensor,
-    cu_q: &[u32],
-    cu_k: &[u32],
+    [cu_q, cu_k]: &[Tensor; 2],
 ) -> Result<Tensor> {
+    let (cu_q, cu_k) = (cu_q.to_vec1::<u32>()?, cu_k.to_vec1::<u32>()?);
     let mut dims = bias.dims().to_vec();
     while dims.len() < 4 {
         dims.insert(0, 1);
@@ -275,18 +276,7 @@ impl CustomOp1 for BiasGrad {
         let [q, k, v, out, lse] = &self.saved;
         match &self.offsets {
             None => grad(&self.opts, bias, q, k, v, out, grad_res, lse),
-            Some([cu_q, cu_k]) => grad_varlen(
-                &self.opts,
-                bias,
-                q,
-                k,
-                v,
-                out,
-                grad_res,
-                lse,
-                &cu_q.to_vec1::<u32>()?,
-                &cu_k.to_vec1::<u32>()?,
-            ),
+            Some(offsets) => grad_varlen(&self.opts, bias, q, k, v, out, grad_res, lse, offsets),
         }
         .map(Some)
     }

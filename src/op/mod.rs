@@ -520,17 +520,8 @@ impl FlashAttn {
         let dbias = match (&self.bias, offsets) {
             (None, _) => None,
             (Some(b), None) => Some(bias_grad::grad(self, b, q, k, v, out, grad_out, lse)?),
-            (Some(b), Some([cu_q, cu_k])) => Some(bias_grad::grad_varlen(
-                self,
-                b,
-                q,
-                k,
-                v,
-                out,
-                grad_out,
-                lse,
-                &cu_q.to_vec1::<u32>()?,
-                &cu_k.to_vec1::<u32>()?,
+            (Some(b), Some(offsets)) => Some(bias_grad::grad_varlen(
+                self, b, q, k, v, out, grad_out, lse, &offsets,
             )?),
         };
         Ok(AttnGrads {
