@@ -50,6 +50,8 @@ SCHEMAS = {
     "gpu-flex": "variant,batch,seq_q,seq_k,causal,flex_plain_ms,flex_variant_ms,flex_ratio",
     "gpu-fp8-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,"
                       "ref_gbps",
+    "cpu-fp8-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,"
+                      "ref_gbps",
     "fp8-accuracy": "inputs,method,heads,kv_heads,head_dim,batch,seq_q,seq_k,rmse,rel_rmse,"
                     "max_abs",
 }
@@ -681,11 +683,19 @@ FLEX_NOTE = ("`bench/torch_flex.py`: PyTorch's FlexAttention (`torch.compile`d, 
              "bench/results/gpu-flex.csv).")
 
 
-FP8_DECODE_NOTE = ("One decode step (causal) from an FP8 (e4m3) K/V cache with bf16 queries, "
-                   "beside the same step from a bf16 cache, timed in one command "
-                   "(`decode_bench --dtype bf16,f8e4m3`). GB/s counts the bytes the step must "
-                   "move (K and V at one byte each for FP8); % of copy is that over the 1 GiB "
-                   "device copy measured in the same run (read plus written).")
+FP8_DECODE_NOTE = {
+    "GPU": ("One decode step (causal) from an FP8 (e4m3) K/V cache with bf16 queries, "
+            "beside the same step from a bf16 cache, timed in one command "
+            "(`decode_bench --dtype bf16,f8e4m3`). GB/s counts the bytes the step must "
+            "move (K and V at one byte each for FP8); % of copy is that over the 1 GiB "
+            "device copy measured in the same run (read plus written)."),
+    "CPU": ("One decode step (causal) from an FP8 (e4m3) K/V cache with bf16 queries beside the "
+            "same step from a bf16 cache, in one command (`decode_bench --dtype bf16,f8e4m3`). "
+            "The CPU reads FP8 K and V as stored and converts a block of 16 keys at a time to "
+            "f32; the bf16 cache is read in place with bf16 dot products. GB/s counts the bytes "
+            "the step must move (K and V at one byte each for FP8); % of reference is that over "
+            "the multi-threaded sum measured in the same run."),
+}
 
 
 FP8_ACCURACY_NOTE = ("What FP8 loses (`examples/fp8_accuracy.rs`): the error of candle-flash's "
@@ -708,6 +718,40 @@ def variant_note(r):
     if v == "docs-8":
         return "target <= 0.23"
     return ""
+
+
+def fp8_decode_section(where, page, readme):
+    """The page's section (and the README's line) of decode from FP8 caches on `where` (GPU or
+    CPU): each FP8 row beside the bf16 row of its shape."""
+    name = f"{where.lower()}-fp8-decode"
+    rows = read(name)
+    page.append(f"## {where} decode from FP8 caches\n")
+    if not rows:
+        page.append(no_results(name))
+        return
+    page.append(FP8_DECODE_NOTE[where] + "\n")
+    reference = "% of copy" if where == "GPU" else "% of reference"
+    for device, drows in by_device(rows):
+        shape = lambda r: (r["layout"], r["heads"], r["kv_heads"], r["head_dim"], r["batch"],
+                           r["seq_q"], r["kv"])
+        bf16 = {shape(r): r for r in drows if r["dtype"] == "bf16"}
+        head = ["heads", "d", "batch", "seq_q", "kv", "bf16 µs", "FP8 µs", "bf16 / FP8",
+                "FP8 GB/s", reference]
+        body, speedups = [], []
+        for r in sorted((r for r in drows if r["dtype"] == "f8e4m3"), key=shape):
+            b = bf16.get(shape(r))
+            up = b["us"] / r["us"] if b else None
+            if up and r["kv"] >= 32768:
+                speedups.append(up)
+            body.append([f"{r['heads']}/{r['kv_heads']}", str(r["head_dim"]),
+                         str(r["batch"]), str(r["seq_q"]), str(r["kv"]),
+                         fnum(b["us"]) if b else "", fnum(r["us"]), fratio(up) if up else "",
+                         fnum(r["gbps"]), fpct(r["gbps"] / r["ref_gbps"])])
+        page.append(f"{provenance(drows, device)}\n\n" + table(head, body, ["r"] * 10) + "\n")
+        if speedups:
+            readme.append(f"**{where} decode from FP8 caches**: bf16-cache time / FP8-cache time "
+                          f"at kv ≥ 32768, {span(speedups)} "
+                          f"({provenance(drows, device)})\n")
 
 
 def no_results(name):
@@ -819,33 +863,8 @@ def build(plots):
                           f"without, the largest over the shapes: {worst} "
                           f"({provenance(drows, device)})\n")
 
-    rows = read("gpu-fp8-decode")
-    page.append("## GPU decode from FP8 caches\n")
-    if rows:
-        page.append(FP8_DECODE_NOTE + "\n")
-        for device, drows in by_device(rows):
-            shape = lambda r: (r["layout"], r["heads"], r["kv_heads"], r["head_dim"], r["batch"],
-                               r["seq_q"], r["kv"])
-            bf16 = {shape(r): r for r in drows if r["dtype"] == "bf16"}
-            head = ["heads", "d", "batch", "seq_q", "kv", "bf16 µs", "FP8 µs", "bf16 / FP8",
-                    "FP8 GB/s", "% of copy"]
-            body, speedups = [], []
-            for r in sorted((r for r in drows if r["dtype"] == "f8e4m3"), key=shape):
-                b = bf16.get(shape(r))
-                up = b["us"] / r["us"] if b else None
-                if up and r["kv"] >= 32768:
-                    speedups.append(up)
-                body.append([f"{r['heads']}/{r['kv_heads']}", str(r["head_dim"]),
-                             str(r["batch"]), str(r["seq_q"]), str(r["kv"]),
-                             fnum(b["us"]) if b else "", fnum(r["us"]), fratio(up) if up else "",
-                             fnum(r["gbps"]), fpct(r["gbps"] / r["ref_gbps"])])
-            page.append(f"{provenance(drows, device)}\n\n" + table(head, body, ["r"] * 10) + "\n")
-            if speedups:
-                readme.append(f"**GPU decode from FP8 caches**: bf16-cache time / FP8-cache time "
-                              f"at kv ≥ 32768, {span(speedups)} "
-                              f"({provenance(drows, device)})\n")
-    else:
-        page.append(no_results("gpu-fp8-decode"))
+    for where in ("GPU", "CPU"):
+        fp8_decode_section(where, page, readme)
 
     rows = read("fp8-accuracy")
     page.append("## FP8 accuracy\n")

@@ -51,7 +51,36 @@ pub(crate) fn forward<T: elem::Elem>(
     k: &[T],
     v: &[T],
 ) -> candle::Result<(Vec<T>, Vec<f32>)> {
-    let (mut out, mut lse) = forward_rows(p, slopes, q, k, v)?;
+    with_sinks(p, forward_rows(p, slopes, q, k, v)?)
+}
+
+/// Whether the FP8 (e4m3) K and V of `p` are read as stored ([`forward_kv8`]): in decode calls.
+pub(crate) fn kv8_decode(p: &crate::problem::Problem) -> bool {
+    decode::is_decode(p)
+}
+
+/// [`forward`] of a decode-shaped call over an FP8 (e4m3) cache: f32 queries (already scaled by
+/// their descales, see `op::fp8`), K and V read as stored, one byte per element, and converted
+/// a block of keys at a time. Other calls convert K and V before they come here.
+pub(crate) fn forward_kv8(
+    p: &crate::problem::Problem,
+    slopes: Option<&[f32]>,
+    q: &[f32],
+    k: &[float8::F8E4M3],
+    v: &[float8::F8E4M3],
+) -> candle::Result<(Vec<f32>, Vec<f32>)> {
+    if !decode::is_decode(p) {
+        candle::bail!("flash-attn: the CPU reads F8E4M3 k and v as stored in decode calls only")
+    }
+    let extras = extras::Extras::of(p)?;
+    with_sinks(p, decode::forward(p, slopes, q, k, v, &extras))
+}
+
+/// The finished rows with each head's sink folded in, where the call has sinks.
+fn with_sinks<T: elem::Elem>(
+    p: &crate::problem::Problem,
+    (mut out, mut lse): (Vec<T>, Vec<f32>),
+) -> candle::Result<(Vec<T>, Vec<f32>)> {
     if let Some(sinks) = &p.sinks {
         let sinks = sinks.to_vec1::<f32>()?;
         fold_sinks(p, &sinks, &mut out, &mut lse);

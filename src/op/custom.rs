@@ -73,6 +73,12 @@ impl candle::CustomOp3 for FlashAttnOp {
                 let (o, l) = crate::cpu::forward(p, slopes, q, k, v)?;
                 (CpuStorage::BF16(o), l)
             }
+            // An FP8 cache read as stored (decode calls; see `op::fp8`).
+            (CpuStorage::F32(q), CpuStorage::F8E4M3(k), CpuStorage::F8E4M3(v)) => {
+                p.check_bounds(q.len(), k.len(), v.len())?;
+                let (o, l) = crate::cpu::forward_kv8(p, slopes, q, k, v)?;
+                (CpuStorage::F32(o), l)
+            }
             _ => bail!(
                 "flash-attn: q, k, v must share one of f32/f16/bf16, got {:?}/{:?}/{:?}",
                 q.dtype(),

@@ -4,12 +4,13 @@
 //! The descales never touch the big operands. With `c = q_descale · k_descale` and
 //! `d = v_descale` of a row's sequence and K/V head,
 //! `softmax(scale · (c q)·k) (d v) = d · softmax(scale · (c q)·k) v`: `c` multiplies the (few)
-//! query rows, `d` the output, and K and V are attended as stored. The CUDA decode kernels read
-//! e4m3 K and V directly (one byte per element, on GPUs from sm_89; see
-//! `kernels/decode/partial.cuh`). Elsewhere K and V are converted first, exactly (an e4m3 value
-//! is exact in f32, f16 and bf16): to f32 on the CPU, to the output's dtype on the GPU. The
-//! result is the one of the dequantized inputs up to that path's rounding: `c q` rounded once
-//! to the compute dtype, and the output rounded once more after `d` on the GPU.
+//! query rows, `d` the output, and K and V are attended as stored. Decode calls read e4m3 K and
+//! V directly, one byte per element: the CUDA decode kernels on GPUs from sm_89 (see
+//! `kernels/decode/partial.cuh`), and the CPU's decode kernel, which converts each block of keys
+//! to f32 (`cpu::forward_kv8`). Elsewhere K and V are converted first, exactly (an e4m3 value is
+//! exact in f32, f16 and bf16): to f32 on the CPU, to the output's dtype on the GPU. The result
+//! is the one of the dequantized inputs up to that path's rounding: `c q` rounded once to the
+//! compute dtype (f32 on the CPU), and the output rounded once more after `d` on the GPU.
 
 use candle::{bail, DType, Result, Tensor};
 
@@ -237,8 +238,8 @@ pub(crate) fn quantize_new(
 
 /// An FP8 call rewritten for the kernels: the options without descales, q scaled by
 /// `q_descale · k_descale` in the compute dtype, K and V as stored where a kernel reads e4m3
-/// (the CUDA decode kernels) or converted, and the factor `v_descale` that the output takes
-/// afterwards.
+/// (the CPU and CUDA decode kernels) or converted, and the factor `v_descale` that the output
+/// takes afterwards.
 pub(crate) struct Lowered {
     pub op: FlashAttn,
     pub q: Tensor,
@@ -292,10 +293,12 @@ impl Lowered {
             (Some(d), Some(rows)) => Some(rows.expand(d, p)?),
             _ => None,
         };
-        // Decode-shaped calls on GPUs with e4m3 conversion read K and V as stored.
+        // Decode-shaped calls read K and V as stored: on the CPU, and on GPUs with e4m3
+        // conversion.
         let native = match q.device() {
             #[cfg(feature = "cuda")]
             candle::Device::Cuda(dev) => crate::cuda::kv8_decode(p, compute, dev)?,
+            candle::Device::Cpu => crate::cpu::kv8_decode(p),
             _ => false,
         };
         let kv = |t: &Tensor| {

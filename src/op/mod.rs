@@ -573,7 +573,7 @@ impl FlashAttn {
         if let Some(low) = fp8::Lowered::of(self, &problem, q, k, v)? {
             let mut inner =
                 low.op
-                    .problem_with(&low.q, &low.k, &low.v, problem.varlen, problem.paged)?;
+                    .problem_lowered(&low.q, &low.k, &low.v, problem.varlen, problem.paged)?;
             inner.seqused_k = problem.seqused_k;
             let (out, lse) = low.op.run_kernels(inner, &low.q, &low.k, &low.v)?;
             return Ok((low.finish(out)?, lse));

@@ -29,6 +29,33 @@ impl FlashAttn {
         varlen: Option<VarLen>,
         paged: Option<Paged>,
     ) -> Result<Problem> {
+        let fp8 = Fp8::of(q, k, v)?;
+        self.problem_of(q, k, v, varlen, paged, fp8)
+    }
+
+    /// [`problem_with`](Self::problem_with) for the operands an FP8 call was rewritten into
+    /// (`fp8::Lowered`, no descales left): q in its compute dtype, f32 included, with K and V
+    /// converted or as stored.
+    pub(crate) fn problem_lowered(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        varlen: Option<VarLen>,
+        paged: Option<Paged>,
+    ) -> Result<Problem> {
+        self.problem_of(q, k, v, varlen, paged, Fp8::None)
+    }
+
+    fn problem_of(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        varlen: Option<VarLen>,
+        paged: Option<Paged>,
+        fp8: Fp8,
+    ) -> Result<Problem> {
         if paged.is_none() && self.block_table.is_some() {
             bail!(
                 "flash-attn: a block table (paged K/V) needs forward_varlen or forward_kvcache, \
@@ -58,7 +85,6 @@ impl FlashAttn {
                 )
             }
         }
-        let fp8 = Fp8::of(q, k, v)?;
         for (name, t) in [("k", k), ("v", v)] {
             check_device(name, t, q)?;
         }

@@ -106,12 +106,12 @@ fn kind<T: 'static>() -> Kind {
 }
 
 /// Everything a work item reads, shared by all of them.
-struct Ctx<'a, T> {
+struct Ctx<'a, T, KV = T> {
     p: &'a Problem,
     slopes: Option<&'a [f32]>,
     q: &'a [T],
-    k: &'a [T],
-    v: &'a [T],
+    k: &'a [KV],
+    v: &'a [KV],
     plan: &'a Plan,
     /// bf16 `q·k` with `vdpbf16ps` (AVX-512 BF16 present and bf16 inputs).
     bf16_dot: bool,
@@ -130,12 +130,12 @@ struct Ctx<'a, T> {
 }
 
 /// Runs the whole problem; returns the contiguous output and the log-sum-exp.
-pub(crate) fn forward<T: Elem>(
+pub(crate) fn forward<T: Elem, KV: Elem>(
     p: &Problem,
     slopes: Option<&[f32]>,
     q: &[T],
-    k: &[T],
-    v: &[T],
+    k: &[KV],
+    v: &[KV],
     extras: &Extras,
 ) -> (Vec<T>, Vec<f32>) {
     forward_with(
@@ -145,7 +145,8 @@ pub(crate) fn forward<T: Elem>(
         plan::MIN_TASK_BYTES,
         p,
         slopes,
-        [q, k, v],
+        q,
+        [k, v],
         extras,
     )
 }
@@ -162,14 +163,15 @@ fn has_avx512_decode() -> bool {
 /// bf16 products may use `vdpbf16ps` (where the CPU has it), and the thread count and smallest
 /// task the plan is made for (tests split small caches many ways with a small one).
 #[allow(clippy::too_many_arguments)]
-fn forward_with<T: Elem>(
+fn forward_with<T: Elem, KV: Elem>(
     isa: Isa,
     bf16_dot: bool,
     threads: usize,
     min_task: usize,
     p: &Problem,
     slopes: Option<&[f32]>,
-    [q, k, v]: [&[T]; 3],
+    q: &[T],
+    [k, v]: [&[KV]; 2],
     extras: &Extras,
 ) -> (Vec<T>, Vec<f32>) {
     let d = p.head_dim;
@@ -189,6 +191,7 @@ fn forward_with<T: Elem>(
     let bf16_dot = bf16_dot
         && isa == Isa::Avx512
         && kind::<T>() == Kind::Bf16
+        && kind::<KV>() == Kind::Bf16
         && is_x86_feature_detected!("avx512bf16");
     // No bf16 dot product outside x86.
     #[cfg(not(target_arch = "x86_64"))]
@@ -196,7 +199,7 @@ fn forward_with<T: Elem>(
         let _ = bf16_dot;
         false
     };
-    let key_bytes = 2 * p.kv_heads * d * std::mem::size_of::<T>();
+    let key_bytes = 2 * p.kv_heads * d * std::mem::size_of::<KV>();
     let plan = Plan::new(p, threads, key_bytes, min_task);
     let mut po = vec![0f32; plan.part_rows * d];
     let mut pm = vec![f32::NEG_INFINITY; plan.part_rows];
@@ -229,7 +232,7 @@ fn forward_with<T: Elem>(
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: the caller saw avx2 and fma on this CPU.
                     Isa::Avx2Fma => unsafe { item_avx2(&ctx, sc, item) },
-                    Isa::Portable => run_item::<T, Portable>(&ctx, sc, item),
+                    Isa::Portable => run_item::<T, KV, Portable>(&ctx, sc, item),
                 }
             }
         })
@@ -254,14 +257,14 @@ fn forward_with<T: Elem>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-fn item_avx512<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: Item) {
-    run_item::<T, Avx512>(ctx, sc, item)
+fn item_avx512<T: Elem, KV: Elem>(ctx: &Ctx<T, KV>, sc: &mut Scratch, item: Item) {
+    run_item::<T, KV, Avx512>(ctx, sc, item)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn item_avx2<T: Elem>(ctx: &Ctx<T>, sc: &mut Scratch, item: Item) {
-    run_item::<T, Fused>(ctx, sc, item)
+fn item_avx2<T: Elem, KV: Elem>(ctx: &Ctx<T, KV>, sc: &mut Scratch, item: Item) {
+    run_item::<T, KV, Fused>(ctx, sc, item)
 }
 
 thread_local! {
@@ -437,7 +440,7 @@ fn copy_block<T: Elem, U: Copy>(
 
 /// One work item: keys `lo .. hi` of sequence `b`, every query row of every head.
 #[inline(always)]
-fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
+fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: Item) {
     let p = ctx.p;
     let d = p.head_dim;
     let b = it.b;
@@ -496,7 +499,7 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
         p.score.scale * LOG2_E
     };
     let access = |s: &Strides| {
-        if !K::reads::<T>() {
+        if !K::reads::<KV>() {
             Access::Convert
         } else if s.dim == 1 {
             Access::InPlace
@@ -506,16 +509,16 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
     };
     let convert = access(&p.k) == Access::Convert;
     let block_len = BK * p.kv_heads * d;
-    let mut gk: Vec<T> = Vec::new();
-    let mut gv: Vec<T> = Vec::new();
+    let mut gk: Vec<KV> = Vec::new();
+    let mut gv: Vec<KV> = Vec::new();
     if access(&p.k) == Access::Gather {
-        gk = vec![T::from_f32(0.0); block_len];
+        gk = vec![KV::from_f32(0.0); block_len];
     }
     if access(&p.v) == Access::Gather {
-        gv = vec![T::from_f32(0.0); block_len];
+        gv = vec![KV::from_f32(0.0); block_len];
     }
     let dense: [usize; BK] = std::array::from_fn(|c| c * p.kv_heads * d);
-    let step_bytes = 2 * BK * d * std::mem::size_of::<T>();
+    let step_bytes = 2 * BK * d * std::mem::size_of::<KV>();
     let ahead = Ahead {
         k: ctx.k,
         v: ctx.v,
@@ -545,7 +548,7 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
         };
         if convert {
             let (mut kb, mut vb) = (std::mem::take(&mut sc.k), std::mem::take(&mut sc.v));
-            let cv = |o: &mut [f32], i: &[T]| T::load_f32(o, i);
+            let cv = |o: &mut [f32], i: &[KV]| KV::load_f32(o, i);
             copy_block(
                 &mut kb,
                 ctx.k,
@@ -556,7 +559,7 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
                 p.kv_heads,
                 d,
                 cv,
-                T::to_f32,
+                KV::to_f32,
             );
             copy_block(
                 &mut vb,
@@ -568,7 +571,7 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
                 p.kv_heads,
                 d,
                 cv,
-                T::to_f32,
+                KV::to_f32,
             );
             let kr = BlockRows {
                 src: &kb[..],
@@ -580,14 +583,14 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
                 base: dense,
                 head: d,
             };
-            block::<T, f32, K>(ctx, sc, &blk, &kr, &vr, &ahead);
+            block::<T, KV, f32, K>(ctx, sc, &blk, &kr, &vr, &ahead);
             (sc.k, sc.v) = (kb, vb);
         } else {
-            let rows_of = |g: &'_ mut Vec<T>, src: &'_ [T], s: &Strides| {
+            let rows_of = |g: &'_ mut Vec<KV>, src: &'_ [KV], s: &Strides| {
                 if g.is_empty() {
                     (None, row_offsets(s, &keys, j0, n), s.head)
                 } else {
-                    let cp = |o: &mut [T], i: &[T]| o.copy_from_slice(i);
+                    let cp = |o: &mut [KV], i: &[KV]| o.copy_from_slice(i);
                     copy_block(g, src, s, &keys, j0, n, p.kv_heads, d, cp, |x| x);
                     (Some(()), dense, d)
                 }
@@ -604,7 +607,7 @@ fn run_item<T: Elem, K: Ops>(ctx: &Ctx<T>, sc: &mut Scratch, it: Item) {
                 base: vbase,
                 head: vhead,
             };
-            block::<T, T, K>(ctx, sc, &blk, &kr, &vr, &ahead);
+            block::<T, KV, KV, K>(ctx, sc, &blk, &kr, &vr, &ahead);
         }
         j0 += n;
     }
@@ -794,13 +797,13 @@ struct Block {
 /// scratch, share each K and V row). While the scores of a KV head run, the rows
 /// [`PREFETCH_BYTES`] ahead are prefetched (see [`Ahead`]).
 #[inline(always)]
-fn block<T: Elem, U: Elem, K: Ops>(
-    ctx: &Ctx<T>,
+fn block<T: Elem, KV: Elem, U: Elem, K: Ops>(
+    ctx: &Ctx<T, KV>,
     sc: &mut Scratch,
     blk: &Block,
     k: &BlockRows<U>,
     v: &BlockRows<U>,
-    ahead: &Ahead<T>,
+    ahead: &Ahead<KV>,
 ) {
     let p = ctx.p;
     let d = p.head_dim;
@@ -1140,7 +1143,7 @@ fn as_f32<T: 'static>(src: &[T]) -> Option<&[f32]> {
 
 /// Merges the partials of every split of sequence `b`, head `h`, in split order, and writes the
 /// normalised output rows and their log-sum-exp. Called once every split has left its partials.
-fn combine<T: Elem>(ctx: &Ctx<T>, b: usize, h: usize) {
+fn combine<T: Elem, KV>(ctx: &Ctx<T, KV>, b: usize, h: usize) {
     let p = ctx.p;
     let d = p.head_dim;
     let seq = p.seq(b);

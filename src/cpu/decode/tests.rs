@@ -282,9 +282,9 @@ fn check_isas<T: Elem + candle::WithDType>(
     let none = Extras::default();
     for isa in Isa::available() {
         for dot in [true, false] {
-            let (one, lse_one) = forward_with(isa, dot, 1, 1, p, slopes, [&qv, &kv, &vv], &none);
+            let (one, lse_one) = forward_with(isa, dot, 1, 1, p, slopes, &qv, [&kv, &vv], &none);
             for threads in [1, 2, 3, 5, 16, 64] {
-                let run = || forward_with(isa, dot, threads, 1, p, slopes, [&qv, &kv, &vv], &none);
+                let run = || forward_with(isa, dot, threads, 1, p, slopes, &qv, [&kv, &vv], &none);
                 let (got, lse) = run();
                 let err = max_err(&got, want);
                 assert!(
@@ -448,7 +448,8 @@ fn kernel_throughput() {
                         plan::MIN_TASK_BYTES,
                         &p,
                         None,
-                        [&q, &ks[s], &vs[s]],
+                        &q,
+                        [&ks[s], &vs[s]],
                         &Extras::default(),
                     ));
                 });
