@@ -90,10 +90,9 @@ fn grad_f32(
 
 /// `dbias` of a packed variable-length call (q `(total_q, h, d)`, k and v `(total_k, hk, d)`,
 /// `lse` `(h, total_q)`) with u32 offsets `[seqlens_q, seqlens_k]` (read to the host here, on
-/// any device): each sequence's through [`grad`]
-/// on its part of the bias (rows and keys from 0, its batch entry where the bias has one), the
-/// rows and keys past the sequence left at 0, summed over the sequences where the bias has no
-/// batch dimension.
+/// any device): each sequence's through [`grad`] on its part of the bias (rows and keys from 0,
+/// its batch entry where the bias has one), the rows and keys past the sequence left at 0,
+/// summed over the sequences where the bias has no batch dimension.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn grad_varlen(
     opts: &FlashAttn,
@@ -114,10 +113,7 @@ pub(super) fn grad_varlen(
     let full = bias.reshape(dims.as_slice())?;
     let (batched, rows, keys) = (dims[0] > 1, dims[2], dims[3]);
     let mut per_seq = Vec::new();
-    let mut total = Tensor::zeros(dims.as_slice(), DType::F32, bias.device())?;
-    if batched {
-        total = total.narrow(0, 0, 1)?;
-    }
+    let mut total: Option<Tensor> = None;
     for s in 0..cu_q.len().saturating_sub(1) {
         let (q0, lq) = (cu_q[s] as usize, (cu_q[s + 1] - cu_q[s]) as usize);
         let (k0, lk) = (cu_k[s] as usize, (cu_k[s + 1] - cu_k[s]) as usize);
@@ -163,13 +159,17 @@ pub(super) fn grad_varlen(
         if batched {
             per_seq.push(ds);
         } else {
-            total = (total + ds)?;
+            total = Some(match total {
+                None => ds,
+                Some(t) => (t + ds)?,
+            });
         }
     }
-    let ds = if batched {
-        Tensor::cat(&per_seq, 0)?
-    } else {
-        total
+    let ds = match total {
+        Some(t) => t,
+        // A batched bias, or no sequence (then the bias has no batch dimension to fill).
+        None if !per_seq.is_empty() => Tensor::cat(&per_seq, 0)?,
+        None => Tensor::zeros(dims.as_slice(), DType::F32, bias.device())?,
     };
     ds.reshape(bias.dims())?.to_dtype(bias.dtype())
 }
