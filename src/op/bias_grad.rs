@@ -50,9 +50,7 @@ fn grad_f32(
     while dims.len() < 4 {
         dims.insert(0, 1);
     }
-    let batched = dims[0] > 1;
-    let mut per_seq = Vec::with_capacity(if batched { b } else { 1 });
-    let mut total: Option<Tensor> = None;
+    let mut gathered = Gathered::new(dims[0] > 1);
     for i in 0..b {
         let one = |t: &Tensor| t.narrow(0, i, 1);
         // Scores in f32 from the start, as the kernels' accumulators hold them: scores rounded
@@ -72,20 +70,50 @@ fn grad_f32(
                 ds = ds.sum_keepdim(axis)?;
             }
         }
-        if batched {
-            per_seq.push(ds);
-        } else {
-            total = Some(match total {
-                None => ds,
-                Some(t) => (t + ds)?,
-            });
+        gathered.add(ds)?;
+    }
+    match gathered.finish()? {
+        Some(ds) => ds.reshape(bias.dims()),
+        None => super::empty_zeros(bias.dims(), DType::F32, bias.device()),
+    }
+}
+
+/// The sequences' gradients of one bias: concatenated along the batch where the bias has a
+/// batch dimension, summed where it has none.
+enum Gathered {
+    Batched(Vec<Tensor>),
+    Summed(Option<Tensor>),
+}
+
+impl Gathered {
+    fn new(batched: bool) -> Self {
+        match batched {
+            true => Self::Batched(Vec::new()),
+            false => Self::Summed(None),
         }
     }
-    let ds = match total {
-        Some(t) => t,
-        None => Tensor::cat(&per_seq, 0)?,
-    };
-    ds.reshape(bias.dims())
+
+    fn add(&mut self, ds: Tensor) -> Result<()> {
+        match self {
+            Self::Batched(v) => v.push(ds),
+            Self::Summed(total) => {
+                *total = Some(match total.take() {
+                    None => ds,
+                    Some(t) => (t + ds)?,
+                })
+            }
+        }
+        Ok(())
+    }
+
+    /// The gathered gradient, or `None` when no sequence was added.
+    fn finish(self) -> Result<Option<Tensor>> {
+        Ok(match self {
+            Self::Batched(v) if v.is_empty() => None,
+            Self::Batched(v) => Some(Tensor::cat(&v, 0)?),
+            Self::Summed(total) => total,
+        })
+    }
 }
 
 /// `dbias` of a packed variable-length call (q `(total_q, h, d)`, k and v `(total_k, hk, d)`,
@@ -111,22 +139,17 @@ pub(super) fn grad_varlen(
         dims.insert(0, 1);
     }
     let full = bias.reshape(dims.as_slice())?;
-    let (batched, rows, keys) = (dims[0] > 1, dims[2], dims[3]);
-    let mut per_seq = Vec::new();
-    let mut total: Option<Tensor> = None;
+    let (rows, keys) = (dims[2], dims[3]);
+    let mut gathered = Gathered::new(dims[0] > 1);
     for s in 0..cu_q.len().saturating_sub(1) {
         let (q0, lq) = (cu_q[s] as usize, (cu_q[s + 1] - cu_q[s]) as usize);
         let (k0, lk) = (cu_k[s] as usize, (cu_k[s + 1] - cu_k[s]) as usize);
         let part = sequence_part(&full, s, lq, lk)?;
-        let mut one = opts.clone();
+        // The sequence's ALiBi slopes and block mask (its blocks only), and its part of the bias.
+        let mut one = sequence_opts(opts, s)?;
         one.bias = Some(part.clone());
         if let Some(m) = &mut one.block_mask {
             m.mask = sequence_part(&m.mask, s, lq.div_ceil(m.block_q), lk.div_ceil(m.block_k))?;
-        }
-        if let Some(sl) = &opts.alibi_slopes {
-            if sl.rank() == 2 && sl.dim(0)? > 1 {
-                one.alibi_slopes = Some(sl.narrow(0, s, 1)?);
-            }
         }
         let seq = |t: &Tensor, at: usize, n: usize| t.narrow(0, at, n)?.unsqueeze(0);
         let ds = if lq == 0 || lk == 0 {
@@ -156,19 +179,11 @@ pub(super) fn grad_varlen(
                 ds
             }
         };
-        if batched {
-            per_seq.push(ds);
-        } else {
-            total = Some(match total {
-                None => ds,
-                Some(t) => (t + ds)?,
-            });
-        }
+        gathered.add(ds)?;
     }
-    let ds = match total {
-        Some(t) => t,
-        // A batched bias, or no sequence (then the bias has no batch dimension to fill).
-        None if !per_seq.is_empty() => Tensor::cat(&per_seq, 0)?,
+    // No sequence: the bias has no batch dimension to fill, and gets zeros.
+    let ds = match gathered.finish()? {
+        Some(ds) => ds,
         None => Tensor::zeros(dims.as_slice(), DType::F32, bias.device())?,
     };
     ds.reshape(bias.dims())?.to_dtype(bias.dtype())
