@@ -401,12 +401,14 @@ fn bwd_instances_header() -> String {
     for i in bwd_instances::BWD_MMA {
         write!(
             h,
-            " \\\n    FLASH_BWD_MMA_INSTANCE(PREFIX, T, {}, {}, {}, {}, {}, {}, {}, {}, {})",
+            " \\\n    FLASH_BWD_MMA_INSTANCE(PREFIX, T, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})",
             i.d,
             i.kv_bm,
             i.kv_warps,
             i.kv_min_blocks,
             i.kv_smem(),
+            bwd_instances::EXTRAS_KV_BM,
+            i.kv_smem_extras(),
             i.q_bn,
             i.q_warps,
             i.q_min_blocks,

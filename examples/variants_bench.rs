@@ -13,7 +13,8 @@
 //! 32k tokens per batch, causal and not. Decode: one query row per sequence, 32/8 heads, d 128,
 //! batch 8 against 8192 keys, and batch 1 against 32768. Variants: `sinks` (one learnable logit
 //! per head), `pad-bias` (a `(batch, 1, 1, seq_k)` f32 key-padding bias, its last quarter of keys
-//! at `-inf`), `bias` (a full `(1, heads, seq_q, seq_k)` bias in the inputs' dtype, up to 2 GiB),
+//! at `-inf`: less visible work than the plain call), `key-bias` (a `(batch, 1, 1, seq_k)` f32
+//! bias of N(0, 1) values: the cost of adding one vector per batch to every score), `bias` (a full `(1, heads, seq_q, seq_k)` bias in the inputs' dtype, up to 2 GiB),
 //! `blocks` (a block mask of ones, 64 x 64 blocks on the CPU and 128 x 128 on the GPU: the same
 //! visible work as the plain call); on the GPU also `sparse-0.1`, `-0.25` and `-0.5` (128 x 128
 //! blocks open at random with that probability, per head) and `docs-8` (8 equal documents, each
@@ -156,6 +157,8 @@ fn main() -> Result<()> {
             .collect();
         let pad = Tensor::from_vec(pad, (s.b, 1, 1, s.sk), &dev)?;
         variants.push(("pad-bias".into(), plain.clone().bias(&pad)));
+        let key = Tensor::randn(0f32, 1., (s.b, 1, 1, s.sk), &dev)?;
+        variants.push(("key-bias".into(), plain.clone().bias(&key)));
         // A full bias in the inputs' dtype, where it fits in 2 GiB.
         if s.sq > 1 && s.h * s.sq * s.sk * dtype.size_in_bytes() <= 2 << 30 {
             let full = Tensor::randn(0f32, 1., (1, s.h, s.sq, s.sk), &dev)?.to_dtype(dtype)?;

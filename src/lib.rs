@@ -65,8 +65,8 @@
 //! - a bias is not f32 or q's dtype, or does not broadcast to `(batch, heads, seq_q, seq_k)`
 //!   (packed and paged calls: `max_seqlen_q`, `max_seqlen_k`; KV-cache calls: the new rows and
 //!   the cache's capacity); a block mask is not u8, does not broadcast to its block grid or has
-//!   a block size of 0; either comes with `mm_prefix_ranges`, a tracked bias with a paged or
-//!   KV-cache call, or either goes into a CUDA backward pass (none of which takes them yet);
+//!   a block size of 0; either comes with `mm_prefix_ranges`, or a tracked bias with a paged
+//!   or KV-cache call;
 //! - varlen offsets are not u32 of shape `(batch + 1,)`, do not start at 0, decrease, hold a
 //!   sequence longer than `max_seqlen_q`/`max_seqlen_k`, do not end at the packed tensor's token
 //!   count, or q's and k's offsets differ in length;

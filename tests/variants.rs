@@ -401,6 +401,61 @@ fn bias_dense(t: &Target) -> Result<()> {
 }
 test_device!(bias_dense, Forward);
 
+/// Key biases (no row dimension) whose values fill whole key tiles with `-inf`, which the tiled
+/// kernels skip, and with 0, on which they add nothing, and cut other tiles, as padding does:
+/// per batch, keys padded at the end, padded at the start before real values and zeros, and a
+/// sequence padded entirely (its rows output 0, lse `-inf` or the sink); per head, a run of
+/// `-inf` at a different place; in q's dtype; with causal masks, sinks and a block mask; every
+/// dtype, head dims whose tiles are 64 to 176 keys wide.
+fn key_bias_tiles(t: &Target) -> Result<()> {
+    let (sq, sk, h): (usize, usize, usize) = (150, 700, 6);
+    let ninf = f32::NEG_INFINITY;
+    for (n, dtype) in DTYPES.into_iter().enumerate() {
+        let (d, hk) = ([64, 128, 256][n], [2, 6, 3][n]);
+        let seed = 900 + 10 * n as u64;
+        let r = randn(&[3, 1, 1, sk], DType::F32, seed, &Device::Cpu)?;
+        let r = r.flatten_all()?.to_vec1::<f32>()?;
+        let padding: Vec<f32> = (0..3 * sk)
+            .map(|x| match (x / sk, x % sk) {
+                (0, j) if j < 300 => 0.0,
+                (1, j) if (200..500).contains(&j) => r[x],
+                (1, j) if j >= 500 => 0.0,
+                _ => ninf,
+            })
+            .collect();
+        let padding = Tensor::from_vec(padding, (3, 1, 1, sk), &Device::Cpu)?;
+        let per_head: Vec<f32> = (0..h * sk)
+            .map(|x| {
+                let (hh, j) = (x / sk, x % sk);
+                match hh > 0 && (100 * hh..100 * hh + 250).contains(&j) {
+                    true => ninf,
+                    false => 0.0,
+                }
+            })
+            .collect();
+        let per_head = Tensor::from_vec(per_head, (1, h, 1, sk), &Device::Cpu)?;
+        let typed = padding.to_dtype(dtype)?;
+        let blocks = blocks_of(&[1, 1, sq.div_ceil(64), sk.div_ceil(128)], seed + 1)?;
+        let base = Case::new(3, sq, sk, h, hk, d, dtype);
+        let o = |b: &Tensor| FlashAttn::new(scale(d)).bias(b);
+        let cases = [
+            base.clone().with(o(&padding)),
+            base.clone()
+                .causal()
+                .with(o(&padding).causal().sinks(&sinks(h))),
+            base.clone().with(o(&per_head).block_mask(&blocks, 64, 128)),
+            base.clone().causal().with(o(&typed).causal()),
+            base.clone().with(o(&per_head).softcap(4.0)),
+        ];
+        for (i, c) in cases.iter().enumerate() {
+            let layout = [Layout::Contiguous, Layout::Transposed][i % 2];
+            c.clone().layout(layout).check(t, seed + 2 + i as u64)?;
+        }
+    }
+    Ok(())
+}
+test_device!(key_bias_tiles, Forward);
+
 /// The bias on decode-shaped calls (few query rows per K/V head, split over the keys): a
 /// key-padding bias with `-inf` keys, a full one in q's dtype and a per-head one, with causal
 /// masks and sinks.
@@ -474,7 +529,7 @@ test_device!(bias_varlen, Forward);
 
 /// Packed calls' gradients with a bias (full, key padding, per head): q, k and v through
 /// autograd, and the bias's own through autograd and `backward_varlen_all`, against each
-/// sequence's f64 reference. The CUDA backward refuses a bias.
+/// sequence's f64 reference.
 fn bias_varlen_gradients(t: &Target) -> Result<()> {
     let r = Ragged::new(&[(13, 20), (0, 4), (9, 0), (30, 25)]);
     let (h, hk, d, nb) = (4, 2, 32, 4);
@@ -500,11 +555,6 @@ fn bias_varlen_gradients(t: &Target) -> Result<()> {
         let op = t.op(&opts);
         let (out, lse) = op.forward_varlen_with_lse(&q, &k, &v, &cq, &ck, r.max_q, r.max_k)?;
         let all = op.backward_varlen_all(&q, &k, &v, &out, &g, &lse, &cq, &ck, r.max_q, r.max_k);
-        if t.is_cuda() {
-            let e = all.expect_err("no CUDA backward with a bias yet");
-            assert!(e.to_string().contains("bias"), "{what}: {e}");
-            continue;
-        }
         let fast = autograd(&q, &k, &v, &g, |q, k, v| {
             op.forward_varlen(q, k, v, &cq, &ck, r.max_q, r.max_k)
         })?;
@@ -515,7 +565,7 @@ fn bias_varlen_gradients(t: &Target) -> Result<()> {
         check_grads(&what, &fast, &naive, &reference, [&q, &k, &v]);
         let r_bias = dbias_varlen(&q, &k, &v, &g, &r.cu_q, &r.cu_k, &opts, bias.dims())?;
         let tracked = |f: &dyn Fn(&FlashAttn) -> Result<Tensor>| -> Result<Tensor> {
-            let var = Var::from_tensor(bias)?;
+            let var = Var::from_tensor(&t.put(bias)?)?;
             let mut o = op.clone();
             o.bias = Some(var.as_tensor().clone());
             let loss = (f(&o)? * &g)?.sum_all()?;
@@ -631,8 +681,6 @@ test_device!(sanitizer_bias_blocks, Forward);
 /// causal mask, a full bias with a window and softcap, a block mask with a bias, a per-head bias
 /// without batch and row dimensions, one in q's dtype shared by the batch, on the CPU against autograd of the naive path and the f64
 /// reference; the bias's gradient both through autograd (a tracked bias) and `backward_all`.
-/// CUDA has no backward for them yet: there the forward runs and the backward is an error naming
-/// the bias.
 fn bias_and_block_mask_gradients(t: &Target) -> Result<()> {
     let shapes = [(37, 53, 6, 3, 64), (53, 37, 6, 2, 40), (1, 90, 4, 1, 128)];
     for (n, &(sq, sk, h, hk, d)) in shapes.iter().enumerate() {
@@ -667,14 +715,6 @@ fn bias_and_block_mask_gradients(t: &Target) -> Result<()> {
             for opts in cases {
                 let what = format!("{:?}", c.clone().with(opts.clone()));
                 let op = t.op(&opts);
-                if t.is_cuda() {
-                    let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
-                    let e = op
-                        .backward_all(&q, &k, &v, &out, &g, &lse)
-                        .expect_err("no CUDA backward with a bias yet");
-                    assert!(e.to_string().contains("bias"), "{what}: {e}");
-                    continue;
-                }
                 let fast = autograd(&q, &k, &v, &g, |q, k, v| op.forward(q, k, v))?;
                 let naive = autograd(&q, &k, &v, &g, |q, k, v| naive_attention(q, k, v, &op))?;
                 let r = reference_grads(&q, &k, &v, &g, &opts)?;
@@ -683,7 +723,7 @@ fn bias_and_block_mask_gradients(t: &Target) -> Result<()> {
                 let bias = opts.bias.clone().expect("every case has a bias");
                 let r_bias = dbias_of(&r, (2, h, sq, sk), bias.dims());
                 let tracked = |f: &dyn Fn(&FlashAttn) -> Result<Tensor>| -> Result<Tensor> {
-                    let var = Var::from_tensor(&bias)?;
+                    let var = Var::from_tensor(&t.put(&bias)?)?;
                     let mut o = op.clone();
                     o.bias = Some(var.as_tensor().clone());
                     let out = f(&o)?;

@@ -6,11 +6,13 @@
 //              dV_j += P_ij dO_i and dK_j += dS_ij q_i, with dS_ij = P_ij (dO_i . v_j - D_i)
 //              (times 1 - tanh^2 under a softcap, and the softmax scale)
 //   bwd_dq   : one warp per query row i: dQ_i = scale * sum_j dS_ij k_j over the row's keys
+// A bias and a block mask (common/extras.cuh) enter s_ij after the score modifier.
 // Lane t holds columns t, t + 32, ... (NT of them) of every row vector; dot products are
 // per-lane partial sums reduced by shuffles, so every lane ends with the same value.
 #pragma once
 #include "backward/common.cuh"
 #include "backward/params.cuh"
+#include "common/extras.cuh"
 #include "common/mask.cuh"
 #include "common/math.cuh"
 #include "common/score.cuh"
@@ -77,6 +79,7 @@ __device__ __forceinline__ void dkdv(const BwdParams& bp) {
     int64_t i_lo = 0, i_hi = g.sq;
     if (p.win_right >= 0) i_lo = max((int64_t)0, j - off - p.win_right);
     if (p.win_left >= 0) i_hi = min((int64_t)g.sq, j - off + p.win_left + 1);
+    const bool extras = p.bias != nullptr || p.block_mask != nullptr;
     for (int hh = 0; hh < p.kv_group; ++hh) {
         const int h = kvh * p.kv_group + hh;
         const float slope = p.alibi ? p.alibi[b * p.alibi_batch + h] : 0.f;
@@ -102,7 +105,10 @@ __device__ __forceinline__ void dkdv(const BwdParams& bp) {
             dot = warp_sum(dot);
             dp = warp_sum(dp);
             float chain;
-            const float s = modded_score_exact(p, bp.scale, dot, slope, (int)(i + off), j, chain);
+            float s = modded_score_exact(p, bp.scale, dot, slope, (int)(i + off), j, chain);
+            if (extras)
+                s = extra_score<T>(p, s, b, h, (int)i, j, g.sq, g.sk, p.block_mask != nullptr,
+                                   true, true);
             const float pij = expf(s - lse);
             const float ds = pij * (dp - bp.dsum[l0 + i]) * chain;
 #pragma unroll
@@ -159,6 +165,7 @@ __device__ __forceinline__ void dq(const BwdParams& bp) {
     int lo, hi;
     row_keys(p, b, diag, g.sk, lo, hi);
     if (lse == -INFINITY) hi = lo;
+    const bool extras = p.bias != nullptr || p.block_mask != nullptr;
     for (int j = lo; j < hi; ++j) {
         const T* kj = kp + (int64_t)j * p.k_seq;
         const T* vj = vp + (int64_t)j * p.v_seq;
@@ -174,7 +181,9 @@ __device__ __forceinline__ void dq(const BwdParams& bp) {
         dot = warp_sum(dot);
         dp = warp_sum(dp);
         float chain;
-        const float s = modded_score_exact(p, bp.scale, dot, slope, diag, j, chain);
+        float s = modded_score_exact(p, bp.scale, dot, slope, diag, j, chain);
+        if (extras)
+            s = extra_score<T>(p, s, b, h, i, j, g.sq, g.sk, p.block_mask != nullptr, true, true);
         const float ds = expf(s - lse) * (dp - dsum_i) * chain;
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[t] += ds * k[t];

@@ -16,6 +16,8 @@
 //     dV  += P^T dO          A = P^T from the S registers (C layout = A layout), B = dO (.trans)
 //     dK  += dS^T Q          A = dS^T from the dP registers, B = Q (.trans)
 //   dK is scaled by the softmax scale once, at the end; both are written in T.
+//   The `_extras` instances also take the bias and block mask (common/extras.cuh), per score,
+//   besides softcap and ALiBi (dK/dV in shorter query steps, for the registers they need).
 // dq: one block per (query tile of 16 * WARPS rows, head, batch), the forward kernel's shape:
 //     S = Q K^T, dP = dO V^T, dS = P (dP - D), dQ += dS K (B = K .trans); dQ scaled and
 //   written once in T. Seven products per pair of tiles instead of five.
@@ -23,6 +25,7 @@
 #pragma once
 #include "backward/common.cuh"
 #include "backward/generic.cuh"
+#include "common/extras.cuh"
 #include "common/ptx.cuh"
 #include "common/score.cuh"
 #include "common/swizzle.cuh"
@@ -96,7 +99,7 @@ struct DkdvTraits {
     static constexpr int SMEM = (2 * BN * D + 2 * STEP) * (int)sizeof(T) + 2 * 2 * BM * 4;
 };
 
-template <typename T, int D, int BM, int WARPS, bool MODS>
+template <typename T, int D, int BM, int WARPS, bool MODS, bool EXTRAS = false>
 __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
     using Tr = DkdvTraits<T, D, BM, WARPS>;
     constexpr int BN = Tr::BN, THREADS = Tr::THREADS, STEP = Tr::STEP;
@@ -193,6 +196,8 @@ __device__ __forceinline__ void dkdv_mma(const BwdParams& bp) {
                 const int diag = (int)(qi + off);
                 float chain;
                 float x = logit2<MODS>(p, acc_s[j][e], slope_log2, diag, key, chain);
+                if constexpr (EXTRAS)
+                    x = extra_score<T>(p, x, b, h, qi, key, g.sq, g.sk, p.block_mask != nullptr);
                 if (!full && (qi >= g.sq || !visible(p, diag, key, g.sk))) x = -INFINITY;
                 const float pv = fast_exp2(x - lse_log2(sL[cq]));
                 acc_s[j][e] = pv;
@@ -255,7 +260,7 @@ struct DqTraits {
     static constexpr int SMEM = (2 * BM * D + 2 * KV) * (int)sizeof(T);
 };
 
-template <typename T, int D, int BN, int WARPS, bool MODS>
+template <typename T, int D, int BN, int WARPS, bool MODS, bool EXTRAS = false>
 __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
     using Tr = DqTraits<T, D, BN, WARPS>;
     constexpr int BM = Tr::BM, THREADS = Tr::THREADS, KV = Tr::KV;
@@ -363,6 +368,9 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
                 const int key = col + 8 * j + e % 2;
                 float chain;
                 float x = logit2<MODS>(p, acc_s[j][e], slope_log2, diag, key, chain);
+                if constexpr (EXTRAS)
+                    x = extra_score<T>(p, x, b, h, g.m0 + r_t + 8 * hf, key, g.sq, g.sk,
+                                       p.block_mask != nullptr);
                 if (!full && !visible(p, diag, key, g.sk)) x = -INFINITY;
                 const float pv = fast_exp2(x - lse2[hf]);
                 acc_dp[j][e] = pv * (acc_dp[j][e] - dsum_r[hf]) * chain;
@@ -403,12 +411,15 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
 
 }  // namespace bwd
 
-// Entry points of one (dtype, head dim): dK/dV and dQ, each plain and
-// `_mods` (softcap / ALiBi). Tiles come from the table in src/cuda/backward/instances.rs through
-// the generated bwd_instances.cuh, with the shared memory the planner assumes (checked here).
-#define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_WARPS, KV_MINB, KV_SMEM, Q_BN, Q_WARPS,     \
-                               Q_MINB, Q_SMEM)                                                     \
+// Entry points of one (dtype, head dim): dK/dV and dQ, each plain, `_mods` (softcap / ALiBi)
+// and `_extras` (a bias or block mask, with softcap / ALiBi; dK/dV in KX_BM-row query steps).
+// Tiles come from the table in src/cuda/backward/instances.rs through the generated
+// bwd_instances.cuh, with the shared memory the planner assumes (checked here).
+#define FLASH_BWD_MMA_INSTANCE(PREFIX, T, D, KV_BM, KV_WARPS, KV_MINB, KV_SMEM, KX_BM, KX_SMEM,    \
+                               Q_BN, Q_WARPS, Q_MINB, Q_SMEM)                                      \
     static_assert(bwd::DkdvTraits<T, D, KV_BM, KV_WARPS>::SMEM == KV_SMEM,                         \
+                  "src/cuda/backward/instances.rs and the dkdv kernel disagree on shared memory"); \
+    static_assert(bwd::DkdvTraits<T, D, KX_BM, KV_WARPS>::SMEM == KX_SMEM,                         \
                   "src/cuda/backward/instances.rs and the dkdv kernel disagree on shared memory"); \
     static_assert(bwd::DqTraits<T, D, Q_BN, Q_WARPS>::SMEM == Q_SMEM,                              \
                   "src/cuda/backward/instances.rs and the dq kernel disagree on shared memory");   \
@@ -420,6 +431,10 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
         PREFIX##_dkdv_d##D##_mods(const BwdParams p) {                                             \
         bwd::dkdv_mma<T, D, KV_BM, KV_WARPS, true>(p);                                             \
     }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(KV_WARPS * 32, KV_MINB)                           \
+        PREFIX##_dkdv_d##D##_extras(const BwdParams p) {                                           \
+        bwd::dkdv_mma<T, D, KX_BM, KV_WARPS, true, true>(p);                                       \
+    }                                                                                              \
     extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                             \
         PREFIX##_dq_d##D(const BwdParams p) {                                                      \
         bwd::dq_mma<T, D, Q_BN, Q_WARPS, false>(p);                                                \
@@ -427,6 +442,10 @@ __device__ __forceinline__ void dq_mma(const BwdParams& bp) {
     extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                             \
         PREFIX##_dq_d##D##_mods(const BwdParams p) {                                               \
         bwd::dq_mma<T, D, Q_BN, Q_WARPS, true>(p);                                                 \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(Q_WARPS * 32, Q_MINB)                             \
+        PREFIX##_dq_d##D##_extras(const BwdParams p) {                                             \
+        bwd::dq_mma<T, D, Q_BN, Q_WARPS, true, true>(p);                                           \
     }
 
 // Every backward entry point of one 16-bit dtype: the D pass, the exact kernels (other head dims

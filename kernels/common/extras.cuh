@@ -3,10 +3,13 @@
 // in place through broadcast strides (0 along a broadcast dimension), so a key-padding bias
 // (batch, 1, 1, seq_k) costs one vector per batch.
 //
-// Block masks reach the tiled kernels as lists (built by kernels/tiles.cu for the kernel's tile
-// shape): per (batch, head, query tile), the key tiles of the band that hold any key of an open
-// block, in order. A hidden tile is neither loaded nor computed; a tile that a hidden block also
-// cuts is flagged TILE_PARTIAL and masked per element. Without a list a kernel walks its band.
+// Block masks and key biases (a bias without a row dimension, such as key padding) reach the
+// tiled kernels as lists (built by kernels/tiles.cu for the kernel's tile shape): per (batch,
+// head, query tile), the key tiles of the band that hold any key of an open block and any key
+// whose bias is not -inf, in order. A hidden tile is neither loaded nor computed; a tile that a
+// hidden block also cuts is flagged TILE_PARTIAL and masked per element; a tile whose bias is
+// not 0 everywhere is flagged TILE_BIAS and gets it added (so padding costs only the tiles it
+// cuts). Without a list a kernel walks its band and adds the bias on every tile.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -14,9 +17,11 @@
 #include "common/mask.cuh"
 #include "common/math.cuh"
 
-// A tile-list entry: the key tile's index, and the flag of a tile a hidden block cuts.
+// A tile-list entry: the key tile's index, the flag of a tile a hidden block cuts, and the flag
+// of a tile whose bias must be added.
 constexpr int TILE_PARTIAL = 1 << 30;
-constexpr int TILE_INDEX = TILE_PARTIAL - 1;
+constexpr int TILE_BIAS = 1 << 29;
+constexpr int TILE_INDEX = TILE_BIAS - 1;
 __device__ __forceinline__ int tile_of(int e) { return e & TILE_INDEX; }
 __device__ __forceinline__ bool tile_partial(int e) { return (e & TILE_PARTIAL) != 0; }
 
@@ -27,10 +32,14 @@ template <bool LIST>
 struct KeyTiles {
     const int32_t* list;
     int begin, end;
-    // The entry at position q, its tile index, and whether a hidden block cuts that tile.
+    // The entry at position q, its tile index, whether a hidden block cuts that tile, and
+    // whether the call's bias is added on it (every tile without a list).
     __device__ __forceinline__ int entry(int q) const { return LIST && list ? list[q] : q; }
     __device__ __forceinline__ int tile(int e) const { return LIST ? tile_of(e) : e; }
     __device__ __forceinline__ bool partial(int e) const { return LIST && tile_partial(e); }
+    __device__ __forceinline__ bool biased(int e) const {
+        return !LIST || !list || (e & TILE_BIAS) != 0;
+    }
 };
 
 // Index of the list of query tile m_block of (b, h).
@@ -60,12 +69,11 @@ __device__ __forceinline__ float extra_f32(float x) { return x; }
 __device__ __forceinline__ float extra_f32(__half x) { return __half2float(x); }
 __device__ __forceinline__ float extra_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// Bias element `off` (f32, or the inputs' type T), in base-2 units.
+// Bias element `off` (f32, or the inputs' type T).
 template <typename T>
-__device__ __forceinline__ float bias_log2(const FlashParams& p, int64_t off) {
-    const float x = p.bias_f32 ? static_cast<const float*>(p.bias)[off]
-                               : extra_f32(static_cast<const T*>(p.bias)[off]);
-    return x * LOG2E_F;
+__device__ __forceinline__ float bias_value(const FlashParams& p, int64_t off) {
+    return p.bias_f32 ? static_cast<const float*>(p.bias)[off]
+                      : extra_f32(static_cast<const T*>(p.bias)[off]);
 }
 
 // Offsets of (b, h, row i) into the bias and the block mask. Rows and keys past the sequence
@@ -84,12 +92,17 @@ __device__ __forceinline__ bool block_open(const FlashParams& p, int64_t row, in
     return p.block_mask[row + (int64_t)(min(j, sk - 1) / p.block_k) * p.bm_k] != 0;
 }
 
-// One score of row i, key j (base 2, after softcap and ALiBi) with the bias added and the block
-// mask applied (`blocks`: the key's block may be hidden).
+// One score of row i, key j (after softcap and ALiBi; base 2, or natural-log units for `natural`)
+// with the bias added (`bias`: the tile's list entry asks for it) and the block mask applied
+// (`blocks`: the key's block may be hidden).
 template <typename T>
 __device__ __forceinline__ float extra_score(const FlashParams& p, float s, int b, int h, int i,
-                                             int j, int sq, int sk, bool blocks) {
-    if (p.bias) s += bias_log2<T>(p, bias_row(p, b, h, i, sq) + bias_col(p, j, sk));
+                                             int j, int sq, int sk, bool blocks, bool bias = true,
+                                             bool natural = false) {
+    if (p.bias && bias) {
+        const float x = bias_value<T>(p, bias_row(p, b, h, i, sq) + bias_col(p, j, sk));
+        s += natural ? x : x * LOG2E_F;
+    }
     if (blocks && !block_open(p, blocks_row(p, b, h, i, sq), j, sk)) s = -INFINITY;
     return s;
 }

@@ -114,7 +114,7 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
         }
 
         const bool full = tile_is_full(p, g, k0, BC);
-        const bool extras = p.bias || kt.partial(entry);
+        const bool extras = (p.bias && kt.biased(entry)) || kt.partial(entry);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int diag = g.m0 + 4 * rg + r + g.sk - g.sq;
@@ -126,7 +126,7 @@ __device__ __forceinline__ void fwd(const FlashParams& p) {
                                : s[r][j] * p.scale_log2;
                 if (extras)
                     x = extra_score<float>(p, x, b, h, g.m0 + 4 * rg + r, key, g.sq, g.sk,
-                                           kt.partial(entry));
+                                           kt.partial(entry), kt.biased(entry));
                 if (!full && !visible(p, diag, key, g.sk)) x = -INFINITY;
                 s[r][j] = x;
                 mx = fmaxf(mx, x);

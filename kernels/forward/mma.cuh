@@ -199,9 +199,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                             modded_score(p, acc_s[mt][j][e], slope_log2, diag, col + j * 8 + e % 2);
                     }
             // Bias, and the block mask where a hidden block cuts this tile.
-            if (p.bias || kt.partial(entry))
+            if ((p.bias && kt.biased(entry)) || kt.partial(entry))
                 tile_extras<T, MT, NT>(p, &acc_s[0][0][0], b, h, g.m0 + row_base, col, k0, g.sq,
-                                       g.sk, kt.partial(entry), LOG2E_F);
+                                       g.sk, kt.partial(entry), LOG2E_F, kt.biased(entry));
         }
         // Per-element mask only where the band or the key tail cuts this tile.
         if (!tile_is_full(p, g, k0, BC)) {

@@ -130,13 +130,13 @@ struct Mainloop {
         if (wt < BN) buf[wt] = v;
         named_sync(EPI_BAR + wg, 128);
     }
-    // LIST: the bias (from buffer `slot` where it is staged), and the block mask where a hidden
-    // block cuts the tile (`partial`), on S at keys k0.. (this thread's first column `col`)
-    // before the masks.
+    // LIST: the bias where the tile's list entry asks for it (`biased`; from buffer `slot`
+    // where it is staged), and the block mask where a hidden block cuts the tile (`partial`), on
+    // S at keys k0.. (this thread's first column `col`) before the masks.
     __device__ __forceinline__ void extras(float* acc_s, int k0, int col, bool partial,
-                                           int slot) const {
+                                           bool biased, int slot) const {
         if constexpr (LIST) {
-            const bool staged = key_bias();
+            const bool staged = key_bias() && biased;
             if (staged) {
                 // This thread's two keys of each n8 tile are adjacent (col - k0 is even): one
                 // 8-byte load each.
@@ -150,9 +150,9 @@ struct Mainloop {
                     acc_s[4 * j + 3] += x.y;
                 }
             }
-            if ((p.bias && !staged) || partial)
+            if ((p.bias && biased && !staged) || partial)
                 tile_extras<T, 1, NT>(p, acc_s, b, h, diag_t - (g.sk - g.sq), col, k0, g.sq, g.sk,
-                                      partial, bias_unit(), !staged);
+                                      partial, bias_unit(), biased && !staged);
         }
     }
     // P = 2^(s unit - m_scaled) in place over row half `hf` of this thread's columns; returns
@@ -176,10 +176,11 @@ struct Mainloop {
     // whose rounding stays far inside the margin, below ~2^22 in base-2 units; past that both
     // keep every P below 2^8 and are equally valid). Otherwise (false) acc_s holds exps that may
     // have overflowed, and S must be computed again.
-    __device__ __forceinline__ bool softmax_spec(float* acc_s, int t, bool partial, int slot,
-                                                 const float* row_m, float* sums) const {
+    __device__ __forceinline__ bool softmax_spec(float* acc_s, int t, bool partial, bool biased,
+                                                 int slot, const float* row_m,
+                                                 float* sums) const {
         const int k0 = t * BN;
-        extras(acc_s, k0, k0 + 2 * (lane % 4), partial, slot);
+        extras(acc_s, k0, k0 + 2 * (lane % 4), partial, biased, slot);
         apply_mask(acc_s, k0, k0 + 2 * (lane % 4));
         bool ok = true;
 #pragma unroll
@@ -199,8 +200,9 @@ struct Mainloop {
     // are taken against m, so P stays below 2^8 (f16 and bf16 hold it with the same relative
     // rounding as P <= 1), and l and O are rescaled only when m moves, which after a row's first
     // tiles is rare. The others move m to every new max and always rescale.
-    __device__ __forceinline__ bool softmax(float* acc_s, int t, bool partial, int slot,
-                                            float* row_m, float* row_l, float* alpha) const {
+    __device__ __forceinline__ bool softmax(float* acc_s, int t, bool partial, bool biased,
+                                            int slot, float* row_m, float* row_l,
+                                            float* alpha) const {
         const int k0 = t * BN;
         const int col = k0 + 2 * (lane % 4);
         if constexpr (MODS) {
@@ -211,7 +213,7 @@ struct Mainloop {
                     acc_s[4 * j + e] = modded_score(p, acc_s[4 * j + e], slope_log2,
                                                     diag_t + (e / 2) * 8, col + j * 8 + e % 2);
         }
-        extras(acc_s, k0, col, partial, slot);
+        extras(acc_s, k0, col, partial, biased, slot);
         apply_mask(acc_s, k0, col);
         bool moved = false;
 #pragma unroll
@@ -274,14 +276,21 @@ struct Mainloop {
                                         uint32_t (&pa)[BN / 16][4], float (&alpha)[2],
                                         const KeyTiles<LIST>& kt, int& kv_it, int qi) const {
         if (kt.end > kt.begin) {
-            // A key-padding bias: tile 0's values staged, the next tile's fetched into a
-            // register, where its load completes under this tile's work.
+            // A key-padding bias, on the tiles whose entries ask for it: tile 0's values staged,
+            // the next tile's fetched into a register, where its load completes under this
+            // tile's work. Staged tiles alternate between the buffers (`staged`: how many so
+            // far), so a buffer is written only after every thread passed the barrier of the
+            // staging after its last read.
             [[maybe_unused]] float kbias = 0.f;
+            [[maybe_unused]] int staged = 0;
+            auto stages_bias = [&](int q) { return key_bias() && kt.biased(kt.entry(q)); };
             if constexpr (LIST) {
-                if (key_bias()) {
+                if (stages_bias(kt.begin)) {
                     stage_key_bias(fetch_key_bias(kt.tile(kt.entry(kt.begin))), 0);
-                    if (kt.begin + 1 < kt.end) kbias = fetch_key_bias(kt.tile(kt.entry(kt.begin + 1)));
+                    staged = 1;
                 }
+                if (kt.begin + 1 < kt.end && stages_bias(kt.begin + 1))
+                    kbias = fetch_key_bias(kt.tile(kt.entry(kt.begin + 1)));
             }
             // First tile: S, softmax, P.
             {
@@ -298,7 +307,7 @@ struct Mainloop {
             }
             {
                 const int e = kt.entry(kt.begin);
-                softmax(acc_s, kt.tile(e), kt.partial(e), 0, row_m, row_l, alpha);
+                softmax(acc_s, kt.tile(e), kt.partial(e), kt.biased(e), 0, row_m, row_l, alpha);
             }
             pack_p(acc_s, pa);
             // Steady state: S of tile t and P V of tile t - 1 in flight together; the softmax
@@ -321,11 +330,13 @@ struct Mainloop {
                 reg_fence(acc_s);
                 int slot = 0;
                 if constexpr (LIST) {
-                    if (key_bias()) {
-                        slot = Tr::BIAS_BUFS == 2 ? (q - kt.begin) & 1 : 0;
+                    if (stages_bias(q)) {
+                        slot = Tr::BIAS_BUFS == 2 ? staged & 1 : 0;
                         stage_key_bias(kbias, slot);
-                        if (q + 1 < kt.end) kbias = fetch_key_bias(kt.tile(kt.entry(q + 1)));
+                        ++staged;
                     }
+                    if (q + 1 < kt.end && stages_bias(q + 1))
+                        kbias = fetch_key_bias(kt.tile(kt.entry(q + 1)));
                 }
                 bool moved;
                 if constexpr (LAZY && !MODS) {
@@ -339,7 +350,8 @@ struct Mainloop {
                     const bool spec =
                         __all_sync(0xffffffff, row_m[0] != -INFINITY && row_m[1] != -INFINITY);
                     const bool ok =
-                        spec && softmax_spec(acc_s, t, kt.partial(e), slot, row_m, sums);
+                        spec && softmax_spec(acc_s, t, kt.partial(e), kt.biased(e), slot, row_m,
+                                             sums);
                     const bool again = named_any(EPI_BAR + wg, 128, spec && !ok);
                     if (again) {
                         wg_fence();
@@ -353,12 +365,14 @@ struct Mainloop {
                         row_l[1] += sums[1];
                         moved = false;
                     } else {
-                        moved = softmax(acc_s, t, kt.partial(e), slot, row_m, row_l, alpha);
+                        moved = softmax(acc_s, t, kt.partial(e), kt.biased(e), slot, row_m,
+                                        row_l, alpha);
                     }
                     if (lane == 0) mbar_arrive(sm.empty_k(s));
                 } else {
                     if (lane == 0) mbar_arrive(sm.empty_k(s));
-                    moved = softmax(acc_s, t, kt.partial(e), slot, row_m, row_l, alpha);
+                    moved =
+                        softmax(acc_s, t, kt.partial(e), kt.biased(e), slot, row_m, row_l, alpha);
                 }
                 if constexpr (LAZY) pin_regs(pa, g.sk < 0, saddr(sm.sO), row_l[0]);
                 wg_wait<0>();

@@ -46,12 +46,6 @@ pub(crate) fn backward(
         #[cfg(feature = "cuda")]
         [Storage::Cuda(q), Storage::Cuda(k), Storage::Cuda(v), Storage::Cuda(o), Storage::Cuda(g), Storage::Cuda(l)] =>
         {
-            if p.bias.is_some() || p.block_mask.is_some() {
-                bail!(
-                    "flash-attn backward: calls with a bias or a block mask have no CUDA \
-                     backward pass yet (the CPU has one); use naive_attention for gradients"
-                )
-            }
             let saved = crate::cuda::BwdSaved {
                 out: o,
                 grad_out: g,

@@ -1,7 +1,8 @@
 //! The gradient of an additive bias, outside the kernels. A bias entry is added to the score it
 //! meets after scale, softcap and ALiBi, so its gradient is that score's:
 //! `∂loss/∂s_ij = p_ij (dP_ij − D_i)` with `p_ij = exp(s_ij − L_i)` (the forward's lse `L`, sinks
-//! included), `dP = dO vᵀ` and `D_i = dO_i · O_i`, summed over the bias's broadcast dimensions.
+//! included), `dP = dO vᵀ` and `D_i = dO_i · O_i = Σ_j p_ij dP_ij`, summed over the bias's
+//! broadcast dimensions.
 //! The scores are rebuilt one sequence at a time, `(heads, seq_q, seq_k)` in f32: the memory of
 //! naive attention for one sequence, paid only by calls that ask for the bias gradient.
 
@@ -12,30 +13,22 @@ use super::FlashAttn;
 use crate::naive::{logits, per_head};
 
 /// `dbias`, shaped and typed like `bias`, of a dense call (q `(b, sq, h, d)`, k and v
-/// `(b, sk, hk, d)`) from its forward `out` and `lse` `(b, h, sq)` and the output gradient.
-#[allow(clippy::too_many_arguments)]
+/// `(b, sk, hk, d)`) from its forward `lse` `(b, h, sq)` and the output gradient.
 pub(super) fn grad(
     opts: &FlashAttn,
     bias: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
+    [q, k, v]: [&Tensor; 3],
     grad_out: &Tensor,
     lse: &Tensor,
 ) -> Result<Tensor> {
-    grad_f32(opts, bias, q, k, v, out, grad_out, lse)?.to_dtype(bias.dtype())
+    grad_f32(opts, bias, [q, k, v], grad_out, lse)?.to_dtype(bias.dtype())
 }
 
 /// [`grad`] in f32 (sums over sequences stay in f32 until the caller's last one).
-#[allow(clippy::too_many_arguments)]
 fn grad_f32(
     opts: &FlashAttn,
     bias: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
+    [q, k, v]: [&Tensor; 3],
     grad_out: &Tensor,
     lse: &Tensor,
 ) -> Result<Tensor> {
@@ -61,9 +54,10 @@ fn grad_f32(
         let l = one(lse)?.maximum(f32::MIN as f64)?.unsqueeze(D::Minus1)?;
         let p = s.broadcast_sub(&l)?.exp()?;
         let go = f32(&one(grad_out)?.transpose(1, 2)?)?.contiguous()?; // (1, h, sq, dv)
-        let o = f32(&one(out)?.transpose(1, 2)?)?;
         let dp = go.matmul(&per_head(&f32(&one(v)?)?, h)?.t()?.contiguous()?)?;
-        let d = (&go * &o)?.sum_keepdim(D::Minus1)?;
+        // D_i = dO_i · O_i = Σ_j p_ij dP_ij (the sink carries no value), taken from the f32
+        // scores: the output in a 16-bit dtype would carry its rounding into every dS.
+        let d = (&p * &dp)?.sum_keepdim(D::Minus1)?;
         let mut ds = (p * dp.broadcast_sub(&d)?)?;
         for (axis, &n) in dims.iter().enumerate().skip(1) {
             if n == 1 {
@@ -121,14 +115,10 @@ impl Gathered {
 /// any device): each sequence's through [`grad`] on its part of the bias (rows and keys from 0,
 /// its batch entry where the bias has one), the rows and keys past the sequence left at 0,
 /// summed over the sequences where the bias has no batch dimension.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn grad_varlen(
     opts: &FlashAttn,
     bias: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
+    [q, k, v]: [&Tensor; 3],
     grad_out: &Tensor,
     lse: &Tensor,
     [cu_q, cu_k]: &[Tensor; 2],
@@ -161,10 +151,7 @@ pub(super) fn grad_varlen(
             let ds = grad_f32(
                 &one,
                 &part,
-                &seq(q, q0, lq)?,
-                &seq(k, k0, lk)?,
-                &seq(v, k0, lk)?,
-                &seq(out, q0, lq)?,
+                [&seq(q, q0, lq)?, &seq(k, k0, lk)?, &seq(v, k0, lk)?],
                 &seq(grad_out, q0, lq)?,
                 &lse.narrow(1, q0, lq)?.unsqueeze(0)?,
             )?;
@@ -288,10 +275,10 @@ impl CustomOp1 for BiasGrad {
     }
 
     fn bwd(&self, bias: &Tensor, _: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let [q, k, v, out, lse] = &self.saved;
+        let [q, k, v, _, lse] = &self.saved;
         match &self.offsets {
-            None => grad(&self.opts, bias, q, k, v, out, grad_res, lse),
-            Some(offsets) => grad_varlen(&self.opts, bias, q, k, v, out, grad_res, lse, offsets),
+            None => grad(&self.opts, bias, [q, k, v], grad_res, lse),
+            Some(offsets) => grad_varlen(&self.opts, bias, [q, k, v], grad_res, lse, offsets),
         }
         .map(Some)
     }

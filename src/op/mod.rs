@@ -166,14 +166,14 @@ impl FlashAttn {
     /// dimensions span the call's `max_seqlen_q` and `max_seqlen_k` (or are 1); in a KV-cache
     /// call they span the new rows and the cache's capacity (`k_cache`'s second dimension, or
     /// `max_blocks · page_block_size` pages), key `j` being position `j` of the sequence's
-    /// cache. Not with `mm_prefix_ranges`. Gradients of q, k and v on the CPU. The bias's own
-    /// gradient: `loss.backward()` reaches a tracked (`Var`) bias, and
+    /// cache. Not with `mm_prefix_ranges`. Gradients of q, k and v on the CPU and CUDA (there by
+    /// the portable backward kernels, also on Hopper). The bias's own gradient:
+    /// `loss.backward()` reaches a tracked (`Var`) bias, and
     /// [`backward_all`](Self::backward_all) and
     /// [`backward_varlen_all`](Self::backward_varlen_all) return `dbias`; they rebuild the
     /// scores one sequence at a time (`(heads, seq_q, seq_k)` f32, the memory of naive
-    /// attention for one sequence). Paged and KV-cache calls are inference only (a tracked bias
-    /// is refused there), and the CUDA backward pass is refused, with errors that say so.
-    /// [`naive_attention`](crate::naive_attention) takes it on every device. A bias without a
+    /// attention for one sequence). Paged and KV-cache calls are inference only: a tracked bias
+    /// is refused there with an error that says so. [`naive_attention`](crate::naive_attention) takes it on every device. A bias without a
     /// query-row dimension (key padding) is read once per key tile; a full bias is read per
     /// score and costs several times the plain call on the GPU.
     pub fn bias(mut self, bias: &Tensor) -> Self {
@@ -519,9 +519,14 @@ impl FlashAttn {
         };
         let dbias = match (&self.bias, offsets) {
             (None, _) => None,
-            (Some(b), None) => Some(bias_grad::grad(self, b, q, k, v, out, grad_out, lse)?),
+            (Some(b), None) => Some(bias_grad::grad(self, b, [q, k, v], grad_out, lse)?),
             (Some(b), Some(offsets)) => Some(bias_grad::grad_varlen(
-                self, b, q, k, v, out, grad_out, lse, &offsets,
+                self,
+                b,
+                [q, k, v],
+                grad_out,
+                lse,
+                &offsets,
             )?),
         };
         Ok(AttnGrads {

@@ -32,6 +32,15 @@ impl BwdMma {
     pub const fn kv_smem(&self) -> usize {
         (2 * self.kv_bn() * self.d + 2 * 2 * self.kv_bm * self.d) * 2 + 2 * 2 * self.kv_bm * 4
     }
+    /// [`kv_smem`](Self::kv_smem) of the `_extras` dK/dV kernel (a bias or block mask), whose
+    /// query steps are [`EXTRAS_KV_BM`] rows.
+    pub const fn kv_smem_extras(&self) -> usize {
+        BwdMma {
+            kv_bm: EXTRAS_KV_BM,
+            ..*self
+        }
+        .kv_smem()
+    }
     /// dQ: Q and dO of the query tile, two stages of K + V.
     pub const fn q_smem(&self) -> usize {
         (2 * self.q_bm() * self.d + 2 * 2 * self.q_bn * self.d) * 2
@@ -45,6 +54,11 @@ impl BwdMma {
         }
     }
 }
+
+/// Query rows per step of the `_extras` dK/dV kernels (calls with a bias or a block mask): their
+/// per-score bias and block reads need registers that 48- and 64-row steps leave only by
+/// spilling (the bf16 d 128 one spilled 28 bytes).
+pub const EXTRAS_KV_BM: usize = 32;
 
 pub const BWD_MMA: &[BwdMma] = &[
     BwdMma {

@@ -18,7 +18,7 @@ use crate::cuda::params::{BwdParams, Params};
 use crate::cuda::runtime::call::{problem_params, DevF32};
 use crate::cuda::runtime::ints::DevInts;
 use crate::cuda::runtime::tma::{tma_map, TmaMap};
-use crate::cuda::runtime::{caps, launch, Arg};
+use crate::cuda::runtime::{caps, extras, launch, Arg};
 use crate::problem::{Problem, Strides};
 
 /// The saved forward results and the output gradient of one backward call.
@@ -107,7 +107,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
     let slopes = DevF32::new("alibi_slopes", alibi)?;
     let esize = std::mem::size_of::<T>() as u64;
     let at = |s: &CudaSlice<T>, offset: usize| s.device_ptr(&stream).0 + offset as u64 * esize;
-    let fwd = Params {
+    let mut fwd = Params {
         q: at(q, p.q.offset),
         k: at(k, p.k.offset),
         v: at(v, p.v.offset),
@@ -118,6 +118,8 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits + candle::WithDType>(
         cu_k: cu.as_ref().map_or(Ok(0), |c| c[1].ptr(&stream))?,
         ..problem_params(p, [&p.q, &p.k, &p.v], d, p.max_seq_k)?
     };
+    // The bias and block mask in place; the kernels check each key's block (no tile lists).
+    extras::fill(&mut fwd, p, None, dev)?;
     let params = BwdParams {
         fwd,
         dout: at(grad_out, off[1]),

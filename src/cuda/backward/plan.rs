@@ -7,6 +7,8 @@
 //! (`kernels/backward/generic.cuh`). dQ has its own pass, so every element is written once in a
 //! fixed order: the backward is deterministic. On compute capability 9.0 such calls take the
 //! sm_90a pair instead (`kernels/sm90/bwd.cuh`, table `BWD_SM90`) where an instance covers them.
+//! Softcap and ALiBi take the `_mods` twins, a bias or a block mask the `_extras` ones (which
+//! also take softcap and ALiBi); the Hopper pair takes the first two only.
 
 use candle::{bail, DType, Result};
 
@@ -43,7 +45,8 @@ fn sm90_pair(
     if !dev.hopper || dtype == DType::F32 || !aligned(p, offsets) {
         return None;
     }
-    if p.paged.is_some() || p.seqused_k.is_some() || p.prefix.is_some() {
+    // The bias and the block mask are read by the `_extras` instances of the portable kernels only.
+    if p.paged.is_some() || p.seqused_k.is_some() || p.prefix.is_some() || has_extras(p) {
         return None;
     }
     let (q_rows, k_rows) = p.storage_rows();
@@ -68,6 +71,11 @@ fn sm90_pair(
             .copied()
     };
     Some([pick(true)?, pick(false)?])
+}
+
+/// Whether the call has a bias or a block mask.
+fn has_extras(p: &Problem) -> bool {
+    p.bias.is_some() || p.block_mask.is_some()
 }
 
 /// Element offsets that the tensor-core kernels need 16-byte aligned (8 elements of 2 bytes):
@@ -134,7 +142,11 @@ fn plan_with(
         p,
         module: Module::of(dtype)?,
         dn: dtype_name(dtype)?,
-        suffix: if mods { "_mods" } else { "" },
+        suffix: match (has_extras(p), mods) {
+            (true, _) => "_extras",
+            (false, true) => "_mods",
+            (false, false) => "",
+        },
     };
     let generic = (32 * BWD_GENERIC_WARPS) as u32;
     let dsum = g.launch("dsum".into(), p.total_q, BWD_GENERIC_WARPS, 1, generic, 0)?;
@@ -165,7 +177,10 @@ fn plan_with(
                 i.kv_bn(),
                 p.kv_heads,
                 (32 * i.kv_warps) as u32,
-                i.kv_smem(),
+                match has_extras(p) {
+                    true => i.kv_smem_extras(),
+                    false => i.kv_smem(),
+                },
             )?,
             g.launch(
                 format!("dq_d{d}{}", g.suffix),
@@ -384,6 +399,35 @@ mod tests {
                 .mma
                 .is_none()
         );
+    }
+
+    /// A bias or a block mask takes the `_extras` twins of the portable kernels, also on Hopper
+    /// (the sm_90a pair reads neither), at every head dim and dtype.
+    #[test]
+    fn bias_and_block_masks_take_the_portable_extras_kernels() {
+        let bias = Tensor::zeros((1, 1, 1, 141), DType::F32, &Device::Cpu).unwrap();
+        let blocks = Tensor::ones((1, 1, 1, 1), DType::U8, &Device::Cpu).unwrap();
+        let opts = [
+            FlashAttn::new(0.1).bias(&bias),
+            FlashAttn::new(0.1).causal().block_mask(&blocks, 64, 256),
+        ];
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            for o in &opts {
+                for d in [40, 64, 128, 256] {
+                    let p = problem(d, dtype, o, 37, 141);
+                    for caps in [H100, portable(A100_SMEM)] {
+                        let pl = plan_with(&p, dtype, [0, 0], &caps, &[]).unwrap();
+                        let what = format!("{dtype:?} d {d} {o:?}: {pl:?}");
+                        assert!(pl.sm90.is_none(), "{what}");
+                        if let Some(i) = pl.mma {
+                            assert!(pl.dkdv.function.ends_with("_extras"), "{what}");
+                            assert!(pl.dq.function.ends_with("_extras"), "{what}");
+                            assert_eq!(pl.dkdv.smem, i.kv_smem_extras(), "{what}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// On Hopper, f16/bf16 calls at head dims 64 and 128 take the sm_90a kernels (both modes:

@@ -1,7 +1,7 @@
-//! The additive bias and the block-sparse mask of a forward call as its kernels read them
+//! The additive bias and the block-sparse mask of a call as its kernels read them
 //! (kernels/common/extras.cuh): both in place, through strides that are 0 along broadcast
-//! dimensions, and for the tiled kernels the block mask's key-tile lists, built on the stream by
-//! kernels/tiles.cu for the kernel's tile shape.
+//! dimensions, and for the tiled forward kernels the key-tile lists of a block mask or a key
+//! bias, built on the stream by kernels/tiles.cu for the kernel's tile shape.
 
 use std::sync::Arc;
 
@@ -41,16 +41,18 @@ fn broadcast(t: &Tensor, stream: &Arc<CudaStream>, name: &str) -> Result<(u64, [
     Ok((base + l.start_offset() as u64 * size, strides))
 }
 
-/// The key-tile lists of a call with a block mask, owned until its launches are queued.
+/// The key-tile lists of a call, owned until its launches are queued.
 pub(crate) struct TileLists {
     _lists: CudaSlice<i32>,
     _counts: CudaSlice<i32>,
 }
 
 /// Fills the bias and block-mask fields of `params` for a kernel of `tile` = (rows, keys) per
-/// tile (`None`: a kernel without tiles, which checks every key's block), and for tiled kernels
-/// builds the block mask's key-tile lists on the stream. `params` holds the call's lengths and
-/// window already; the validated problem's bias is f32 or the inputs' dtype.
+/// tile (`None`: a kernel without tiles, which adds the bias and checks every key's block), and
+/// for tiled kernels builds the key-tile lists on the stream where the call has a block mask or
+/// a key bias (no row dimension: key padding, per-key terms), whose tiles of `-inf` are skipped
+/// and whose tiles of 0 take no bias. `params` holds the call's lengths and window already; the
+/// validated problem's bias is f32 or the inputs' dtype.
 pub(crate) fn fill(
     params: &mut Params,
     p: &Problem,
@@ -58,34 +60,50 @@ pub(crate) fn fill(
     dev: &CudaDevice,
 ) -> Result<Option<TileLists>> {
     let stream = dev.cuda_stream();
+    // Which of the bias's and the mask's (batch, head) strides the lists follow.
+    let mut varies = [false; 2];
+    let mut bias_kind = 0;
     if let Some(b) = &p.bias {
         let (ptr, [sb, sh, sq, sk]) = broadcast(b, &stream, "bias")?;
         params.bias = ptr;
         (params.bias_b, params.bias_h, params.bias_q, params.bias_k) = (sb, sh, sq, sk);
         params.bias_f32 = (b.dtype() == DType::F32) as i32;
+        // BIAS_F32, BIAS_F16, BIAS_BF16 in kernels/tiles.cu.
+        bias_kind = match b.dtype() {
+            DType::F16 => 1,
+            DType::BF16 => 2,
+            _ => 0,
+        };
+        if sq == 0 {
+            varies = [sb != 0, sh != 0];
+        }
     }
-    let Some((mask, block_q, block_k)) = &p.block_mask else {
-        return Ok(None);
-    };
-    let (ptr, [sb, sh, sq, sk]) = broadcast(mask, &stream, "block_mask")?;
-    params.block_mask = ptr;
-    (params.bm_b, params.bm_h, params.bm_q, params.bm_k) = (sb, sh, sq, sk);
-    params.block_q = to_i32(*block_q, "block_q")?;
-    params.block_k = to_i32(*block_k, "block_k")?;
+    if let Some((mask, block_q, block_k)) = &p.block_mask {
+        let (ptr, [sb, sh, sq, sk]) = broadcast(mask, &stream, "block_mask")?;
+        params.block_mask = ptr;
+        (params.bm_b, params.bm_h, params.bm_q, params.bm_k) = (sb, sh, sq, sk);
+        params.block_q = to_i32(*block_q, "block_q")?;
+        params.block_k = to_i32(*block_k, "block_k")?;
+        varies = [varies[0] || sb != 0, varies[1] || sh != 0];
+    }
+    let key_bias = p.bias.is_some() && params.bias_q == 0;
     let Some((rows, cols)) = tile else {
         return Ok(None);
     };
-    // One list per (batch, head) the mask distinguishes, and per sequence of a packed call
-    // (whose lengths, and so bands, differ).
-    let per_batch = sb != 0 || p.varlen.is_some();
+    if p.block_mask.is_none() && !key_bias {
+        return Ok(None);
+    }
+    // One list per (batch, head) the mask or the key bias distinguishes, and per sequence of a
+    // packed call (whose lengths, and so bands, differ).
+    let per_batch = varies[0] || p.varlen.is_some();
     let (batches, heads) = (
         if per_batch { p.batch } else { 1 },
-        if sh == 0 { 1 } else { p.heads },
+        if varies[1] { p.heads } else { 1 },
     );
     let (q_tiles, k_tiles) = (p.max_seq_q.div_ceil(rows), p.max_seq_k.div_ceil(cols));
     let lists = batches * heads * q_tiles;
     params.tiles_b = to_i32(if per_batch { heads } else { 0 }, "heads")?;
-    params.tiles_h = (sh != 0) as i32;
+    params.tiles_h = varies[1] as i32;
     params.q_tiles = to_i32(q_tiles, "query tiles")?;
     params.k_tiles = to_i32(k_tiles, "key tiles")?;
     // SAFETY: the builder writes every count, and each list's first `count` entries, which are
@@ -109,7 +127,12 @@ pub(crate) fn fill(
     launch(
         dev,
         &build,
-        &[Arg::Params(params), Arg::I32(&br), Arg::I32(&bc)],
+        &[
+            Arg::Params(params),
+            Arg::I32(&br),
+            Arg::I32(&bc),
+            Arg::I32(&bias_kind),
+        ],
     )?;
     Ok(Some(TileLists {
         _lists: entries,
