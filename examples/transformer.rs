@@ -7,13 +7,17 @@
 //! steps of one new token each. Flash keeps a preallocated cache that `forward_kvcache` appends
 //! to in place (one call per layer per step); naive concatenates its cache every step and
 //! materialises the scores. Every step's input is a fixed seeded random embedding (not the
-//! model's own output), so both backends see identical inputs at every step.
+//! model's own output), so both backends see identical inputs at every step. `--kv-dtype
+//! f8e4m3` keeps flash's cache in FP8 (e4m3) with one descale per (sequence, kv head), set from
+//! the prompt's keys and values; naive keeps its cache in `--dtype`, so the comparison shows
+//! what the FP8 cache costs in accuracy.
 //!
 //! ```text
 //! cargo run --release --example transformer                      # CPU, defaults below
 //! cargo run --release --example transformer -- --seq-len 4096 --causal false
 //! cargo run --release --example transformer -- --seq-len 4096 --decode 64
 //! cargo run --release --example transformer -- --seq-len 1024 --sinks
+//! cargo run --release --example transformer -- --dtype bf16 --decode 64 --kv-dtype f8e4m3
 //! cargo run --release --features cuda,candle-nn/cuda --example transformer -- --device cuda --dtype bf16
 //! ```
 
@@ -124,6 +128,14 @@ enum DTypeArg {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum KvDTypeArg {
+    /// The activations' dtype (`--dtype`).
+    Same,
+    /// FP8 e4m3 with a descale per (sequence, kv head).
+    F8e4m3,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum NormArg {
     Rms,
     Layer,
@@ -177,6 +189,11 @@ struct Args {
     /// compare decode speed instead of full forward passes (0: full forward passes).
     #[arg(long, default_value_t = 0)]
     decode: usize,
+    /// Element type of flash's KV cache in --decode runs: `f8e4m3` stores keys and values in FP8
+    /// (one byte each) with a descale per (sequence, kv head) of twice the prompt's absolute
+    /// maximum over 448 (needs --dtype bf16 or f16).
+    #[arg(long, value_enum, default_value_t = KvDTypeArg::Same)]
+    kv_dtype: KvDTypeArg,
     /// Seed of the weights and the input.
     #[arg(long, default_value_t = 299792458)]
     seed: u64,
@@ -203,6 +220,10 @@ impl Args {
                 self.kv_heads,
                 self.heads
             )
+        }
+        if self.kv_dtype == KvDTypeArg::F8e4m3 && (self.decode == 0 || self.dtype == DTypeArg::F32)
+        {
+            bail!("--kv-dtype f8e4m3 needs --decode N and --dtype bf16 or f16 (FP8 caches take 16-bit queries)")
         }
         if !self.head_dim.is_multiple_of(2) || self.head_dim > MAX_HEAD_DIM {
             bail!(
@@ -352,9 +373,26 @@ impl Attention {
                 y
             }
             // One call: this step's rows are written at `pos`, then `pos + t` keys attended.
-            Some((LayerCache::Fixed { k: kc, v: vc }, seqlens)) => {
-                self.op
-                    .forward_kvcache(&q, kc, vc, seqlens, Some((&k, &v)))?
+            Some((
+                LayerCache::Fixed {
+                    k: kc,
+                    v: vc,
+                    descales,
+                },
+                seqlens,
+            )) => {
+                if kc.dtype() != DType::F8E4M3 {
+                    self.op
+                        .forward_kvcache(&q, kc, vc, seqlens, Some((&k, &v)))?
+                } else {
+                    // An FP8 cache: the descales come from the first call's rows (the prompt).
+                    if descales.is_none() {
+                        *descales = Some((fp8_descale(&k)?, fp8_descale(&v)?));
+                    }
+                    let (kd, vd) = descales.as_ref().expect("set above");
+                    let op = self.op.clone().k_descale(kd).v_descale(vd);
+                    op.forward_kvcache(&q, kc, vc, seqlens, Some((&k, &v)))?
+                }
             }
         };
         self.wo.forward(&y.reshape((b, t, c.d_model))?)
@@ -453,8 +491,22 @@ enum LayerCache {
     /// Naive: `(batch, len, kv_heads, head_dim)`, concatenated anew with every step's rows.
     Concat(Option<(Tensor, Tensor)>),
     /// Flash: `(batch, max_len, kv_heads, head_dim)`, allocated once and appended to in place by
-    /// `forward_kvcache`; rows past the current length are never read.
-    Fixed { k: Tensor, v: Tensor },
+    /// `forward_kvcache`; rows past the current length are never read. An FP8 cache keeps the
+    /// key and value descales `(batch, kv_heads)` set by its first call.
+    Fixed {
+        k: Tensor,
+        v: Tensor,
+        descales: Option<(Tensor, Tensor)>,
+    },
+}
+
+/// The FP8 descale `(batch, kv_heads)` of rows `x` `(batch, t, kv_heads, head_dim)`: twice their
+/// absolute maximum over e4m3's largest value (448), so that later rows up to twice as large
+/// still fit; stored values are `x / descale`.
+fn fp8_descale(x: &Tensor) -> candle::Result<Tensor> {
+    // Detached: the weights are trainable variables, and FP8 attention is inference only.
+    let amax = x.detach().to_dtype(DType::F32)?.abs()?.max(3)?.max(1)?;
+    (amax * (2.0 / 448.0))?.maximum(1e-12)
 }
 
 struct KvCache {
@@ -472,6 +524,8 @@ impl KvCache {
         dtype: DType,
         dev: &Device,
     ) -> candle::Result<Self> {
+        // Flash's cache may be FP8 (`dtype` F8E4M3 then); naive's concatenated rows keep the
+        // activations' dtype.
         let layers = (0..cfg.layers)
             .map(|_| {
                 Ok(match backend {
@@ -481,6 +535,7 @@ impl KvCache {
                         LayerCache::Fixed {
                             k: Tensor::zeros(shape, dtype, dev)?,
                             v: Tensor::zeros(shape, dtype, dev)?,
+                            descales: None,
                         }
                     }
                 })
@@ -677,8 +732,10 @@ struct Decoded {
     last: Tensor,
 }
 
-/// One generation: `prompt` `(batch, seq, d_model)` prefilled into a fresh cache, then one step
-/// per tensor of `steps` (each `(batch, 1, d_model)`), timed separately.
+/// One generation: `prompt` `(batch, seq, d_model)` prefilled into a fresh cache (flash's of
+/// `kv_dtype`), then one step per tensor of `steps` (each `(batch, 1, d_model)`), timed
+/// separately.
+#[allow(clippy::too_many_arguments)]
 fn measure_decode(
     model: &Model,
     cfg: &Config,
@@ -686,11 +743,12 @@ fn measure_decode(
     steps: &[Tensor],
     rope: &Rope,
     backend: AttentionBackend,
+    kv_dtype: DType,
     progress: &mut Progress,
 ) -> Result<Decoded> {
     let dev = prompt.device();
     let (batch, seq, _) = prompt.dims3()?;
-    let dtype = prompt.dtype();
+    let dtype = kv_dtype;
     // Untimed warm-up: a short prefill and two steps, so that neither backend pays for
     // first-touch allocations in the timed run.
     let warm = prompt.narrow(1, 0, seq.min(16))?;
@@ -754,9 +812,13 @@ fn run_decode(
                 .to_device(dev)
         })
         .collect::<candle::Result<Vec<_>>>()?;
+    let kv_dtype = match args.kv_dtype {
+        KvDTypeArg::Same => dtype,
+        KvDTypeArg::F8e4m3 => DType::F8E4M3,
+    };
     println!(
         "decode: prefill of {} tokens, then {n} steps of one token (a fixed random embedding each) \
-         per sequence",
+         per sequence; flash's KV cache in {kv_dtype:?}",
         args.seq_len
     );
     let mut progress = Progress::new();
@@ -769,6 +831,7 @@ fn run_decode(
             &steps,
             &rope,
             backend,
+            kv_dtype,
             &mut progress,
         )?);
     }

@@ -344,6 +344,9 @@ impl Lowered {
 enum RowSeqs {
     /// q is `(batch, seq_q, heads, d)`.
     Dense,
+    /// q is `(total_q, heads, d)` with this many rows per sequence (every KV-cache call):
+    /// sequence `b` holds rows `b * seq_q ..`.
+    Uniform(usize),
     /// q is `(total_q, heads, d)`; row `r` belongs to sequence `index[r]` (u32 on q's device).
     Packed(Tensor),
 }
@@ -353,6 +356,11 @@ impl RowSeqs {
         let Some(vl) = &p.varlen else {
             return Ok(Self::Dense);
         };
+        // No index to upload: a copy from the host waits for the device's queue, which would
+        // cost every decode step of a model its overlap of host and device.
+        if vl.uniform_q() {
+            return Ok(Self::Uniform(vl.max_seqlen_q));
+        }
         let cu = cu_q(vl)?;
         let total = p.total_q;
         let mut index = vec![0u32; total];
@@ -376,6 +384,11 @@ impl RowSeqs {
             .reshape((p.batch, p.heads))?;
         match self {
             Self::Dense => per_head.reshape((p.batch, 1, p.heads, 1)),
+            Self::Uniform(seq_q) => per_head
+                .unsqueeze(1)?
+                .broadcast_as((p.batch, *seq_q, p.heads))?
+                .reshape((p.batch * seq_q, p.heads))?
+                .unsqueeze(2),
             Self::Packed(index) => per_head.index_select(index, 0)?.unsqueeze(2),
         }
     }
