@@ -12,7 +12,7 @@
 
 constexpr int WARPS = 4;  // TILES_WARPS in src/cuda/runtime/extras.rs
 
-// The element type of the bias (`bias_kind`, BiasKind in src/cuda/runtime/extras.rs).
+// The element type of the bias (`bias_kind`, set by `fill` in src/cuda/runtime/extras.rs).
 constexpr int BIAS_F32 = 0, BIAS_F16 = 1, BIAS_BF16 = 2;
 
 // Key c of a key bias row, as f32.
