@@ -73,9 +73,8 @@
 //! - a paged call's block table is not an integer `(batch, max_blocks)` tensor, names a block
 //!   out of range or too few pages for a sequence, or its page size does not match k; a KV
 //!   cache append would outgrow the cache; prefix ranges are not `(batch, max_ranges, 2)`;
-//! - the device has no implementation (a CUDA tensor without the `cuda` feature, Metal; paged
-//!   caches, prefix ranges and the KV cache append on CUDA for now), or a CUDA allocation or
-//!   kernel launch fails.
+//! - the device has no implementation (a CUDA tensor without the `cuda` feature, Metal), or a
+//!   CUDA allocation or kernel launch fails.
 
 mod cpu;
 mod cuda;

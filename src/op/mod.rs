@@ -240,7 +240,6 @@ impl FlashAttn {
     /// `(batch, max_blocks)` tensor on q's device, names a block `>= num_blocks` (or negative),
     /// holds fewer than `⌈seqlens_k[b] / page⌉` entries per row, `page_block_size` is 0 or
     /// differs from k's second dimension, or the call is a dense [`forward`](Self::forward).
-    /// CUDA tensors are refused for now (the paged CUDA kernels are not written yet).
     ///
     /// # Example
     ///
@@ -285,8 +284,8 @@ impl FlashAttn {
     /// # Errors
     ///
     /// The forward call fails when the tensor is not an integer `(batch, max_ranges, 2)` tensor
-    /// on q's device, and on CUDA for now. [`naive_attention`](crate::naive_attention) refuses
-    /// options with prefix ranges.
+    /// on q's device. [`naive_attention`](crate::naive_attention) refuses options with prefix
+    /// ranges.
     ///
     /// # Example
     ///
