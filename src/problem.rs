@@ -211,6 +211,11 @@ pub(crate) struct Problem {
     /// Block-sparse mask, u8 broadcastable to `(batch, heads, q blocks, k blocks)`, with its
     /// block sizes (dense calls).
     pub block_mask: Option<(candle::Tensor, usize, usize)>,
+    /// FP8 K and V read as stored by the CUDA decode kernels: the f32 `(batch, kv_heads)`
+    /// factors those kernels apply, q·k's (`q_descale · k_descale`) to the scores and
+    /// `v_descale` to the output (absent: 1). Set by the FP8 lowering (`op::fp8`), `None`
+    /// elsewhere.
+    pub kv8_descales: Option<[Option<candle::Tensor>; 2]>,
     /// ALiBi slopes, `batch * heads` of them with batch stride `alibi_batch_stride` (0 when the
     /// slopes are per head only, or without ALiBi).
     pub alibi_batch_stride: usize,

@@ -29,7 +29,8 @@
 // above, and the products run in f16 (e4m3 converts to it exactly, by one instruction per pair
 // on sm_89 and later, the only GPUs this variant is built for). Q, read in T, becomes f16
 // scaled by a power of two 2^-e per block so that its largest value stays below 2^15 (f16's
-// range; the scaling is exact), and the scores are taken times 2^e.
+// range; the scaling is exact), and the scores are taken times 2^e and the call's q·k descale of
+// the block's (sequence, K/V head); its v descale scales the block's output.
 #pragma once
 #include <cuda_fp8.h>
 
@@ -492,10 +493,16 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     // The first tile the loop issues: its table entries are in place before its first barrier.
     put(t_begin + STAGES - 1, fetch(t_begin + STAGES - 1));
     float qscale = 1.f;
+    // KV8: the descales of this (sequence, K/V head), folded into the scores' factor and the
+    // output's (FlashParams::qk_descale, v_descale; absent: 1).
+    float vscale = 1.f;
     if constexpr (KV8) {
         cp_async_wait<STAGES - 1>();
         __syncthreads();
         qscale = q_to_f16<T, D, ROWS, THREADS>(sQ);
+        const int64_t bk = (int64_t)b * (p.heads / p.kv_group) + kvh;
+        if (p.qk_descale) qscale *= p.qk_descale[bk];
+        if (p.v_descale) vscale = p.v_descale[bk];
     }
     const float unit = MODS ? 1.f : p.scale_log2 * qscale;
 
@@ -544,7 +551,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             const float m_scaled = w.m[hf] == -INFINITY ? 0.f : w.m[hf] * unit;
             // A sink joins a row once: here with one split, else in the combine pass.
             const RowEnd end = row_end(m_scaled, l, p.num_splits == 1 ? p.sinks : nullptr, x.h);
-            const float inv = end.inv;
+            const float inv = KV8 ? end.inv * vscale : end.inv;
             const int64_t row_g = g.out_row0 + x.i;
 #pragma unroll
             for (int j = 0; j < DT; ++j)
@@ -587,7 +594,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             const PackedRow x = packed_row(p, m0, tid, kvh, g.sq);
             const RowEnd end =
                 row_end(m_scaled, l, p.num_splits == 1 && x.valid ? p.sinks : nullptr, x.h);
-            sh_inv[tid] = end.inv;
+            sh_inv[tid] = KV8 ? end.inv * vscale : end.inv;
             sh_lse2[tid] = end.lse2;
         }
         __syncthreads();

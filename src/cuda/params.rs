@@ -39,6 +39,9 @@ pub struct Params {
     /// lists of `k_tiles` entries and their lengths; 0 where the kernel walks its key range.
     pub tiles: u64,
     pub tile_count: u64,
+    /// FP8 K/V decode: `q_descale · k_descale` and `v_descale`, f32 `(batch, kv_heads)`, or 0.
+    pub qk_descale: u64,
+    pub v_descale: u64,
     pub q_batch: i64,
     pub q_seq: i64,
     pub q_head: i64,
@@ -111,7 +114,7 @@ pub struct Params {
 }
 
 /// The size both sides agree on (also asserted in C by the generated header).
-pub const PARAMS_SIZE: usize = 8 * 43 + 4 * 32;
+pub const PARAMS_SIZE: usize = 8 * 45 + 4 * 32;
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);
 
 /// Launch parameters of the backward kernels, mirrored field for field by `BwdParams` in C. The

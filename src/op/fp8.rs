@@ -239,7 +239,8 @@ pub(crate) fn quantize_new(
 /// An FP8 call rewritten for the kernels: the options without descales, q scaled by
 /// `q_descale · k_descale` in the compute dtype, K and V as stored where a kernel reads e4m3
 /// (the CPU and CUDA decode kernels) or converted, and the factor `v_descale` that the output
-/// takes afterwards.
+/// takes afterwards. For the CUDA decode kernels with 16-bit queries, q is as given and the
+/// descales go to the kernels instead (`kernel_descales`).
 pub(crate) struct Lowered {
     pub op: FlashAttn,
     pub q: Tensor,
@@ -248,6 +249,9 @@ pub(crate) struct Lowered {
     /// `v_descale` per output row and head, broadcastable to the output (f32).
     out_factor: Option<Tensor>,
     out_dtype: DType,
+    /// The descales the CUDA decode kernels apply, `[q·k, v]` (see
+    /// [`Problem::kv8_descales`]).
+    pub kernel_descales: Option<[Option<Tensor>; 2]>,
 }
 
 impl Lowered {
@@ -277,6 +281,29 @@ impl Lowered {
             (Some(a), None) | (None, Some(a)) => Some(a.clone()),
             (Some(a), Some(b)) => Some((a * b)?),
         };
+        // Decode-shaped calls read K and V as stored: on the CPU, and on GPUs with e4m3
+        // conversion.
+        let native = match q.device() {
+            #[cfg(feature = "cuda")]
+            candle::Device::Cuda(dev) => crate::cuda::kv8_decode(p, compute, dev)?,
+            candle::Device::Cpu => crate::cpu::kv8_decode(p),
+            _ => false,
+        };
+        // There, 16-bit queries go in as they are and the CUDA kernels apply the descales (one
+        // (sequence, kv head) per block): no op is added to the call.
+        if native && q.device().is_cuda() && q.dtype() != DType::F8E4M3 {
+            let mut inner = op.clone();
+            (inner.q_descale, inner.k_descale, inner.v_descale) = (None, None, None);
+            return Ok(Some(Self {
+                op: inner,
+                q: q.clone(),
+                k: k.clone(),
+                v: v.clone(),
+                out_factor: None,
+                out_dtype,
+                kernel_descales: Some([qk, op.v_descale.clone()]),
+            }));
+        }
         // Only a descale needs each query row's sequence (on the GPU, a varlen call's lengths
         // are read back for it).
         let rows = match qk.is_some() || op.v_descale.is_some() {
@@ -292,14 +319,6 @@ impl Lowered {
         let out_factor = match (&op.v_descale, &rows) {
             (Some(d), Some(rows)) => Some(rows.expand(d, p)?),
             _ => None,
-        };
-        // Decode-shaped calls read K and V as stored: on the CPU, and on GPUs with e4m3
-        // conversion.
-        let native = match q.device() {
-            #[cfg(feature = "cuda")]
-            candle::Device::Cuda(dev) => crate::cuda::kv8_decode(p, compute, dev)?,
-            candle::Device::Cpu => crate::cpu::kv8_decode(p),
-            _ => false,
         };
         let kv = |t: &Tensor| {
             if native {
@@ -325,6 +344,7 @@ impl Lowered {
             v: kv(v)?,
             out_factor,
             out_dtype,
+            kernel_descales: None,
         }))
     }
 

@@ -579,6 +579,7 @@ impl FlashAttn {
                 low.op
                     .problem_lowered(&low.q, &low.k, &low.v, problem.varlen, problem.paged)?;
             inner.seqused_k = problem.seqused_k;
+            inner.kv8_descales = low.kernel_descales.clone();
             let (out, lse) = low.op.run_kernels(inner, &low.q, &low.k, &low.v)?;
             return Ok((low.finish(out)?, lse));
         }

@@ -249,6 +249,7 @@ impl FlashAttn {
                 .block_mask
                 .as_ref()
                 .map(|m| (m.mask.clone(), m.block_q, m.block_k)),
+            kv8_descales: None,
             alibi_batch_stride,
             kernels: Kernels {
                 portable: self.portable,

@@ -8,7 +8,7 @@ use candle::{CudaStorage, Result, Tensor};
 use super::plan::Plan;
 use crate::cuda::launch::to_i32;
 use crate::cuda::params::Params;
-use crate::cuda::runtime::call::ForwardCall;
+use crate::cuda::runtime::call::{DevF32, ForwardCall};
 use crate::cuda::runtime::extras;
 use crate::cuda::runtime::{launch, Arg};
 use crate::problem::Problem;
@@ -26,6 +26,16 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
     let mut base = call.params(p, &stream, plan.d_load)?;
     // A bias (read per key; the decode kernels take no block mask, so no tile lists).
     extras::fill(&mut base, p, None, dev)?;
+    // FP8 K and V: the descales the kernels apply (held until the launches are queued).
+    let [qk, vd] = match &p.kv8_descales {
+        None => [None, None],
+        Some([qk, vd]) => [
+            DevF32::new("k_descale", qk.as_ref())?,
+            DevF32::new("v_descale", vd.as_ref())?,
+        ],
+    };
+    base.qk_descale = qk.as_ref().map_or(Ok(0), |d| d.ptr(&stream))?;
+    base.v_descale = vd.as_ref().map_or(Ok(0), |d| d.ptr(&stream))?;
     // Split calls: f32 partial outputs `(splits, total_q, heads, d)` and base-2 partial
     // log-sum-exps `(splits, heads, total_q)`, one allocation.
     let part_len = plan.splits * p.total_q * p.heads;
@@ -50,6 +60,6 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
         // writes each (row, head) of the output and lse once.
         launch(dev, combine, &[Arg::Params(&params)])?;
     }
-    drop(parts);
+    drop((parts, qk, vd));
     Ok(call.finish(dev))
 }
