@@ -113,6 +113,11 @@ __device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const
 // blk[j - key0], the tile's block-table entries fetched beforehand (-1 for rows past the
 // sequence). Rows past `rows_valid`, columns past d_load and blocks outside the cache are
 // zero-filled.
+//
+// Each thread keeps one column chunk and steps down the rows, RPI at a time. The decode loop is
+// bound by the instructions it issues, not by the bytes in flight, so the contiguous path
+// advances two pointers per row instead of recomputing 64-bit addresses, and the paged path
+// (one table entry per row) is a loop of its own rather than a branch in every row.
 template <typename E, int D, int TILE, int THREADS>
 __device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, const E* kg,
                                         const E* vg, int64_t k_head_off, int64_t v_head_off,
@@ -123,10 +128,29 @@ __device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, cons
     static_assert(RPI >= 1, "a row must fit in one pass of the block");
     const int r0 = threadIdx.x / C, c = threadIdx.x % C;
     if (r0 >= RPI) return;
-    const bool col_ok = c * EPC < p.d_load;
+    // Columns past d_load read nothing: as if every row were past the sequence.
+    if (c * EPC >= p.d_load) rows_valid = 0;
     const E* kc = static_cast<const E*>(p.k);
     const E* vc = static_cast<const E*>(p.v);
     constexpr int N = (TILE + RPI - 1) / RPI;
+    auto dst = [&](int r) { return sizeof(E) == 1 ? r * D + c * EPC : swz<D>(r, c); };
+    if (!blk) {
+        const int64_t step_k = (int64_t)RPI * p.k_seq, step_v = (int64_t)RPI * p.v_seq;
+        const E* ks = kg + (int64_t)(key0 + r0) * p.k_seq + c * EPC;
+        const E* vs = vg + (int64_t)(key0 + r0) * p.v_seq + c * EPC;
+#pragma unroll
+        for (int it = 0; it < N; ++it) {
+            const int r = r0 + it * RPI;
+            if (TILE % RPI != 0 && r >= TILE) break;
+            const bool ok = r < rows_valid;
+            // A zero-byte copy reads nothing; point it at the cache base, which is always mapped.
+            flash::cp_async16(sK + dst(r), ok ? ks : kc, ok ? 16 : 0);
+            flash::cp_async16(sV + dst(r), ok ? vs : vc, ok ? 16 : 0);
+            ks += step_k;
+            vs += step_v;
+        }
+        return;
+    }
 #pragma unroll
     for (int it = 0; it < N; ++it) {
         const int r = r0 + it * RPI;
@@ -134,24 +158,15 @@ __device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, cons
         const int j = key0 + r;
         const E* ks = nullptr;
         const E* vs = nullptr;
-        if (col_ok && r < rows_valid) {
-            if (blk) {
-                const int bi = blk[r];
-                if (bi >= 0 && bi < p.num_blocks) {
-                    // Power-of-two pages (vLLM's 16, most of upstream's) mask instead of divide.
-                    const int row = p.page_shift >= 0 ? j & (p.page - 1) : j % p.page;
-                    ks = kc + (int64_t)bi * p.k_batch + (int64_t)row * p.k_seq + k_head_off;
-                    vs = vc + (int64_t)bi * p.v_batch + (int64_t)row * p.v_seq + v_head_off;
-                }
-            } else {
-                ks = kg + (int64_t)j * p.k_seq;
-                vs = vg + (int64_t)j * p.v_seq;
-            }
+        const int bi = blk[r];
+        if (r < rows_valid && bi >= 0 && bi < p.num_blocks) {
+            // Power-of-two pages (vLLM's 16, most of upstream's) mask instead of divide.
+            const int row = p.page_shift >= 0 ? j & (p.page - 1) : j % p.page;
+            ks = kc + (int64_t)bi * p.k_batch + (int64_t)row * p.k_seq + k_head_off + c * EPC;
+            vs = vc + (int64_t)bi * p.v_batch + (int64_t)row * p.v_seq + v_head_off + c * EPC;
         }
-        const int dst = sizeof(E) == 1 ? r * D + c * EPC : swz<D>(r, c);
-        // A zero-byte copy reads nothing; point it at the cache base, which is always mapped.
-        flash::cp_async16(sK + dst, ks ? ks + c * EPC : kc, ks ? 16 : 0);
-        flash::cp_async16(sV + dst, vs ? vs + c * EPC : vc, vs ? 16 : 0);
+        flash::cp_async16(sK + dst(r), ks ? ks : kc, ks ? 16 : 0);
+        flash::cp_async16(sV + dst(r), vs ? vs : vc, vs ? 16 : 0);
     }
 }
 
@@ -305,15 +320,20 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
             }
         }
     }
+    // Keys outside the row's visible range within this split are masked; the split bounds are
+    // in that range, so two splits never count one key twice. Tiles inside every range of the
+    // warp's rows (most of them) skip the comparisons.
+    const bool inside = k0 >= max(row_lo[0], row_lo[1]) && k0 + KW <= min(row_hi[0], row_hi[1]);
+    if (!__all_sync(0xffffffff, inside)) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = col + j * 8 + e % 2;
-            // Keys outside the row's visible range within this split are masked; the split bounds
-            // are in that range, so two splits never count one key twice.
-            if (key < row_lo[e / 2] || key >= row_hi[e / 2]) s[j][e] = -INFINITY;
-        }
+            for (int e = 0; e < 4; ++e) {
+                const int key = col + j * 8 + e % 2;
+                if (key < row_lo[e / 2] || key >= row_hi[e / 2]) s[j][e] = -INFINITY;
+            }
+    }
+    float alpha[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float mx = w.m[hf];
@@ -322,7 +342,7 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
         const float m_scaled = mx == -INFINITY ? 0.f : mx * unit;
-        const float alpha = fast_exp2(fmaf(w.m[hf], unit, -m_scaled));
+        alpha[hf] = fast_exp2(fmaf(w.m[hf], unit, -m_scaled));
         w.m[hf] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -333,11 +353,17 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
                 s[j][2 * hf + e] = pv;
                 sum += pv;
             }
-        w.l[hf] = w.l[hf] * alpha + sum;
+        w.l[hf] = w.l[hf] * alpha[hf] + sum;
+    }
+    // Rescale O only where a row's maximum moved (alpha is exactly 1 elsewhere, and O times 1 is
+    // O): after the first tiles that is rare, and O is D / 2 registers a thread.
+    if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
-            w.o[j][2 * hf] *= alpha;
-            w.o[j][2 * hf + 1] *= alpha;
+            w.o[j][0] *= alpha[0];
+            w.o[j][1] *= alpha[0];
+            w.o[j][2] *= alpha[1];
+            w.o[j][3] *= alpha[1];
         }
     }
     // O += P V, one k16 step per 16 keys: the C layout of two n8 tiles is the A layout of one.
@@ -620,11 +646,13 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             }
             __syncthreads();
         }
-        for (int idx = tid; idx < ROWS * D; idx += THREADS) {
-            const int r = idx / D, c = idx % D;
+        // Warp w writes rows w, w + WARPS, ...: one packed-row lookup (a division) per row, and
+        // the lanes' stores of a row are contiguous.
+        for (int r = warp; r < ROWS; r += WARPS) {
             const PackedRow x = packed_row(p, m0, r, kvh, g.sq);
-            if (!x.valid || c >= p.d_out) continue;
-            store<T>(p, x, g.out_row0 + x.i, split, c, sO[idx] * sh_inv[r]);
+            if (!x.valid) continue;
+            for (int c = lane; c < p.d_out; c += 32)
+                store<T>(p, x, g.out_row0 + x.i, split, c, sO[r * D + c] * sh_inv[r]);
         }
         if (tid < ROWS) {
             const PackedRow x = packed_row(p, m0, tid, kvh, g.sq);
