@@ -1,7 +1,6 @@
 // Decode from FP8 (e4m3) KV caches (compute_89 PTX: the e4m3 -> f16 conversion instruction is
 // sm_89's; older GPUs take the converting path): the partial pass of decode/partial.cuh over
-// one-byte K and V, for bf16 and f16 queries and outputs. The combine pass is the bf16 / f16
-// modules' (its partials are f32 whatever the cache holds).
+// one-byte K and V, for bf16 and f16 queries and outputs, merging its splits as they do.
 #include "decode/partial.cuh"
 #include "instances.cuh"
 

@@ -1,6 +1,7 @@
-// Decode attention, partial pass: few query rows per K/V head against a long KV cache, f16/bf16
-// on tensor cores (mma.sync m16n8k16, f32 accumulation), in flash-decoding's two passes (the
-// combine pass is decode/combine.cuh).
+// Decode attention: few query rows per K/V head against a long KV cache, f16/bf16 on tensor
+// cores (mma.sync m16n8k16, f32 accumulation), in flash-decoding's two passes within one launch:
+// each block computes one split of the keys; the last block of a group to finish merges the
+// splits (decode/combine.cuh).
 //
 // Grid (splits, kv_heads * row_blocks, batch). One block reads the keys of one split of one K/V
 // head of one sequence once, for every query row that uses them:
@@ -20,7 +21,8 @@
 //   straight from the S registers and V by ldmatrix.trans.
 // - After the loop the KG warps of a row tile merge (m, l, O) through shared memory in warp
 //   order (bitwise deterministic). With one split the block writes the output and lse;
-//   otherwise O / l (f32) and its base-2 log-sum-exp go to the split scratch.
+//   otherwise O / l (f32) and its base-2 log-sum-exp go to the split scratch, and the group's
+//   last block merges them.
 // Masking (causal, windows, prefix ranges), softcap and ALiBi follow src/semantics.rs through
 // common/.
 //
@@ -42,6 +44,8 @@
 #include "common/ptx.cuh"
 #include "common/score.cuh"
 #include "common/swizzle.cuh"
+#include "decode/combine.cuh"
+#include "decode/rows.cuh"
 #include "forward/rowwise.cuh"
 
 namespace decode {
@@ -70,22 +74,9 @@ struct Traits {
     static_assert(KW % 16 == 0, "a warp's keys are whole k16 steps");
     static_assert(KG == 1 || ROWS * D * 4 <= STAGES * 2 * TILE + WORK,
                   "the merge buffer fits in the ring");
+    static_assert(WARPS * COMBINE_MAX_SPLITS * 4 <= STAGES * 2 * TILE + WORK,
+                  "the combine's split weights fit in the ring");
 };
-
-// Where a packed row lives: query row i of head h, or nothing (r >= group * sq).
-struct PackedRow {
-    int i, h;
-    bool valid;
-};
-__device__ __forceinline__ PackedRow packed_row(const FlashParams& p, int m0, int r, int kvh,
-                                                int sq) {
-    const int pr = m0 + r;
-    PackedRow x;
-    x.i = pr / p.kv_group;
-    x.h = kvh * p.kv_group + pr % p.kv_group;
-    x.valid = x.i < sq;
-    return x;
-}
 
 // Copies the block's ROWS x D packed rows of Q (per-row addresses) into a swizzled tile,
 // zero-filling rows past the packed length and columns past d_load.
@@ -575,7 +566,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             if (!x.valid) continue;
             const float l = w.l[hf];
             const float m_scaled = w.m[hf] == -INFINITY ? 0.f : w.m[hf] * unit;
-            // A sink joins a row once: here with one split, else in the combine pass.
+            // A sink joins a row once: here with one split, else in the merge (decode/combine.cuh).
             const RowEnd end = row_end(m_scaled, l, p.num_splits == 1 ? p.sinks : nullptr, x.h);
             const float inv = KV8 ? end.inv * vscale : end.inv;
             const int64_t row_g = g.out_row0 + x.i;
@@ -659,6 +650,10 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             if (x.valid) store_lse(p, x, b, g.out_row0 + x.i, split, sh_lse2[tid]);
         }
     }
+    // Split calls: the group's last block merges the splits (the ring is drained and its
+    // threads past the merge above).
+    if (p.num_splits > 1 && last_split(p))
+        combine_rows<T, D, ROWS, WARPS>(p, m0, kvh, b, g, reinterpret_cast<float*>(sKV));
 }
 
 }  // namespace decode
@@ -668,7 +663,6 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
 #define FLASH_DECODE_INSTANCE(NAME, T, D, RG, KG, BC, STAGES, SMEM_BYTES)                        \
     static_assert(decode::Traits<T, D, RG, KG, BC, STAGES>::SMEM == SMEM_BYTES,                  \
                   "src/cuda/instances.rs and the kernel disagree on shared memory");            \
-    static_assert(D <= decode::COMBINE_MAX_D, "the combine kernel merges heads up to 256");      \
     extern "C" __global__ void __launch_bounds__(RG * KG * 32) NAME(const FlashParams p) {       \
         decode::partial<T, D, RG, KG, BC, STAGES, false>(p);                                     \
     }                                                                                            \

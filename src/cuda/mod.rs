@@ -3,7 +3,7 @@
 //! module that only executes the plan on candle's stream:
 //!
 //! - `forward/`: prefill kernels (Hopper wgmma + TMA, mma.sync tensor cores, exact f32, row-wise);
-//! - `decode/`: split-KV decode for few query rows per K/V head, and its combine pass;
+//! - `decode/`: split-KV decode for few query rows per K/V head, its splits merged in the same launch;
 //! - `backward/`: the D, dK/dV and dQ passes;
 //! - `append`: writing new keys and values into a KV cache;
 //! - `merge`: merging two attention states through their log-sum-exps;

@@ -42,6 +42,9 @@ pub struct Params {
     /// FP8 K/V decode: `q_descale · k_descale` and `v_descale`, f32 `(batch, kv_heads)`, or 0.
     pub qk_descale: u64,
     pub v_descale: u64,
+    /// Split-KV decode: blocks done per (sequence, K/V head, row block), zeroed before the
+    /// launch; the last block of a group merges its splits.
+    pub split_sem: u64,
     pub q_batch: i64,
     pub q_seq: i64,
     pub q_head: i64,
@@ -114,7 +117,7 @@ pub struct Params {
 }
 
 /// The size both sides agree on (also asserted in C by the generated header).
-pub const PARAMS_SIZE: usize = 8 * 45 + 4 * 32;
+pub const PARAMS_SIZE: usize = 8 * 46 + 4 * 32;
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);
 
 /// Launch parameters of the backward kernels, mirrored field for field by `BwdParams` in C. The

@@ -1,8 +1,9 @@
-//! Executes a decode [`Plan`]: the partial pass over the key splits, then (split calls only)
-//! the combine pass that merges them through their log-sum-exps.
+//! Executes a decode [`Plan`]: one launch over the key splits, whose last block per group merges
+//! them through their log-sum-exps (split calls only; their counters are zeroed first).
 
-use candle::cuda_backend::cudarc::driver::{DevicePtrMut, DeviceRepr};
-use candle::cuda_backend::{CudaDType, CudaDevice};
+use candle::cuda_backend::cudarc::driver::result::memset_d8_async;
+use candle::cuda_backend::cudarc::driver::DeviceRepr;
+use candle::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle::{CudaStorage, Result, Tensor};
 
 use super::plan::Plan;
@@ -22,7 +23,19 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
     qkv: [&CudaStorage; 3],
 ) -> Result<(CudaStorage, CudaStorage)> {
     let stream = dev.cuda_stream();
-    let mut call = ForwardCall::<T>::new(dev, p, qkv, alibi, plan.pack, plan.d_load)?;
+    // Split calls: f32 partial outputs `(splits, total_q, heads, d)`, base-2 partial
+    // log-sum-exps `(splits, heads, total_q)` and one counter per group of blocks that share
+    // their rows (`grid.1 x grid.2`), in the lse's allocation after the lse. Every block of a
+    // group writes all its partials (a split with no key writes zeros and -inf) before it
+    // counts itself done; the last merges them.
+    let part_len = plan.splits * p.total_q * p.heads;
+    let groups = (plan.partial.grid.1 * plan.partial.grid.2) as usize;
+    let split = plan.splits > 1;
+    let scratch = match split {
+        false => 0,
+        true => part_len * (p.head_dim + 1) + groups,
+    };
+    let mut call = ForwardCall::<T>::new(dev, p, qkv, alibi, plan.pack, plan.d_load, scratch)?;
     let mut base = call.params(p, &stream, plan.d_load)?;
     // A bias (read per key; the decode kernels take no block mask, so no tile lists).
     extras::fill(&mut base, p, None, dev)?;
@@ -36,30 +49,27 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
     };
     base.qk_descale = qk.as_ref().map_or(Ok(0), |d| d.ptr(&stream))?;
     base.v_descale = vd.as_ref().map_or(Ok(0), |d| d.ptr(&stream))?;
-    // Split calls: f32 partial outputs `(splits, total_q, heads, d)` and base-2 partial
-    // log-sum-exps `(splits, heads, total_q)`, one allocation.
-    let part_len = plan.splits * p.total_q * p.heads;
-    let mut parts = match plan.combine {
-        None => None,
-        // SAFETY: the partial pass writes every partial of every (split, row, head) before the
-        // combine pass reads it (a split with no key writes zeros and -inf).
-        Some(_) => Some(unsafe { dev.alloc::<f32>(part_len * (p.head_dim + 1))? }),
+    let (part_ptr, sem_ptr) = match split {
+        false => (0, 0),
+        true => {
+            let part = call.scratch(p, &stream);
+            let sem = part + (part_len * (p.head_dim + 1) * 4) as u64;
+            // SAFETY: the counters lie inside the lse's allocation, which `call` holds until
+            // the launch is queued; the memset runs on the launch's stream before it.
+            unsafe { memset_d8_async(sem, 0, groups * 4, stream.cu_stream()) }.w()?;
+            (part, sem)
+        }
     };
-    let part_ptr = parts.as_mut().map_or(0, |s| s.device_ptr_mut(&stream).0);
     let params = Params {
         o_part: part_ptr,
-        lse_part: part_ptr + (part_len * p.head_dim * 4) as u64 * u64::from(part_ptr != 0),
+        lse_part: part_ptr + (part_len * p.head_dim * 4) as u64 * u64::from(split),
+        split_sem: sem_ptr,
         num_splits: to_i32(plan.splits, "splits")?,
         split_keys: to_i32(plan.split_keys, "split keys")?,
         m_tiles: to_i32(plan.m_tiles, "query tiles")?,
         ..base
     };
     launch(dev, &plan.partial, &[Arg::Params(&params)])?;
-    if let Some(combine) = &plan.combine {
-        // The combine kernel reads the partials the partial pass wrote on the same stream and
-        // writes each (row, head) of the output and lse once.
-        launch(dev, combine, &[Arg::Params(&params)])?;
-    }
-    drop((parts, qk, vd));
+    drop((qk, vd));
     Ok(call.finish(dev))
 }

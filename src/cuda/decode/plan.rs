@@ -1,5 +1,6 @@
 //! The split-KV decode plan, derived from the device and the problem: which instance, how many
-//! slices of the key range (each its own block, merged by a combine pass), and the grid.
+//! slices of the key range (each its own block; the last block of a group merges them), and the
+//! grid.
 //!
 //! Decode streams K and V once and does little arithmetic per byte, so its time is the time to
 //! move those bytes, where enough blocks stream at once. The plan models that directly: the
@@ -8,8 +9,8 @@
 //! ceil(blocks / SMs) of them and streams at most its even share of the DRAM bandwidth, and each
 //! block at most its instance's measured rate (`DecodeInstance::rate`: a block's warps wait on
 //! their own tile products, which bounds a lone block below an SM's share; a paged block waits
-//! on its block table too); each wave pays a fill and drain; splitting the keys adds a combine
-//! pass that writes and reads the partial results. Among every instance of the head's width
+//! on its block table too); each wave pays a fill and drain; splitting the keys adds a merge
+//! that writes and reads the partial results. Among every instance of the head's width
 //! (one row block of a wide instance, or several of a narrow one) and every split count, the
 //! plan takes the cheapest, the fewest splits among equals. One rule for contiguous and paged
 //! caches, every head dim the instances cover, GQA groups and MHA alike; the result depends only
@@ -24,13 +25,12 @@ use crate::cuda::launch::{dtype_name, to_u32, Launch, Module};
 use crate::cuda::operands::pack_flags;
 use crate::problem::Problem;
 
-/// A decode plan: the partial pass, and the combine pass when the keys are split.
+/// A decode plan: one launch over the key splits (with more than one, the last block of each
+/// group merges its splits' partial results).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Plan {
     pub instance: DecodeInstance,
     pub partial: Launch,
-    /// Merges the splits' partial results (only with `splits > 1`).
-    pub combine: Option<Launch>,
     /// Slices of the key range, each its own block; 1 writes the output directly.
     pub splits: usize,
     /// Keys per slice (a whole number of K/V tiles).
@@ -49,7 +49,7 @@ pub(crate) struct Plan {
 /// ranges, which only this kernel and the row-wise one read, take it at any row count.)
 pub(crate) const DECODE_MAX_ROWS: usize = 128;
 
-/// Most key-range splits of one call (the combine kernel's `COMBINE_MAX_SPLITS`): enough for
+/// Most key-range splits of one call (the merge's `COMBINE_MAX_SPLITS`): enough for
 /// one sequence of one K/V head to fill two blocks on each SM of a 132-SM GPU.
 pub(crate) const MAX_SPLITS: usize = 256;
 
@@ -58,10 +58,10 @@ pub(crate) const MAX_SPLITS: usize = 256;
 /// (`DecodeInstance::rate`) over `decode_bench --instances` on an H100.
 const WAVE_US: f64 = 5.4;
 
-/// What a dependent combine launch costs beyond its bytes, in microseconds: the partial pass
-/// drains, the combine grid ramps up and waits a round trip for its loads (fitted as
-/// [`WAVE_US`]).
-const COMBINE_US: f64 = 13.0;
+/// What merging the splits costs beyond its bytes, in microseconds: zeroing the group counters
+/// before the launch, and the last block of a group reading the partials back after the others
+/// (two dependent round trips to the L2) before the output is written.
+const COMBINE_US: f64 = 6.0;
 
 /// What a block of a paged cache streams, as a share of its instance's rate: its copies wait on
 /// the block-table entries (one r1_k4_c64_s3 block per SM moved 16.4 GB/s over 16-row pages,
@@ -210,13 +210,6 @@ fn plan_with(
             ),
             ..launch(&instance)
         },
-        combine: (splits > 1).then(|| Launch {
-            module,
-            function: format!("flash_decode_combine_{dn}"),
-            grid: (p.total_q as u32, p.heads as u32, 1),
-            threads: 128,
-            smem: 0,
-        }),
         splits,
         split_keys,
         m_tiles,
@@ -324,7 +317,7 @@ fn search(
         // a plan's slices are re-cut to that length. About 2 sqrt(tiles) counts, not 256.
         let tiles = p.max_seq_k.div_ceil(i.bc).max(1);
         let most = max_splits(p, i);
-        // No plan moves its bytes faster than the DRAM, and the combine pass only grows with
+        // No plan moves its bytes faster than the DRAM, and the merge only grows with
         // the splits: past the count where that floor exceeds the best, none can win.
         let all_bytes = (p.batch * p.kv_heads * m_tiles * p.max_seq_k * d_load * 2 * esize) as f64;
         let mut splits = 1;
@@ -393,7 +386,7 @@ fn cost(
     t + combine_cost(p, splits, d_load, dram)
 }
 
-/// The combine pass of `splits` slices (none for one): its launch, and the partial outputs
+/// Merging `splits` slices (nothing for one): its fixed cost, and the partial outputs
 /// (f32) and base-2 lse of every split, written then read, at `dram` bytes per microsecond.
 fn combine_cost(p: &Problem, splits: usize, d_load: usize, dram: f64) -> f64 {
     if splits == 1 {
@@ -572,7 +565,6 @@ mod tests {
                         assert!((pl.splits - 1) * pl.split_keys < sk.max(1), "{what}");
                         assert!(pl.split_keys.is_multiple_of(pl.instance.bc), "{what}");
                         assert!((1..=MAX_SPLITS).contains(&pl.splits), "{what}");
-                        assert_eq!(pl.combine.is_some(), pl.splits > 1, "{what}");
                         let mods = o.softcap.is_some() || o.alibi_slopes.is_some();
                         assert_eq!(pl.partial.function.ends_with("_mods"), mods, "{what}");
                     }
@@ -582,7 +574,7 @@ mod tests {
     }
 
     /// Few sequences are split until the SMs stream together; many sequences fill the GPU
-    /// alone and pay no combine pass.
+    /// alone and pay no merge.
     #[test]
     fn splits_follow_the_device_and_the_problem() {
         let caps = DeviceCaps::SM90;
@@ -590,10 +582,10 @@ mod tests {
         let pl = bf16(1, 1, 32768, 32, 8, 128).unwrap();
         let blocks = pl.splits * 8;
         assert!(blocks >= caps.sms as usize / 2, "{pl:?}");
-        assert!(pl.combine.is_some());
+        assert!(pl.splits > 1);
         // 64 sequences of 4096 keys: 512 blocks without splitting, more than one wave.
         let pl = bf16(64, 1, 4096, 32, 8, 128).unwrap();
-        assert_eq!((pl.splits, pl.combine.is_none()), (1, true), "{pl:?}");
+        assert_eq!(pl.splits, 1, "{pl:?}");
         // A short cache is not split into tiles of nothing.
         let pl = bf16(1, 1, 100, 32, 8, 128).unwrap();
         assert!(pl.splits <= 2, "{pl:?}");
@@ -647,7 +639,7 @@ mod tests {
         );
         assert_eq!(pl.partial.function, base.partial.function);
         let one = at(&opts(1));
-        assert_eq!((one.partial.grid.0, one.combine), (1, None));
+        assert_eq!((one.partial.grid.0, one.splits), (1, 1));
     }
 
     /// The instance override forces that instance (any row tiles) at its best split count; a

@@ -23,7 +23,7 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
     qkv: [&CudaStorage; 3],
 ) -> Result<(CudaStorage, CudaStorage)> {
     let stream = dev.cuda_stream();
-    let mut call = ForwardCall::<T>::new(dev, p, qkv, alibi, plan.pack, plan.d_load)?;
+    let mut call = ForwardCall::<T>::new(dev, p, qkv, alibi, plan.pack, plan.d_load, 0)?;
     let mut params = crate::cuda::params::Params {
         dv_splits: to_i32(plan.dv_splits, "dv splits")?,
         ..call.params(p, &stream, plan.d_load)?

@@ -215,6 +215,9 @@ pub(crate) struct ForwardCall<T> {
 impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCall<T> {
     /// Checks the storages against `p`, packs the operands `pack` names (reading `d_load`
     /// columns), allocates the output and lse, and makes the lengths device-resident.
+    /// `scratch_f32` more f32 elements follow the lse in its allocation, at [`Self::scratch`]:
+    /// one allocation (and one set of its events) fewer per call for the split decode's
+    /// partial results, which live no longer than the lse.
     pub fn new(
         dev: &CudaDevice,
         p: &Problem,
@@ -222,6 +225,7 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
         alibi: Option<&Tensor>,
         pack: [bool; 3],
         d_load: usize,
+        scratch_f32: usize,
     ) -> Result<Self> {
         let stream = dev.cuda_stream();
         let q = q.as_cuda_slice::<T>()?;
@@ -279,8 +283,8 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
         // reads it (each (row, head, column block) belongs to exactly one block, which stores
         // all its columns and, for the first column block, the lse).
         let out = unsafe { dev.alloc::<T>(p.total_q * p.heads * d)? };
-        // SAFETY: as above.
-        let lse = unsafe { dev.alloc::<f32>(p.total_q * p.heads)? };
+        // SAFETY: as above; the scratch after it is the caller's to write before reading.
+        let lse = unsafe { dev.alloc::<f32>(p.total_q * p.heads + scratch_f32)? };
         Ok(Self {
             q: qo,
             k: ko,
@@ -341,7 +345,12 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
         })
     }
 
-    /// The output and lse storages.
+    /// The device address of the scratch after the lse (see [`Self::new`]).
+    pub fn scratch(&mut self, p: &Problem, stream: &Arc<CudaStream>) -> u64 {
+        self.lse.device_ptr_mut(stream).0 + (p.total_q * p.heads * 4) as u64
+    }
+
+    /// The output and lse storages (the lse storage may be longer than the lse: the scratch).
     pub fn finish(self, dev: &CudaDevice) -> (CudaStorage, CudaStorage) {
         (
             CudaStorage::wrap_cuda_slice(self.out, dev.clone()),
