@@ -3,7 +3,7 @@
 // slices per warp, keys streamed through a cp.async ring), the row-wise fallback
 // (forward/rowwise.cuh: one query row per warp), the split-KV decode (decode/partial.cuh: one
 // pass over a K/V head's keys for all its packed query rows, the splits merged by the last
-// block of each group, decode/combine.cuh) and the backward (backward/mma.cuh: dK/dV then dQ on tensor cores;
+// block of each group or by a combine kernel, decode/combine.cuh) and the backward (backward/mma.cuh: dK/dV then dQ on tensor cores;
 // backward/generic.cuh: exact, any head dim). Tiles come from src/cuda/instances.rs and
 // src/cuda/backward/instances.rs through the headers build.rs generates.
 #include "backward/mma.cuh"
@@ -15,4 +15,5 @@
 FLASH_MMA_INSTANCES(flash_fwd_bf16, __nv_bfloat16)
 FLASH_ROWWISE_INSTANCE(flash_rowwise_bf16, __nv_bfloat16)
 FLASH_DECODE_INSTANCES(flash_decode_bf16, __nv_bfloat16)
+FLASH_DECODE_COMBINE(flash_decode_combine_bf16, __nv_bfloat16)
 FLASH_BWD_INSTANCES(flash_bwd_bf16, __nv_bfloat16)

@@ -28,7 +28,7 @@ struct FlashParams {
     const int32_t* tile_count;   // entries of each list in `tiles`
     const float* qk_descale;     // FP8 K/V decode: q_descale k_descale (batch, kv_heads), or null
     const float* v_descale;      // FP8 K/V decode: v_descale (batch, kv_heads), or null
-    uint32_t* split_sem;         // split-KV decode: blocks done per group, zeroed per call
+    uint32_t* split_sem;         // split-KV decode, fused merge: blocks done per group (zeroed), or null
     // Element strides (64-bit: large tensors overflow 32-bit offsets).
     int64_t q_batch, q_seq, q_head, q_dim;
     int64_t k_batch, k_seq, k_head, k_dim;

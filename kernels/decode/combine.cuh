@@ -1,18 +1,20 @@
-// Decode attention, combine step (flash-decoding's second pass), run by the partial kernel
-// (decode/partial.cuh) itself: the last block of a (sequence, K/V head, row block) to finish its
-// split merges the splits' partial results of its packed rows. Each block counts itself done on
-// a per-group counter (zeroed by the host before the launch) after its partials are visible
-// device-wide; the block that brings the count to the number of splits reads them all back.
-// No second launch: the merge starts as soon as the group's last split ends, and the host
-// queues one kernel, not two.
+// Decode attention, combine step (flash-decoding's second pass) in two forms, the planner
+// choosing per call (src/cuda/decode/plan.rs):
+// - fused: the partial kernel (decode/partial.cuh) itself merges. Each block counts itself done
+//   on a per-group counter (zeroed by the host before the launch) after its partials are
+//   visible device-wide; the block that brings the count to the number of splits reads them all
+//   back and merges its packed rows, one warp per row. No second launch, but one block per
+//   group does the whole merge: for few rows and splits.
+// - a kernel of its own, launched after the partial pass: one block per (query row, head), its
+//   warps taking the splits in turn; for groups with many rows or splits.
+// Both: lse = log2-sum-exp2 over the splits, O = sum_s 2^(lse_s - lse) O_s, written in the
+// output dtype with the natural-log lse; the splits are added in a fixed order, so results are
+// bitwise reproducible (whichever block is last). Splits that saw no key carry lse -inf and
+// weigh 0 (not read); a NaN partial makes the row NaN, as in the unsplit kernel.
 //
-// Per packed row (one warp each): lse = log2-sum-exp2 over the splits, O = sum_s 2^(lse_s - lse)
-// O_s, written in the output dtype with the natural-log lse. Lane t holds the lse of splits t,
-// t + 32, ...; the max and sum are reduced by a butterfly, then the weights go to shared memory
-// and the lanes (one column each, 32 apart) add the splits in order, eight splits' loads in
-// flight at a time. The order is fixed: results are bitwise reproducible whichever block is
-// last. Splits that saw no key carry lse -inf and weigh 0 (not read); a NaN partial makes the
-// row NaN, as in the unsplit kernel.
+// Fused merge, per packed row: lane t holds the lse of splits t, t + 32, ...; the max and sum
+// are reduced by a butterfly, the weights go to shared memory and the lanes (one column each, 32
+// apart) add the splits in order, eight splits' loads in flight at a time.
 #pragma once
 #include "common/mask.cuh"
 #include "common/math.cuh"
@@ -134,4 +136,126 @@ __device__ __forceinline__ void combine_rows(const FlashParams& p, int m0, int k
     }
 }
 
+// The separate combine kernel: the widest head it merges (the widest decode instance) and its
+// threads per block.
+constexpr int COMBINE_MAX_D = 256;
+constexpr int COMBINE_THREADS = 128;
+
+// One block of COMBINE_THREADS per (output row, head): merges the splits' partials.
+template <typename T>
+__device__ __forceinline__ void combine_kernel(const FlashParams& p) {
+    constexpr int WARPS = COMBINE_THREADS / 32;
+    constexpr int CPL = COMBINE_MAX_D / 32;  // columns per lane
+    const int64_t row_g = blockIdx.x;
+    const int h = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    constexpr int SPT = COMBINE_MAX_SPLITS / COMBINE_THREADS;  // splits per thread
+    const int ns = p.num_splits;  // <= COMBINE_MAX_SPLITS (the planner's MAX_SPLITS)
+    __shared__ float sh_w[COMBINE_MAX_SPLITS];
+    __shared__ float sh_red[2][WARPS];
+    __shared__ float sh_o[WARPS][COMBINE_MAX_D];
+
+    // Thread t holds the base-2 lse of splits t, t + THREADS, ...: M = max, sum = sum_s
+    // 2^(lse_s - M), both reduced in a fixed order (a thread's splits in order, lanes by a
+    // butterfly, then warps in order).
+    float l[SPT];
+    bool any_nan = false;
+    float m = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < SPT; ++u) {
+        const int s = tid + u * COMBINE_THREADS;
+        l[u] = s < ns ? p.lse_part[((int64_t)s * p.heads + h) * p.total_q + row_g] : -INFINITY;
+        any_nan |= l[u] != l[u];
+        m = fmaxf(m, l[u]);
+    }
+    // A NaN partial (a NaN score) makes the row NaN, as in the unsplit kernel.
+    const bool nan = __syncthreads_or(any_nan);
+#pragma unroll
+    for (int o = 16; o >= 1; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    if (lane == 0) sh_red[0][warp] = m;
+    __syncthreads();
+    m = sh_red[0][0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) m = fmaxf(m, sh_red[0][w]);
+    float e[SPT], sum = 0.f;
+#pragma unroll
+    for (int u = 0; u < SPT; ++u) {
+        e[u] = tid + u * COMBINE_THREADS < ns && m != -INFINITY ? exp2f(l[u] - m) : 0.f;
+        sum += e[u];
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    if (lane == 0) sh_red[1][warp] = sum;
+    __syncthreads();
+    sum = sh_red[1][0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) sum += sh_red[1][w];
+    // The splits' sum against their max m is a row's l against its m2: the sink, if any,
+    // joins it here (the partial pass left it out).
+    const RowEnd end = row_end(m, sum, p.sinks, h);
+    const float inv = end.inv;
+#pragma unroll
+    for (int u = 0; u < SPT; ++u) sh_w[tid + u * COMBINE_THREADS] = e[u] * inv;
+    if (tid == 0) {
+        float lse2 = m == -INFINITY ? -INFINITY : m + log2f(sum);
+        if (p.sinks) lse2 = end.lse2;
+        if (nan) lse2 = NAN;
+        // lse output index: dense (b, h, i) or varlen (h, row).
+        int64_t li;
+        if (p.cu_q || p.q_uniform) {
+            li = (int64_t)h * p.lse_head + row_g;
+        } else {
+            const int64_t bb = row_g / p.seq_q, i = row_g % p.seq_q;
+            li = (bb * p.heads + h) * p.seq_q + i;
+        }
+        p.lse[li] = lse2 * LN2_F;
+    }
+    __syncthreads();
+
+    // Warp w sums splits w, w + WARPS, ... for columns lane + 32 c; COMBINE_UNROLL splits per
+    // step, so their loads are in flight together (the planner counts a round trip per
+    // WARPS x COMBINE_UNROLL splits). A split that saw no key has weight 0 and O = 0: it is
+    // not read (unless the row is NaN, which every split then carries into the sum).
+    float acc[CPL];
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) acc[c] = 0.f;
+    const float* part = p.o_part + row_g * p.o_seq + (int64_t)h * p.o_head;
+    const int64_t split_stride = (int64_t)p.total_q * p.o_seq;
+    for (int s0 = warp; s0 < ns; s0 += COMBINE_UNROLL * WARPS) {
+        float x[COMBINE_UNROLL][CPL];
+        float w[COMBINE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < COMBINE_UNROLL; ++u) {
+            const int s = s0 + u * WARPS;
+            w[u] = s < ns ? sh_w[s] : 0.f;
+            const bool read = s < ns && (w[u] != 0.f || nan);
+#pragma unroll
+            for (int c = 0; c < CPL; ++c) {
+                const int col = lane + 32 * c;
+                x[u][c] = read && col < p.d_out ? part[s * split_stride + col] : 0.f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < COMBINE_UNROLL; ++u)
+#pragma unroll
+            for (int c = 0; c < CPL; ++c) acc[c] += w[u] * x[u][c];
+    }
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) sh_o[warp][lane + 32 * c] = acc[c];
+    __syncthreads();
+    for (int col = tid; col < p.d_out; col += COMBINE_THREADS) {
+        float o = sh_o[0][col];
+#pragma unroll
+        for (int w = 1; w < WARPS; ++w) o += sh_o[w][col];
+        static_cast<T*>(p.o)[row_g * p.o_seq + (int64_t)h * p.o_head + col] =
+            rowwise::from_f32<T>(o);
+    }
+}
+
 }  // namespace decode
+
+#define FLASH_DECODE_COMBINE(NAME, T)                                                 \
+    extern "C" __global__ void __launch_bounds__(decode::COMBINE_THREADS) NAME(         \
+        const FlashParams p) {                                                          \
+        decode::combine_kernel<T>(p);                                                   \
+    }

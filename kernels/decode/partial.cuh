@@ -1,7 +1,7 @@
 // Decode attention: few query rows per K/V head against a long KV cache, f16/bf16 on tensor
 // cores (mma.sync m16n8k16, f32 accumulation), in flash-decoding's two passes within one launch:
 // each block computes one split of the keys; the last block of a group to finish merges the
-// splits (decode/combine.cuh).
+// splits, or a combine kernel does (decode/combine.cuh).
 //
 // Grid (splits, kv_heads * row_blocks, batch). One block reads the keys of one split of one K/V
 // head of one sequence once, for every query row that uses them:
@@ -22,7 +22,7 @@
 // - After the loop the KG warps of a row tile merge (m, l, O) through shared memory in warp
 //   order (bitwise deterministic). With one split the block writes the output and lse;
 //   otherwise O / l (f32) and its base-2 log-sum-exp go to the split scratch, and the group's
-//   last block merges them.
+//   last block (or the combine kernel) merges them.
 // Masking (causal, windows, prefix ranges), softcap and ALiBi follow src/semantics.rs through
 // common/.
 //
@@ -650,9 +650,9 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             if (x.valid) store_lse(p, x, b, g.out_row0 + x.i, split, sh_lse2[tid]);
         }
     }
-    // Split calls: the group's last block merges the splits (the ring is drained and its
-    // threads past the merge above).
-    if (p.num_splits > 1 && last_split(p))
+    // Split calls with a fused merge (counters given): the group's last block merges the
+    // splits (the ring is drained and its threads past the merge above).
+    if (p.split_sem && last_split(p))
         combine_rows<T, D, ROWS, WARPS>(p, m0, kvh, b, g, reinterpret_cast<float*>(sKV));
 }
 
@@ -663,6 +663,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
 #define FLASH_DECODE_INSTANCE(NAME, T, D, RG, KG, BC, STAGES, SMEM_BYTES)                        \
     static_assert(decode::Traits<T, D, RG, KG, BC, STAGES>::SMEM == SMEM_BYTES,                  \
                   "src/cuda/instances.rs and the kernel disagree on shared memory");            \
+    static_assert(D <= decode::COMBINE_MAX_D, "the combine kernel merges heads up to 256");      \
     extern "C" __global__ void __launch_bounds__(RG * KG * 32) NAME(const FlashParams p) {       \
         decode::partial<T, D, RG, KG, BC, STAGES, false>(p);                                     \
     }                                                                                            \

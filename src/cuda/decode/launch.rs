@@ -1,12 +1,13 @@
-//! Executes a decode [`Plan`]: one launch over the key splits, whose last block per group merges
-//! them through their log-sum-exps (split calls only; their counters are zeroed first).
+//! Executes a decode [`Plan`]: the partial pass over the key splits, and (split calls only) their
+//! merge through the log-sum-exps: by the last block of each group in the same launch (its
+//! counters zeroed first), or by the combine kernel after it.
 
 use candle::cuda_backend::cudarc::driver::result::memset_d8_async;
 use candle::cuda_backend::cudarc::driver::DeviceRepr;
 use candle::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle::{CudaStorage, Result, Tensor};
 
-use super::plan::Plan;
+use super::plan::{Merge, Plan};
 use crate::cuda::launch::to_i32;
 use crate::cuda::params::Params;
 use crate::cuda::runtime::call::{DevF32, ForwardCall};
@@ -24,13 +25,16 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
 ) -> Result<(CudaStorage, CudaStorage)> {
     let stream = dev.cuda_stream();
     // Split calls: f32 partial outputs `(splits, total_q, heads, d)`, base-2 partial
-    // log-sum-exps `(splits, heads, total_q)` and one counter per group of blocks that share
-    // their rows (`grid.1 x grid.2`), in the lse's allocation after the lse. Every block of a
-    // group writes all its partials (a split with no key writes zeros and -inf) before it
-    // counts itself done; the last merges them.
+    // log-sum-exps `(splits, heads, total_q)` and, for a fused merge, one counter per group of
+    // blocks that share their rows (`grid.1 x grid.2`), in the lse's allocation after the lse.
+    // Every block writes all its partials (a split with no key writes zeros and -inf) before
+    // it counts itself done or the combine kernel starts.
     let part_len = plan.splits * p.total_q * p.heads;
-    let groups = (plan.partial.grid.1 * plan.partial.grid.2) as usize;
-    let split = plan.splits > 1;
+    let groups = match plan.merge {
+        Merge::Fused => (plan.partial.grid.1 * plan.partial.grid.2) as usize,
+        _ => 0,
+    };
+    let split = plan.merge != Merge::None;
     let scratch = match split {
         false => 0,
         true => part_len * (p.head_dim + 1) + groups,
@@ -53,10 +57,15 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
         false => (0, 0),
         true => {
             let part = call.scratch(p, &stream);
-            let sem = part + (part_len * (p.head_dim + 1) * 4) as u64;
-            // SAFETY: the counters lie inside the lse's allocation, which `call` holds until
-            // the launch is queued; the memset runs on the launch's stream before it.
-            unsafe { memset_d8_async(sem, 0, groups * 4, stream.cu_stream()) }.w()?;
+            let sem = match groups {
+                0 => 0,
+                _ => part + (part_len * (p.head_dim + 1) * 4) as u64,
+            };
+            if sem != 0 {
+                // SAFETY: the counters lie inside the lse's allocation, which `call` holds until
+                // the launch is queued; the memset runs on the launch's stream before it.
+                unsafe { memset_d8_async(sem, 0, groups * 4, stream.cu_stream()) }.w()?;
+            }
             (part, sem)
         }
     };
@@ -70,6 +79,11 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
         ..base
     };
     launch(dev, &plan.partial, &[Arg::Params(&params)])?;
+    if let Merge::Kernel(combine) = &plan.merge {
+        // The combine kernel reads the partials the partial pass wrote on the same stream and
+        // writes each (row, head) of the output and lse once.
+        launch(dev, combine, &[Arg::Params(&params)])?;
+    }
     drop((qk, vd));
     Ok(call.finish(dev))
 }

@@ -25,12 +25,12 @@ use crate::cuda::launch::{dtype_name, to_u32, Launch, Module};
 use crate::cuda::operands::pack_flags;
 use crate::problem::Problem;
 
-/// A decode plan: one launch over the key splits (with more than one, the last block of each
-/// group merges its splits' partial results).
+/// A decode plan: the partial pass over the key splits, and how the splits are merged.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Plan {
     pub instance: DecodeInstance,
     pub partial: Launch,
+    pub merge: Merge,
     /// Slices of the key range, each its own block; 1 writes the output directly.
     pub splits: usize,
     /// Keys per slice (a whole number of K/V tiles).
@@ -58,10 +58,23 @@ pub(crate) const MAX_SPLITS: usize = 256;
 /// (`DecodeInstance::rate`) over `decode_bench --instances` on an H100.
 const WAVE_US: f64 = 5.4;
 
-/// What merging the splits costs beyond its bytes, in microseconds: zeroing the group counters
-/// before the launch, and the last block of a group reading the partials back after the others
-/// (two dependent round trips to the L2) before the output is written.
-const COMBINE_US: f64 = 6.0;
+/// What a dependent combine launch costs beyond its bytes, in microseconds: the partial pass
+/// drains, the combine grid ramps up and waits a round trip for its loads (fitted as
+/// [`WAVE_US`]).
+const COMBINE_US: f64 = 13.0;
+
+/// What a fused merge costs beyond its round trips, in microseconds: zeroing the group counters
+/// before the launch and each block's fence and count.
+const FUSED_US: f64 = 2.0;
+
+/// Splits whose partials a fused merge loads at once (`COMBINE_UNROLL` of
+/// `kernels/decode/combine.cuh`).
+const COMBINE_UNROLL: usize = 8;
+
+/// One dependent round trip of a fused merge's loads (the partials, just written, from the L2),
+/// in microseconds: the last block of a group walks its rows' splits in such steps (an H100's 8
+/// rows x 64 splits of d 256 on two warps took 36 of them, 23 us).
+const TRIP_US: f64 = 0.7;
 
 /// What a block of a paged cache streams, as a share of its instance's rate: its copies wait on
 /// the block-table entries (one r1_k4_c64_s3 block per SM moved 16.4 GB/s over 16-row pages,
@@ -200,6 +213,7 @@ fn plan_with(
         .next_multiple_of(instance.bc)
         .max(instance.bc);
     let splits = p.max_seq_k.div_ceil(split_keys).max(1);
+    let dram = caps.dram_bytes_per_us as f64 * STREAM_EFFICIENCY;
     Ok(Some(Plan {
         instance,
         partial: Launch {
@@ -209,6 +223,17 @@ fn plan_with(
                 p.batch as u32,
             ),
             ..launch(&instance)
+        },
+        merge: match merge_costs(p, instance, rows, splits, d_load, dram) {
+            None => Merge::None,
+            Some((fused, kernel)) if fused < kernel => Merge::Fused,
+            Some(_) => Merge::Kernel(Launch {
+                module,
+                function: format!("flash_decode_combine_{dn}"),
+                grid: (p.total_q as u32, p.heads as u32, 1),
+                threads: 128,
+                smem: 0,
+            }),
         },
         splits,
         split_keys,
@@ -220,6 +245,18 @@ fn plan_with(
             false => pack_flags(p, false),
         },
     }))
+}
+
+/// How the splits' partial results are merged (`kernels/decode/combine.cuh`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Merge {
+    /// One split: the partial pass writes the output.
+    None,
+    /// The last block of each group of splits merges them, in the partial pass's launch (the
+    /// host zeroes one counter per group first).
+    Fused,
+    /// A combine kernel launched after the partial pass.
+    Kernel(Launch),
 }
 
 /// Everything the search reads: the device (its kernels' residency follows from it, the dtype
@@ -322,11 +359,13 @@ fn search(
         let all_bytes = (p.batch * p.kv_heads * m_tiles * p.max_seq_k * d_load * 2 * esize) as f64;
         let mut splits = 1;
         while splits <= most {
-            let floor = WAVE_US + all_bytes / dram + combine_cost(p, splits, d_load, dram);
+            let merge =
+                merge_costs(p, i, rows, splits, d_load, dram).map_or(0.0, |(f, k)| f.min(k));
+            let floor = WAVE_US + all_bytes / dram + merge;
             if best.is_some_and(|(b, _)| floor >= b) {
                 break;
             }
-            let t = cost(p, caps, i, slots, m_tiles, splits, d_load, esize);
+            let t = cost(p, caps, i, slots, (m_tiles, rows), splits, d_load, esize);
             if best.is_none_or(|(b, _)| t < b) {
                 best = Some((t, (i, m_tiles, splits)));
             }
@@ -350,7 +389,7 @@ fn max_splits(p: &Problem, i: DecodeInstance) -> usize {
 
 /// Modelled time, in microseconds, of instance `i` (`slots` blocks of it resident at once over
 /// the GPU) over `splits` slices of the keys of each of the `m_tiles` row blocks of every
-/// (sequence, K/V head), of `esize`-byte K/V elements. A block's rate is its keys' pace: the
+/// (sequence, K/V head) (`rows` packed rows each), of `esize`-byte K/V elements, merge included. A block's rate is its keys' pace: the
 /// instance rates are of 2-byte caches, and an FP8 block computes as many keys per
 /// microsecond (plus their conversion), so its bytes stream at `esize / 2` of that rate.
 #[allow(clippy::too_many_arguments)]
@@ -359,7 +398,7 @@ fn cost(
     caps: &DeviceCaps,
     i: DecodeInstance,
     slots: usize,
-    m_tiles: usize,
+    (m_tiles, rows): (usize, usize),
     splits: usize,
     d_load: usize,
     esize: usize,
@@ -383,17 +422,31 @@ fn cost(
     let full = blocks / slots;
     let rest = blocks % slots;
     let t = full as f64 * wave(slots) + if rest > 0 { wave(rest) } else { 0.0 };
-    t + combine_cost(p, splits, d_load, dram)
+    t + merge_costs(p, i, rows, splits, d_load, dram).map_or(0.0, |(f, k)| f.min(k))
 }
 
-/// Merging `splits` slices (nothing for one): its fixed cost, and the partial outputs
-/// (f32) and base-2 lse of every split, written then read, at `dram` bytes per microsecond.
-fn combine_cost(p: &Problem, splits: usize, d_load: usize, dram: f64) -> f64 {
+/// The two ways of merging `splits` slices of instance `i`'s row blocks (none for one split):
+/// (fused, combine kernel), in microseconds. The combine kernel pays its launch and writes
+/// then reads the partial outputs (f32) and base-2 lse of every split at the DRAM's pace; a
+/// fused merge pays its counters, then the last block of a group walks its packed rows (each
+/// warp its share, one after another) in dependent round trips: the rows' lse, then the
+/// partials of `COMBINE_UNROLL` (8) splits at a time. Few rows and splits favour the fused one.
+fn merge_costs(
+    p: &Problem,
+    i: DecodeInstance,
+    rows: usize,
+    splits: usize,
+    d_load: usize,
+    dram: f64,
+) -> Option<(f64, f64)> {
     if splits == 1 {
-        return 0.0;
+        return None;
     }
     let part = (splits * p.total_q * p.heads * (d_load + 1) * 4) as f64;
-    COMBINE_US + 2.0 * part / dram
+    let kernel = COMBINE_US + 2.0 * part / dram;
+    let rows_per_warp = rows.min(i.rows()).div_ceil(i.rg * i.kg);
+    let trips = rows_per_warp * (1 + splits.div_ceil(COMBINE_UNROLL));
+    Some((FUSED_US + trips as f64 * TRIP_US, kernel))
 }
 
 #[cfg(test)]
@@ -565,6 +618,7 @@ mod tests {
                         assert!((pl.splits - 1) * pl.split_keys < sk.max(1), "{what}");
                         assert!(pl.split_keys.is_multiple_of(pl.instance.bc), "{what}");
                         assert!((1..=MAX_SPLITS).contains(&pl.splits), "{what}");
+                        assert_eq!(pl.merge == Merge::None, pl.splits == 1, "{what}");
                         let mods = o.softcap.is_some() || o.alibi_slopes.is_some();
                         assert_eq!(pl.partial.function.ends_with("_mods"), mods, "{what}");
                     }
@@ -608,6 +662,30 @@ mod tests {
                 .unwrap()
                 .unwrap()
         );
+    }
+
+    /// One packed row per K/V head over a few splits merges in the partial launch; a group
+    /// whose last block would walk many rows' splits one after another takes the combine
+    /// kernel, launched over every (row, head).
+    #[test]
+    fn merges_follow_rows_and_splits() {
+        for (b, sk, h, hk, d, fused) in [
+            (1, 16384, 32, 32, 128, true),
+            (1, 16384, 8, 1, 256, false),
+            (1, 131072, 16, 2, 64, false),
+        ] {
+            let pl = bf16(b, 1, sk, h, hk, d).unwrap();
+            assert!(pl.splits > 1, "{pl:?}");
+            match &pl.merge {
+                Merge::Fused => assert!(fused, "{pl:?}"),
+                Merge::Kernel(k) => {
+                    assert!(!fused, "{pl:?}");
+                    assert_eq!(k.grid, (b as u32, h as u32, 1));
+                    assert_eq!(k.function, "flash_decode_combine_bf16");
+                }
+                Merge::None => panic!("{pl:?}"),
+            }
+        }
     }
 
     /// The split override changes only the split count of a decode plan.
