@@ -72,9 +72,11 @@ const FUSED_US: f64 = 2.0;
 const COMBINE_UNROLL: usize = 8;
 
 /// One dependent round trip of a fused merge's loads (the partials, just written, from the L2),
-/// in microseconds: the last block of a group walks its rows' splits in such steps (an H100's 8
-/// rows x 64 splits of d 256 on two warps took 36 of them, 23 us).
-const TRIP_US: f64 = 0.7;
+/// with the arithmetic between them, in microseconds: the last block of a group walks its rows'
+/// splits in such steps. Set from the worst fused case measured on an H100 (8 rows of d 256 on
+/// two warps, one group of 2048 keys: 36 us fused, 24 us with the combine kernel), so that the
+/// fused merge is taken only where its block has a row or two per warp and few splits.
+const TRIP_US: f64 = 1.5;
 
 /// What a block of a paged cache streams, as a share of its instance's rate: its copies wait on
 /// the block-table entries (one r1_k4_c64_s3 block per SM moved 16.4 GB/s over 16-row pages,
