@@ -651,9 +651,11 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         }
     }
     // Split calls with a fused merge (counters given): the group's last block merges the
-    // splits (the ring is drained and its threads past the merge above).
-    if (p.split_sem && last_split(p))
-        combine_rows<T, D, ROWS, WARPS>(p, m0, kvh, b, g, reinterpret_cast<float*>(sKV));
+    // splits (the ring is drained and its threads past the merge above). Not in the FP8-cache
+    // twins: their registers are full (ptxas spills), and the planner gives them the kernel.
+    if constexpr (!KV8)
+        if (p.split_sem && last_split(p))
+            combine_rows<T, D, ROWS, WARPS>(p, m0, kvh, b, g, reinterpret_cast<float*>(sKV));
 }
 
 }  // namespace decode

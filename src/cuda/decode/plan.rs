@@ -215,6 +215,7 @@ fn plan_with(
         .next_multiple_of(instance.bc)
         .max(instance.bc);
     let splits = p.max_seq_k.div_ceil(split_keys).max(1);
+    let esize = if kv8 { 1 } else { 2 };
     let dram = caps.dram_bytes_per_us as f64 * STREAM_EFFICIENCY;
     Ok(Some(Plan {
         instance,
@@ -226,7 +227,7 @@ fn plan_with(
             ),
             ..launch(&instance)
         },
-        merge: match merge_costs(p, instance, rows, splits, d_load, dram) {
+        merge: match merge_costs(p, instance, rows, splits, (d_load, esize), dram) {
             None => Merge::None,
             Some((fused, kernel)) if fused < kernel => Merge::Fused,
             Some(_) => Merge::Kernel(Launch {
@@ -361,8 +362,8 @@ fn search(
         let all_bytes = (p.batch * p.kv_heads * m_tiles * p.max_seq_k * d_load * 2 * esize) as f64;
         let mut splits = 1;
         while splits <= most {
-            let merge =
-                merge_costs(p, i, rows, splits, d_load, dram).map_or(0.0, |(f, k)| f.min(k));
+            let merge = merge_costs(p, i, rows, splits, (d_load, esize), dram)
+                .map_or(0.0, |(f, k)| f.min(k));
             let floor = WAVE_US + all_bytes / dram + merge;
             if best.is_some_and(|(b, _)| floor >= b) {
                 break;
@@ -424,7 +425,7 @@ fn cost(
     let full = blocks / slots;
     let rest = blocks % slots;
     let t = full as f64 * wave(slots) + if rest > 0 { wave(rest) } else { 0.0 };
-    t + merge_costs(p, i, rows, splits, d_load, dram).map_or(0.0, |(f, k)| f.min(k))
+    t + merge_costs(p, i, rows, splits, (d_load, esize), dram).map_or(0.0, |(f, k)| f.min(k))
 }
 
 /// The two ways of merging `splits` slices of instance `i`'s row blocks (none for one split):
@@ -433,12 +434,13 @@ fn cost(
 /// fused merge pays its counters, then the last block of a group walks its packed rows (each
 /// warp its share, one after another) in dependent round trips: the rows' lse, then the
 /// partials of `COMBINE_UNROLL` (8) splits at a time. Few rows and splits favour the fused one.
+/// The FP8-cache kernels (`esize` 1) have no fused merge (infinite cost).
 fn merge_costs(
     p: &Problem,
     i: DecodeInstance,
     rows: usize,
     splits: usize,
-    d_load: usize,
+    (d_load, esize): (usize, usize),
     dram: f64,
 ) -> Option<(f64, f64)> {
     if splits == 1 {
@@ -448,7 +450,11 @@ fn merge_costs(
     let kernel = COMBINE_US + 2.0 * part / dram;
     let rows_per_warp = rows.min(i.rows()).div_ceil(i.rg * i.kg);
     let trips = rows_per_warp * (1 + splits.div_ceil(COMBINE_UNROLL));
-    Some((FUSED_US + trips as f64 * TRIP_US, kernel))
+    let fused = match esize {
+        1 => f64::INFINITY,
+        _ => FUSED_US + trips as f64 * TRIP_US,
+    };
+    Some((fused, kernel))
 }
 
 #[cfg(test)]
@@ -536,6 +542,8 @@ mod tests {
                 assert!(pl.partial.function.starts_with("flash_decode_bf16_kv8_"));
                 assert_eq!(pl.partial.smem, pl.instance.smem_kv8());
                 assert!(caps.fits(pl.partial.smem) && pl.pack[1..] == [false, false]);
+                // Their kernels have no fused merge (registers full).
+                assert_ne!(pl.merge, Merge::Fused);
                 assert!(pl.instance.smem_kv8() <= pl.instance.smem());
             }
             for caps in [
