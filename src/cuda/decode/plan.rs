@@ -1,6 +1,6 @@
 //! The split-KV decode plan, derived from the device and the problem: which instance, how many
-//! slices of the key range (each its own block; the last block of a group merges them), and the
-//! grid.
+//! slices of the key range (each its own block, merged by the last block of a group or by a
+//! combine kernel), and the grid.
 //!
 //! Decode streams K and V once and does little arithmetic per byte, so its time is the time to
 //! move those bytes, where enough blocks stream at once. The plan models that directly: the
@@ -392,7 +392,8 @@ fn max_splits(p: &Problem, i: DecodeInstance) -> usize {
 
 /// Modelled time, in microseconds, of instance `i` (`slots` blocks of it resident at once over
 /// the GPU) over `splits` slices of the keys of each of the `m_tiles` row blocks of every
-/// (sequence, K/V head) (`rows` packed rows each), of `esize`-byte K/V elements, merge included. A block's rate is its keys' pace: the
+/// (sequence, K/V head) (`rows` packed rows each), of `esize`-byte K/V elements, merge
+/// included. A block's rate is its keys' pace: the
 /// instance rates are of 2-byte caches, and an FP8 block computes as many keys per
 /// microsecond (plus their conversion), so its bytes stream at `esize / 2` of that rate.
 #[allow(clippy::too_many_arguments)]
