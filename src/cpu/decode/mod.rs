@@ -11,14 +11,17 @@
 //! * **GQA packing**: the query rows of all heads of a KV head, and all `seq_q` rows
 //!   (`group · seq_q` rows), are folded into the online softmax together, so each K/V row is
 //!   loaded from memory once and then served from L1 to every row that needs it.
-//! * **Read as stored**: the AVX-512 kernels read f32, f16 and bf16 rows in place and convert
-//!   16 elements at a time in registers (bf16 products run on `vdpbf16ps` where the CPU has
-//!   it, with the probabilities rounded to bf16 for `P V`, as the GPU kernels do); other
-//!   instruction sets convert each block of `BK` keys to f32 first, in address order.
-//! * **Head-dim elements in SIMD lanes**: `q·k` is a register-blocked FMA (four rows × four
-//!   keys) over 16-element chunks and one shared reduction tree (bf16 with eight rows or more:
-//!   the block transposed to keys in lanes, no reduction); `P V` adds `p · V[j]` to rows of `O`
-//!   held in registers, with no reduction at all.
+//! * **Read as stored**: the AVX-512 and AVX2 kernels read f32, f16 and bf16 rows in place and
+//!   convert 16 (8) elements at a time in registers (bf16 products run on `vdpbf16ps` where the
+//!   CPU has it, with the probabilities rounded to bf16 for `P V`, as the GPU kernels do); the
+//!   portable kernels, and other cache types, convert each block of `BK` keys to f32 first, in
+//!   address order.
+//! * **Head-dim elements in SIMD lanes**: `q·k` is a register-blocked FMA (AVX-512: four rows ×
+//!   four keys; AVX2: eight accumulators, up to eight rows × one key, from query rows packed
+//!   per register block) over the head dim and one shared reduction tree (bf16 with eight rows
+//!   or more on AVX-512: the block transposed to keys in lanes, no reduction); `P V` adds
+//!   `p · V[j]` to rows of `O` held in registers, with no reduction at all. The online softmax
+//!   runs on several rows at once, their statistics in lanes.
 //! * **Blocks of `BK` keys**, one KV head after the other; while the scores of a KV head run,
 //!   the rows [`PREFETCH_BYTES`] ahead are prefetched into L2 a row at a time between the
 //!   kernel's own loads (the kernels read several rows at once, which the hardware prefetchers
@@ -70,8 +73,6 @@ const BK: usize = 16;
 /// small part of the L2 (1 MiB) the rows wait in. 16-256 KiB measured alike (8/1 heads, one
 /// thread, 16 MiB caches); 8 KiB was slower, and prefetching nothing half as fast.
 const PREFETCH_BYTES: usize = 64 << 10;
-/// Query rows `dot4`-style kernels fold together (the AVX2 and portable kernels).
-const NR: usize = 4;
 
 /// `true` when `p` goes to the decode kernel: few query rows per sequence
 /// ([`MAX_DECODE_SEQ_Q`]) or per KV head ([`MAX_DECODE_ROWS_PER_KV_HEAD`]).
@@ -185,6 +186,9 @@ fn forward_with<T: Elem, KV: Elem>(
     #[cfg(target_arch = "x86_64")]
     let isa = match isa {
         Isa::Avx512 if !has_avx512_decode() => Isa::Avx2Fma,
+        // The AVX2 kernels read f16 rows through F16C (every AVX2 CPU has it; stay correct
+        // on one that would not).
+        Isa::Avx2Fma if !is_x86_feature_detected!("f16c") => Isa::Portable,
         isa => isa,
     };
     #[cfg(target_arch = "x86_64")]
@@ -230,7 +234,7 @@ fn forward_with<T: Elem, KV: Elem>(
                     // SAFETY: avx512f/bw/vl were detected just above.
                     Isa::Avx512 => unsafe { item_avx512(&ctx, sc, item) },
                     #[cfg(target_arch = "x86_64")]
-                    // SAFETY: the caller saw avx2 and fma on this CPU.
+                    // SAFETY: the caller saw avx2 and fma on this CPU, f16c was detected above.
                     Isa::Avx2Fma => unsafe { item_avx2(&ctx, sc, item) },
                     Isa::Portable => run_item::<T, KV, Portable>(&ctx, sc, item),
                 }
@@ -262,7 +266,7 @@ fn item_avx512<T: Elem, KV: Elem>(ctx: &Ctx<T, KV>, sc: &mut Scratch, item: Item
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn item_avx2<T: Elem, KV: Elem>(ctx: &Ctx<T, KV>, sc: &mut Scratch, item: Item) {
     run_item::<T, KV, Fused>(ctx, sc, item)
 }
@@ -287,6 +291,8 @@ struct Scratch {
     /// sequence, rows ordered `(kv head, query i, head within the group)`.
     q: Vec<f32>,
     qh: Vec<u16>,
+    /// The query rows of each KV head as the kernels read them, where they pack them.
+    qp: Vec<f32>,
     o: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
@@ -309,6 +315,7 @@ impl Scratch {
         Self {
             q: Vec::new(),
             qh: Vec::new(),
+            qp: Vec::new(),
             o: Vec::new(),
             m: Vec::new(),
             l: Vec::new(),
@@ -322,8 +329,9 @@ impl Scratch {
         }
     }
 
-    /// Room for `rows` query rows of `d`, `sq` query indices and blocks of `block` elements.
-    fn reserve(&mut self, rows: usize, sq: usize, block: usize, d: usize) {
+    /// Room for `rows` query rows of `d` (`packed` elements packed), `sq` query indices and
+    /// blocks of `block` elements.
+    fn reserve(&mut self, rows: usize, packed: usize, sq: usize, block: usize, d: usize) {
         fn grow<X: Copy>(v: &mut Vec<X>, n: usize, x: X) {
             if v.len() < n {
                 v.resize(n, x);
@@ -331,6 +339,7 @@ impl Scratch {
         }
         grow(&mut self.q, rows * d, 0.0);
         grow(&mut self.qh, rows * d.next_multiple_of(2), 0);
+        grow(&mut self.qp, packed, 0.0);
         grow(&mut self.o, rows * d, 0.0);
         grow(&mut self.m, rows, 0.0);
         grow(&mut self.l, rows, 0.0);
@@ -448,7 +457,10 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
     let sq = seq.seq_q;
     let group = group_size(p.heads, p.kv_heads);
     let rows = p.heads * sq;
-    sc.reserve(rows, sq, BK * p.kv_heads * d, d);
+    let gr = group * sq;
+    let q_len = K::q_len(gr, d);
+    let packed = if K::PACKS_Q { p.kv_heads * q_len } else { 0 };
+    sc.reserve(rows, packed, sq, BK * p.kv_heads * d, d);
     // Scratch row of (head h, query i).
     let row_of = |h: usize, i: usize| ((h / group) * sq + i) * group + h % group;
     for h in 0..p.heads {
@@ -481,6 +493,16 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
                 *h = (x.to_bits() >> 16) as u16;
             }
             h[d..].fill(0);
+        }
+    }
+    if K::PACKS_Q {
+        for kvh in 0..p.kv_heads {
+            K::pack_q(
+                &sc.q[kvh * gr * d..(kvh + 1) * gr * d],
+                gr,
+                d,
+                &mut sc.qp[kvh * q_len..(kvh + 1) * q_len],
+            );
         }
     }
     sc.o[..rows * d].fill(0.0);
@@ -813,9 +835,15 @@ fn block<T: Elem, KV: Elem, U: Elem, K: Ops>(
     for kvh in 0..p.kv_heads {
         let r0 = kvh * gr;
         let mut pf = ahead.rows(p, &mut step);
+        let q = if K::PACKS_Q {
+            let n = K::q_len(gr, d);
+            &sc.qp[kvh * n..(kvh + 1) * n]
+        } else {
+            &sc.q[r0 * d..(r0 + gr) * d]
+        };
         K::scores(
             ctx.bf16_dot,
-            &sc.q[r0 * d..(r0 + gr) * d],
+            q,
             &sc.qh[r0 * d.next_multiple_of(2)..(r0 + gr) * d.next_multiple_of(2)],
             gr,
             d,
@@ -970,7 +998,22 @@ trait Ops: Kernel + Sized {
     fn reads<T: 'static>() -> bool {
         kind::<T>() == Kind::F32
     }
-    /// `s[t][c] = q[t] · K[c]` for the `rows` query rows (`d` apart in `q`, and as bf16 bits in
+    /// Whether [`scores`](Self::scores) reads the query rows of a KV head in a layout of its
+    /// own ([`pack_q`](Self::pack_q), [`q_len`](Self::q_len) elements for `rows` rows), rather
+    /// than `d` apart.
+    const PACKS_Q: bool = false;
+    /// Elements of `rows` packed query rows.
+    #[inline(always)]
+    fn q_len(rows: usize, d: usize) -> usize {
+        rows * d
+    }
+    /// Packs `rows` query rows (`d` apart in `q`) into `out` (`q_len(rows, d)` elements).
+    #[inline(always)]
+    fn pack_q(q: &[f32], rows: usize, d: usize, out: &mut [f32]) {
+        out[..rows * d].copy_from_slice(&q[..rows * d]);
+    }
+    /// `s[t][c] = q[t] · K[c]` for the `rows` query rows (`d` apart in `q`, or packed where
+    /// [`PACKS_Q`](Self::PACKS_Q), and as bf16 bits in
     /// `qh`, an even number `d.next_multiple_of(2)` apart and zero-padded, when `dot`) and the
     /// keys `c` in `keys` (within the block); prefetches `pf` on the way.
     #[allow(clippy::too_many_arguments)]

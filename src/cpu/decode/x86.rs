@@ -5,7 +5,7 @@
 mod avx2;
 mod avx512;
 
-use super::{as_f32, kind, portable_pv, portable_scores, Kind, Ops, Pf, Rows, BK, NR};
+use super::{kind, Kind, Ops, Pf, Rows, BK};
 use crate::cpu::elem::Elem;
 use crate::cpu::kernel::{Avx512, Fused};
 
@@ -54,6 +54,20 @@ fn check_pv(
     );
 }
 
+/// Checks the bounds of [`Ops::softmax_rows`]: `n` rows of statistics and visible columns
+/// inside the block.
+#[inline(always)]
+fn check_softmax(n: usize, cols: &[(usize, usize)], m: usize, l: usize, corr: usize) {
+    assert!(
+        cols.len() >= n
+            && m >= n
+            && l >= n
+            && corr >= n
+            && cols[..n].iter().all(|&(c0, c1)| c0 <= c1 && c1 <= BK),
+        "decode: softmax rows out of bounds"
+    );
+}
+
 impl Ops for Avx512 {
     #[inline(always)]
     fn reads<T: 'static>() -> bool {
@@ -69,15 +83,7 @@ impl Ops for Avx512 {
         l: &mut [f32],
         corr: &mut [f32],
     ) {
-        let n = s.len();
-        assert!(
-            cols.len() >= n
-                && m.len() >= n
-                && l.len() >= n
-                && corr.len() >= n
-                && cols[..n].iter().all(|&(c0, c1)| c0 <= c1 && c1 <= BK),
-            "decode: softmax rows out of bounds"
-        );
+        check_softmax(s.len(), cols, m.len(), l.len(), corr.len());
         // SAFETY: avx512f/bw/vl detected as for the products; the bounds were checked above.
         unsafe { avx512::softmax_rows(s, cols, scale, m, l, corr) }
     }
@@ -151,6 +157,38 @@ impl Ops for Avx512 {
 
 impl Ops for Fused {
     #[inline(always)]
+    fn reads<T: 'static>() -> bool {
+        kind::<T>() != Kind::Other
+    }
+
+    const PACKS_Q: bool = true;
+
+    #[inline(always)]
+    fn q_len(rows: usize, d: usize) -> usize {
+        avx2::packed_len(rows, d)
+    }
+
+    #[inline(always)]
+    fn pack_q(q: &[f32], rows: usize, d: usize, out: &mut [f32]) {
+        avx2::pack_q(q, rows, d, out)
+    }
+
+    #[inline(always)]
+    fn softmax_rows(
+        s: &mut [[f32; BK]],
+        cols: &[(usize, usize)],
+        scale: f32,
+        m: &mut [f32],
+        l: &mut [f32],
+        corr: &mut [f32],
+    ) {
+        check_softmax(s.len(), cols, m.len(), l.len(), corr.len());
+        // SAFETY: only reached through `item_avx2`, i.e. with avx2 and fma detected; the
+        // bounds were checked just above.
+        unsafe { avx2::softmax_rows(s, cols, scale, m, l, corr) }
+    }
+
+    #[inline(always)]
     fn scores<T: Elem>(
         _dot: bool,
         q: &[f32],
@@ -162,26 +200,17 @@ impl Ops for Fused {
         s: &mut [[f32; BK]],
         pf: &mut Pf,
     ) {
-        pf.fetch_all();
-        let Some(src) = as_f32(k.src) else {
-            return portable_scores::<T, Self>(q, rows, d, k, keys, s);
-        };
-        check_scores(q.len(), rows, d, s.len());
-        for t0 in (0..rows).step_by(NR) {
-            // Rows past `rows` repeat the last one; their results are dropped.
-            let qs: [&[f32]; NR] = std::array::from_fn(|t| {
-                let r = (t0 + t).min(rows - 1);
-                &q[r * d..(r + 1) * d]
-            });
-            for c in keys.clone() {
-                // SAFETY: only reached through `item_avx2`, i.e. with avx2 and fma detected;
-                // every row has `d` elements (the slices check it).
-                let dots = unsafe { avx2::dot4(qs, &src[k.row(c)..k.row(c) + d]) };
-                for (t, x) in dots.iter().enumerate().take(rows - t0) {
-                    s[t0 + t][c] = *x;
-                }
-            }
+        if rows == 0 || keys.is_empty() {
+            return pf.fetch_all();
         }
+        check_rows(k, &keys, d);
+        assert!(
+            q.len() >= avx2::packed_len(rows, d) && s.len() >= rows,
+            "decode: query rows out of bounds"
+        );
+        // SAFETY: only reached through `item_avx2`, i.e. with avx2, fma and f16c detected; the
+        // bounds were checked just above.
+        unsafe { avx2::scores(q, rows, d, k, keys, s, pf) }
     }
 
     #[inline(always)]
@@ -195,36 +224,12 @@ impl Ops for Fused {
         v: &Rows<T>,
         cols: std::ops::Range<usize>,
     ) {
-        let Some(src) = as_f32(v.src) else {
-            return portable_pv::<T, Self>(o, rows, d, corr, p, v, cols);
-        };
         if rows == 0 || cols.is_empty() {
             return;
         }
         check_pv(o.len(), rows, d, corr.map(<[f32]>::len), p.len(), &cols);
-        let vr = Rows {
-            src,
-            off: v.off,
-            shift: v.shift,
-        };
-        check_rows(&vr, &cols, d);
-        // Without a correction the rows are scaled by 1, which is exact.
-        let ones = [1f32; NR];
-        for t0 in (0..rows).step_by(NR) {
-            let nr = NR.min(rows - t0);
-            let corr = corr.map_or(&ones[..nr], |c| &c[t0..t0 + nr]);
-            // SAFETY: avx2 and fma detected as above; the bounds were checked just above.
-            unsafe {
-                avx2::pv(
-                    &mut o[t0 * d..(t0 + nr) * d],
-                    nr,
-                    d,
-                    corr,
-                    &p[t0..t0 + nr],
-                    &vr,
-                    cols.clone(),
-                )
-            }
-        }
+        check_rows(v, &cols, d);
+        // SAFETY: avx2, fma and f16c detected as above; the bounds were checked just above.
+        unsafe { avx2::pv(o, rows, d, corr, p, v, cols) }
     }
 }
