@@ -495,16 +495,6 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
             h[d..].fill(0);
         }
     }
-    if K::PACKS_Q {
-        for kvh in 0..p.kv_heads {
-            K::pack_q(
-                &sc.q[kvh * gr * d..(kvh + 1) * gr * d],
-                gr,
-                d,
-                &mut sc.qp[kvh * q_len..(kvh + 1) * q_len],
-            );
-        }
-    }
     sc.o[..rows * d].fill(0.0);
     // Each row sees one interval of keys, prefix ranges or not (`SeqMask::row_range`).
     let mask = p.mask(b, &seq);
@@ -530,6 +520,20 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
         }
     };
     let convert = access(&p.k) == Access::Convert;
+    if K::PACKS_Q {
+        // For the rows the kernels read: converted blocks are f32.
+        for kvh in 0..p.kv_heads {
+            let (q, out) = (
+                &sc.q[kvh * gr * d..(kvh + 1) * gr * d],
+                &mut sc.qp[kvh * q_len..(kvh + 1) * q_len],
+            );
+            if convert {
+                K::pack_q::<f32>(q, gr, d, out);
+            } else {
+                K::pack_q::<KV>(q, gr, d, out);
+            }
+        }
+    }
     let block_len = BK * p.kv_heads * d;
     let mut gk: Vec<KV> = Vec::new();
     let mut gv: Vec<KV> = Vec::new();
@@ -1007,9 +1011,10 @@ trait Ops: Kernel + Sized {
     fn q_len(rows: usize, d: usize) -> usize {
         rows * d
     }
-    /// Packs `rows` query rows (`d` apart in `q`) into `out` (`q_len(rows, d)` elements).
+    /// Packs `rows` query rows (`d` apart in `q`) into `out` (`q_len(rows, d)` elements), for
+    /// K rows of `U`.
     #[inline(always)]
-    fn pack_q(q: &[f32], rows: usize, d: usize, out: &mut [f32]) {
+    fn pack_q<U: 'static>(q: &[f32], rows: usize, d: usize, out: &mut [f32]) {
         out[..rows * d].copy_from_slice(&q[..rows * d]);
     }
     /// `s[t][c] = q[t] · K[c]` for the `rows` query rows (`d` apart in `q`, or packed where

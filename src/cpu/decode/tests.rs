@@ -329,6 +329,114 @@ fn check_isas<T: Elem + candle::WithDType>(
     Ok(())
 }
 
+/// A NaN in one key's K (or V) row reaches exactly the output rows that see that key, on every
+/// instruction set, dtype and split count: those rows are NaN in every element, the others
+/// match the materialising path on the same inputs with that row zeroed (they never see it).
+/// Odd head dim and key count, groups of 8 (a whole AVX2 register block of rows) and 3.
+#[test]
+fn nan_in_a_key_reaches_exactly_the_rows_that_see_it() -> candle::Result<()> {
+    let dev = Device::Cpu;
+    // (batch, seq_q, keys, head dim, heads, KV heads)
+    for (b, sq, sk, d, h, hk) in [(2, 2, 1001, 57, 8, 1), (1, 3, 517, 128, 6, 2)] {
+        // The last key of sequence 0: under the bottom-right causal mask only its last query
+        // row sees it.
+        let (nan_b, nan_key) = (0, sk - 1);
+        for nan_in_v in [false, true] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let what = format!("({b}, {sq}, {sk}, {d}, {h}/{hk}) {dtype:?} v {nan_in_v}");
+                let rounded = |t: Tensor| t.to_dtype(dtype)?.to_dtype(DType::F32);
+                let q = rounded(Tensor::randn(0f32, 1., (b, sq, h, d), &dev)?)?;
+                let k = rounded(Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?)?;
+                let v = rounded(Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?)?;
+                let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+                let row = (nan_b * sk + nan_key) * hk * d;
+                let with = |t: &Tensor, x: f32| -> candle::Result<Tensor> {
+                    let mut e = flat(t)?;
+                    e[row..row + hk * d].fill(x);
+                    Tensor::from_vec(e, t.shape(), &dev)
+                };
+                let (kz, vz) = if nan_in_v {
+                    (k.clone(), with(&v, 0.0)?)
+                } else {
+                    (with(&k, 0.0)?, v.clone())
+                };
+                let (kn, vn) = if nan_in_v {
+                    (k.clone(), with(&v, f32::NAN)?)
+                } else {
+                    (with(&k, f32::NAN)?, v.clone())
+                };
+                let opts = FlashAttn::new(0.1).causal();
+                let want = flat(&naive_attention(&q, &kz, &vz, &opts)?)?;
+                let p = opts.problem(&q, &kn, &vn, None)?;
+                let to = |t: &Tensor| -> candle::Result<Tensor> { t.to_dtype(dtype) };
+                let (qt, kt, vt) = (to(&q)?, to(&kn)?, to(&vn)?);
+                let sees = |bi: usize, i: usize| bi == nan_b && i == sq - 1;
+                match dtype {
+                    DType::F32 => check_nan::<f32>(&what, &p, &qt, &kt, &vt, &want, sees, 1e-4),
+                    DType::F16 => {
+                        check_nan::<half::f16>(&what, &p, &qt, &kt, &vt, &want, sees, 4e-3)
+                    }
+                    _ => check_nan::<half::bf16>(&what, &p, &qt, &kt, &vt, &want, sees, 2.5e-2),
+                }?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`nan_in_a_key_reaches_exactly_the_rows_that_see_it`] for one dtype: `sees(b, i)` tells the
+/// query rows that see the NaN key, `want` the reference of the others.
+#[allow(clippy::too_many_arguments)]
+fn check_nan<T: Elem + candle::WithDType>(
+    what: &str,
+    p: &Problem,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    want: &[f32],
+    sees: impl Fn(usize, usize) -> bool,
+    tol: f32,
+) -> candle::Result<()> {
+    let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<T>();
+    let (qv, kv, vv) = (flat(q)?, flat(k)?, flat(v)?);
+    let row = p.heads * p.head_dim;
+    for isa in Isa::available() {
+        for threads in [1, 2, 7] {
+            let (got, _) = forward_with(
+                isa,
+                true,
+                threads,
+                1,
+                p,
+                None,
+                &qv,
+                [&kv, &vv],
+                &Extras::default(),
+            );
+            for (r, (g, w)) in got
+                .chunks_exact(row)
+                .zip(want.chunks_exact(row))
+                .enumerate()
+            {
+                let (b, i) = (r / p.max_seq_q, r % p.max_seq_q);
+                let at = format!("{what} {isa:?} threads {threads} row ({b}, {i})");
+                if sees(b, i) {
+                    assert!(g.iter().all(|x| x.to_f32().is_nan()), "{at}: not all NaN");
+                } else {
+                    // NaN-propagating largest difference.
+                    let err = g
+                        .iter()
+                        .zip(w)
+                        .map(|(g, w)| (g.to_f32() - w).abs())
+                        .fold(0f32, |m, e| if e > m || e.is_nan() { e } else { m });
+                    assert!(err <= tol, "{at}: max error {err}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Times decode against prefill over query rows per KV head, to place `MAX_DECODE_SEQ_Q` and
 /// `MAX_DECODE_ROWS_PER_KV_HEAD`:
 /// `cargo test --release --lib threshold_timing -- --ignored --nocapture`.

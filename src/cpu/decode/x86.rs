@@ -169,8 +169,8 @@ impl Ops for Fused {
     }
 
     #[inline(always)]
-    fn pack_q(q: &[f32], rows: usize, d: usize, out: &mut [f32]) {
-        avx2::pack_q(q, rows, d, out)
+    fn pack_q<U: 'static>(q: &[f32], rows: usize, d: usize, out: &mut [f32]) {
+        avx2::pack_q::<U>(q, rows, d, out)
     }
 
     #[inline(always)]

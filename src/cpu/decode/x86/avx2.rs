@@ -116,9 +116,25 @@ pub(super) fn packed_len(rows: usize, d: usize) -> usize {
     rows * d.next_multiple_of(W)
 }
 
-/// Packs `rows` rows of `d` (`d` apart in `q`) into `out` ([`packed_len`] elements).
-pub(super) fn pack_q(q: &[f32], rows: usize, d: usize, out: &mut [f32]) {
+/// Packs `rows` rows of `d` (`d` apart in `q`) into `out` ([`packed_len`] elements), for K
+/// rows of `T`: with bf16 rows, each whole group of 16 elements as its even elements, then its
+/// odd ones, which is how [`load2`] widens them (two instructions for 16 elements).
+pub(super) fn pack_q<T: 'static>(q: &[f32], rows: usize, d: usize, out: &mut [f32]) {
     let dp = d.next_multiple_of(W);
+    let pairs = if kind::<T>() == Kind::Bf16 {
+        d - d % (2 * W)
+    } else {
+        0
+    };
+    // The element of a row in lane `x` of chunk `j`, if any.
+    let at = |j: usize, x: usize| {
+        let e = j * W + x;
+        if e < pairs {
+            e - e % (2 * W) + 2 * x + j % 2
+        } else {
+            e
+        }
+    };
     let out = &mut out[..rows * dp];
     let mut t0 = 0;
     while t0 < rows {
@@ -128,11 +144,33 @@ pub(super) fn pack_q(q: &[f32], rows: usize, d: usize, out: &mut [f32]) {
             for (t, lanes) in chunk.chunks_exact_mut(W).enumerate() {
                 let row = &q[(t0 + t) * d..(t0 + t + 1) * d];
                 for (x, o) in lanes.iter_mut().enumerate() {
-                    *o = row.get(j * W + x).copied().unwrap_or(0.0);
+                    *o = row.get(at(j, x)).copied().unwrap_or(0.0);
                 }
             }
         }
         t0 += rb;
+    }
+}
+
+/// Elements `p .. p + 16` of a row of `T` as two vectors: bf16 as its even elements then its
+/// odd ones (a shift and a mask of one 256-bit load), other types in order.
+///
+/// # Safety
+/// avx2, fma and f16c must be available; the sixteen elements must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load2<T: 'static>(p: *const T) -> (__m256, __m256) {
+    // SAFETY: sixteen elements are readable (caller).
+    unsafe {
+        if kind::<T>() == Kind::Bf16 {
+            let raw = _mm256_loadu_si256(p.cast());
+            (
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(raw)),
+                _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(-0x1_0000))),
+            )
+        } else {
+            (load(p), load(p.wrapping_add(W)))
+        }
     }
 }
 
@@ -195,7 +233,6 @@ unsafe fn scores_rows<T: 'static, const RB: usize, const CB: usize>(
     const { assert!(RB * CB == 8, "reduce8 folds eight accumulators") };
     debug_assert!(RB <= left);
     let kp = k.src.as_ptr();
-    let full = d - d % W;
     let mut c0 = keys.start;
     while c0 < keys.end {
         pf.fetch(per * CB);
@@ -204,7 +241,27 @@ unsafe fn scores_rows<T: 'static, const RB: usize, const CB: usize>(
         let mut acc = [_mm256_setzero_ps(); 8];
         let mut qc = q;
         let mut x = 0;
-        while x < full {
+        // Sixteen elements per step (two packed chunks), then at most one whole chunk.
+        while x + 2 * W <= d {
+            for (c, kr) in kr.iter().enumerate() {
+                // SAFETY: elements `x .. x + 16 <= d` of a K row in bounds (caller).
+                let (ka, kb) = unsafe { load2(kr.wrapping_add(x)) };
+                for t in 0..RB {
+                    // SAFETY: chunks `x / 8` and `x / 8 + 1` of packed row t (caller).
+                    let (qa, qb) = unsafe {
+                        (
+                            _mm256_loadu_ps(qc.add(t * W)),
+                            _mm256_loadu_ps(qc.add((RB + t) * W)),
+                        )
+                    };
+                    acc[t * CB + c] = _mm256_fmadd_ps(qa, ka, acc[t * CB + c]);
+                    acc[t * CB + c] = _mm256_fmadd_ps(qb, kb, acc[t * CB + c]);
+                }
+            }
+            qc = qc.wrapping_add(2 * RB * W);
+            x += 2 * W;
+        }
+        if x + W <= d {
             let mut kv = [_mm256_setzero_ps(); CB];
             for (kv, kr) in kv.iter_mut().zip(&kr) {
                 // SAFETY: elements `x .. x + 8 <= d` of a K row in bounds (caller).
