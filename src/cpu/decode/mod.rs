@@ -34,12 +34,11 @@
 //! in a fixed order, so results are bitwise identical from run to run.
 
 pub(super) mod plan;
+mod run;
 
 use std::any::TypeId;
 use std::cell::RefCell;
 use std::ops::Range;
-
-use rayon::prelude::*;
 
 use super::elem::{load_rows, Elem};
 use super::exp2::exp2;
@@ -224,8 +223,8 @@ fn forward_with<T: Elem, KV: Elem>(
         done: (0..p.batch).map(|_| Default::default()).collect(),
         extras,
     };
-    // The partial pass: one task per stretch of the key line; a single task runs here, without
-    // waking the pool.
+    // The partial pass: one task per stretch of the key line, claimed by this thread and the
+    // pool's as they come (`run`); a single task runs here, without waking the pool.
     let task = |range: &Range<usize>| {
         with_scratch(|sc| {
             for &item in &plan.items[range.clone()] {
@@ -244,7 +243,9 @@ fn forward_with<T: Elem, KV: Elem>(
     if plan.tasks.len() == 1 {
         task(&plan.tasks[0]);
     } else {
-        plan.tasks.par_iter().with_max_len(1).for_each(task);
+        run::run(plan.tasks.len(), threads.saturating_sub(1), &|t| {
+            task(&plan.tasks[t])
+        });
     }
     // Sequences that see no key (or have no query row): exact zeros, lse -inf.
     for b in (0..p.batch).filter(|&b| plan.seqs[b].splits == 0) {
@@ -552,6 +553,16 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
         hi: it.hi,
         steps: PREFETCH_BYTES.div_ceil(step_bytes),
     };
+    // The steps the blocks below prefetch start `steps` ahead: ask for the ones before that
+    // now, so that a short item (a small cache split many ways) does not wait on memory for
+    // them one demand miss at a time.
+    let mut step = (it.lo, 0);
+    for _ in 0..ahead.steps {
+        if step.0 >= it.hi {
+            break;
+        }
+        ahead.rows(p, &mut step).fetch_all();
+    }
 
     let mut j0 = it.lo;
     while j0 < it.hi {

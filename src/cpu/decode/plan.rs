@@ -13,10 +13,10 @@
 use super::BK;
 use crate::problem::Problem;
 
-/// A task streams at least this many bytes of K and V: starting it and merging its partials
-/// cost a few microseconds, and at ~10 GB/s per core 256 KiB take ~25 µs, so that overhead
-/// stays a small fraction.
-pub(super) const MIN_TASK_BYTES: usize = 256 << 10;
+/// A task streams at least this many bytes of K and V (~3 µs at ~10 GB/s per core, well above
+/// the microsecond or so of starting it and merging its partials): small enough that a short
+/// call still has tasks left when the second thread wakes, tens of microseconds late on a VM.
+pub(super) const MIN_TASK_BYTES: usize = 32 << 10;
 /// Tasks per thread when the cache is large: more than one, so that a thread slowed by another
 /// process hands its last stretch to an idle one (work stealing), few enough that the per-task
 /// setup and the merge stay negligible.

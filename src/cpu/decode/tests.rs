@@ -156,6 +156,41 @@ fn plan_tiles_the_keys_and_balances_tasks() {
     }
 }
 
+/// The task runner runs every task exactly once, whatever the task and helper counts (helpers
+/// that arrive after the last claim included), and a panic in a task reaches the caller after
+/// every other claimed task has finished.
+#[test]
+fn run_runs_every_task_once_and_resumes_panics() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    for (n, helpers) in [(1, 0), (1, 3), (2, 1), (7, 1), (64, 2), (100, 63), (5, 0)] {
+        let counts: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+        run::run(n, helpers, &|i| {
+            counts[i].fetch_add(1, Ordering::SeqCst);
+        });
+        for (i, c) in counts.iter().enumerate() {
+            assert_eq!(
+                c.load(Ordering::SeqCst),
+                1,
+                "{n} tasks, {helpers} helpers: task {i}"
+            );
+        }
+    }
+    for bad in [0, 5, 19] {
+        let done = AtomicUsize::new(0);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run::run(20, 2, &|i| {
+                assert!(i != bad, "task {i} fails");
+                done.fetch_add(1, Ordering::SeqCst);
+            })
+        }));
+        assert!(r.is_err(), "task {bad}: the panic reaches the caller");
+        assert!(
+            done.load(Ordering::SeqCst) < 20,
+            "task {bad}: it did not run"
+        );
+    }
+}
+
 /// One case of [`every_isa_dtype_and_split_count_matches_naive`]: batch, seq_q, keys, head
 /// dim, heads, KV heads, options.
 type IsaCase = (usize, usize, usize, usize, usize, usize, FlashAttn);
