@@ -459,6 +459,11 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     const SwzRow<D> k_off(KW * kg + (lane / 16) * 8 + lane % 8, (lane / 8) % 2);
     const SwzRow<D> v_off(KW * kg + lane % 16, lane / 16);
 
+    // A warp whose row tile holds no packed row (an instance wider than the call's rows) skips
+    // the tile products: it still copies its share of each tile, but issues nothing else that
+    // the busy warps of its SM would wait behind.
+    const bool has_rows = m0 + 16 * rg < g.sq * p.kv_group;
+
     const int t_begin = g.n_lo / BC;
     const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BC - 1) / BC : t_begin;
 
@@ -542,7 +547,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             sK = reinterpret_cast<const Tc*>(sKV + (it % STAGES) * 2 * Tr::TILE);
         }
         const int k0 = t * BC + KW * kg;  // this warp's first key
-        if (k0 < g.n_hi && k0 + KW > g.n_lo)
+        if (has_rows && k0 < g.n_hi && k0 + KW > g.n_lo)
             warp_tile<Tc, T, D, KW, MODS>(w, p, sQ, sK, sK + BC * D, q_off, k_off, v_off, k0,
                                           row_lo, row_hi, diag, slope_log2, unit, bias_off, g.sk,
                                           qscale);
