@@ -357,9 +357,10 @@ fn search(
         // a plan's slices are re-cut to that length. About 2 sqrt(tiles) counts, not 256.
         let tiles = p.max_seq_k.div_ceil(i.bc).max(1);
         let most = max_splits(p, i);
-        // No plan moves its bytes faster than the DRAM, and the merge only grows with
-        // the splits: past the count where that floor exceeds the best, none can win.
-        let all_bytes = (p.batch * p.kv_heads * m_tiles * p.max_seq_k * d_load * 2 * esize) as f64;
+        // No plan moves its bytes faster than the DRAM (each K/V row once, whatever the row
+        // blocks), and the merge only grows with the splits: past the count where that floor
+        // exceeds the best, none can win.
+        let all_bytes = (p.batch * p.kv_heads * p.max_seq_k * d_load * 2 * esize) as f64;
         let mut splits = 1;
         while splits <= most {
             let merge = merge_costs(p, i, rows, splits, (d_load, esize), dram)
@@ -413,15 +414,20 @@ fn cost(
     let keys = p.max_seq_k.div_ceil(splits).next_multiple_of(i.bc);
     let block_bytes = (keys * d_load * 2 * esize) as f64;
     // A wave of n blocks: the block scheduler deals them out over the SMs, so the busiest SM
-    // holds ceil(n / SMs) of them; an SM streams at most its even share of the DRAM bandwidth
-    // and its blocks at most their own rate each. The wave lasts as long as its busiest SM.
+    // holds ceil(n / SMs) of them; its blocks stream at most their own rate each, and its DRAM
+    // bytes arrive at most at its even share of the bandwidth, where only one row block in
+    // m_tiles fetches a K/V tile from the DRAM (the other row blocks of its sequence and K/V
+    // head, launched beside it, find the tile in the L2). The wave lasts as long as its busiest
+    // SM.
     let sms = caps.sms as usize;
     let sm_share = dram / sms as f64;
     let rate =
         i.rate as f64 * if p.paged.is_some() { PAGED_RATE } else { 1.0 } * esize as f64 / 2.0;
     let wave = |n: usize| {
         let load = n.div_ceil(sms) as f64;
-        WAVE_US + load * block_bytes / sm_share.min(load * rate)
+        let compute = block_bytes / rate;
+        let memory = load * block_bytes / m_tiles as f64 / sm_share;
+        WAVE_US + compute.max(memory)
     };
     let full = blocks / slots;
     let rest = blocks % slots;
