@@ -13,6 +13,8 @@ pub(crate) struct DeviceCaps {
     pub smem_optin: usize,
     /// Peak DRAM bandwidth from the memory clock and bus width, in bytes per microsecond.
     pub dram_bytes_per_us: usize,
+    /// Size of the L2 cache, in bytes.
+    pub l2_bytes: usize,
     /// Run the sm_90a (wgmma + TMA) kernels where they cover the problem: compute capability
     /// 9.0, unless the caller asked for the portable path.
     pub hopper: bool,
@@ -28,16 +30,16 @@ pub(crate) const STATIC_SMEM_RESERVE: usize = 1024;
 impl DeviceCaps {
     /// A100 (SXM, 40 GB).
     #[cfg(test)]
-    pub const SM80: Self = Self::with(8, 0, 108, 166_912, 1_555_000);
+    pub const SM80: Self = Self::with(8, 0, 108, 166_912, 1_555_000, 40 << 20);
     /// RTX 3090 class (sm_86).
     #[cfg(test)]
-    pub const SM86: Self = Self::with(8, 6, 82, 101_376, 936_000);
+    pub const SM86: Self = Self::with(8, 6, 82, 101_376, 936_000, 6 << 20);
     /// RTX 4090 class (sm_89).
     #[cfg(test)]
-    pub const SM89: Self = Self::with(8, 9, 128, 101_376, 1_008_000);
+    pub const SM89: Self = Self::with(8, 9, 128, 101_376, 1_008_000, 72 << 20);
     /// H100 SXM.
     #[cfg(test)]
-    pub const SM90: Self = Self::with(9, 0, 132, 232_448, 3_352_000);
+    pub const SM90: Self = Self::with(9, 0, 132, 232_448, 3_352_000, 50 << 20);
 
     #[cfg(test)]
     pub const fn with(
@@ -46,6 +48,7 @@ impl DeviceCaps {
         sms: u32,
         smem_optin: usize,
         dram_bytes_per_us: usize,
+        l2_bytes: usize,
     ) -> Self {
         Self {
             major,
@@ -53,6 +56,7 @@ impl DeviceCaps {
             sms,
             smem_optin,
             dram_bytes_per_us,
+            l2_bytes,
             hopper: major == 9 && minor == 0,
             fp8: major > 8 || (major == 8 && minor >= 9),
         }

@@ -128,8 +128,8 @@ pub struct DecodeInstance {
     /// Bytes of K and V one block streams per microsecond where the memory is not the limit:
     /// its warps' issue and latency bound (a block's warps wait on their own tile products,
     /// which no formula of the tile shape predicted well). Measured on an H100 with
-    /// `decode_bench --instances` over every split count of a set of shapes, fitted together
-    /// with the planner's wave and combine costs (`src/cuda/decode/plan.rs`).
+    /// `decode_bench --instances` at split counts 1 to 64 over 83 shapes, fitted together with
+    /// the planner's wave and merge costs (`src/cuda/decode/plan.rs`).
     pub rate: usize,
 }
 
@@ -188,25 +188,25 @@ const fn dec(
 /// planner picks among those that fit by its cost model, whatever their row tiles: several
 /// row blocks of a narrow instance may beat one block of a wide one.
 pub const DECODE_INSTANCES: &[DecodeInstance] = &[
-    dec(64, 1, 4, 64, 4, 22_500),
-    dec(64, 1, 4, 64, 2, 18_000),
-    dec(64, 4, 1, 64, 4, 14_300),
-    dec(64, 4, 1, 64, 2, 14_500),
-    dec(64, 8, 1, 64, 4, 10_400),
-    dec(64, 8, 1, 64, 2, 10_600),
-    dec(128, 1, 4, 64, 3, 22_900),
-    dec(128, 1, 4, 64, 2, 26_500),
-    dec(128, 4, 1, 64, 3, 18_400),
-    dec(128, 4, 1, 64, 2, 19_300),
-    dec(128, 8, 1, 32, 4, 8_300),
-    dec(128, 8, 1, 32, 2, 12_100),
-    dec(256, 1, 4, 64, 3, 18_400),
-    dec(256, 1, 4, 64, 2, 22_100),
-    dec(256, 1, 2, 32, 2, 12_900),
-    dec(256, 4, 1, 16, 4, 16_200),
-    dec(256, 4, 1, 16, 2, 16_100),
-    dec(256, 8, 1, 16, 3, 11_600),
-    dec(256, 8, 1, 16, 2, 11_700),
+    dec(64, 1, 4, 64, 4, 30_800),
+    dec(64, 1, 4, 64, 2, 25_100),
+    dec(64, 4, 1, 64, 4, 16_100),
+    dec(64, 4, 1, 64, 2, 16_700),
+    dec(64, 8, 1, 64, 4, 13_000),
+    dec(64, 8, 1, 64, 2, 14_900),
+    dec(128, 1, 4, 64, 3, 40_200),
+    dec(128, 1, 4, 64, 2, 33_000),
+    dec(128, 4, 1, 64, 3, 23_100),
+    dec(128, 4, 1, 64, 2, 22_500),
+    dec(128, 8, 1, 32, 4, 20_300),
+    dec(128, 8, 1, 32, 2, 17_200),
+    dec(256, 1, 4, 64, 3, 46_600),
+    dec(256, 1, 4, 64, 2, 41_500),
+    dec(256, 1, 2, 32, 2, 34_400),
+    dec(256, 4, 1, 16, 4, 15_700),
+    dec(256, 4, 1, 16, 2, 15_700),
+    dec(256, 8, 1, 16, 3, 13_200),
+    dec(256, 8, 1, 16, 2, 12_700),
 ];
 
 /// One instance of the Hopper forward kernel (`kernels/sm90/fwd.cuh`, sm_90a): a producer

@@ -53,19 +53,22 @@ pub(crate) const DECODE_MAX_ROWS: usize = 128;
 /// one sequence of one K/V head to fill two blocks on each SM of a 132-SM GPU.
 pub(crate) const MAX_SPLITS: usize = 256;
 
+// The costs below marked "fitted", and the instances' rates (`DecodeInstance::rate`), were
+// fitted together on an H100: every instance at split counts 1 to 64 over 83 shapes of the
+// sweep's configurations (`decode_bench --instances .. --splits ..`), minimising the modelled
+// time's error relative to the measured one, weighted towards each shape's fastest plans.
+
 /// What one wave of blocks costs beyond its bytes, in microseconds: the first tiles' round trip
-/// before a block streams and the tail of its last blocks. Fitted with the instances' rates
-/// (`DecodeInstance::rate`) over `decode_bench --instances` on an H100.
-const WAVE_US: f64 = 5.4;
+/// before a block streams and the tail of its last blocks (fitted).
+const WAVE_US: f64 = 6.8;
 
 /// What a dependent combine launch costs beyond its bytes, in microseconds: the partial pass
-/// drains, the combine grid ramps up and waits a round trip for its loads (fitted as
-/// [`WAVE_US`]).
-const COMBINE_US: f64 = 13.0;
+/// drains, the combine grid ramps up and waits a round trip for its loads (fitted).
+const COMBINE_US: f64 = 9.6;
 
 /// What a fused merge costs beyond its round trips, in microseconds: zeroing the group counters
-/// before the launch and each block's fence and count.
-const FUSED_US: f64 = 2.0;
+/// before the launch and each block's fence and count (fitted).
+const FUSED_US: f64 = 3.5;
 
 /// Splits whose partials a fused merge loads at once (`COMBINE_UNROLL` of
 /// `kernels/decode/combine.cuh`).
@@ -73,15 +76,19 @@ const COMBINE_UNROLL: usize = 8;
 
 /// One dependent round trip of a fused merge's loads (the partials, just written, from the L2),
 /// with the arithmetic between them, in microseconds: the last block of a group walks its rows'
-/// splits in such steps. Set from the worst fused case measured on an H100 (8 rows of d 256 on
-/// two warps, one group of 2048 keys: 36 us fused, 24 us with the combine kernel), so that the
-/// fused merge is taken only where its block has a row or two per warp and few splits.
-const TRIP_US: f64 = 1.5;
+/// splits in such steps, so the fused merge wins only where its block has a row or two per
+/// warp and few splits (fitted).
+const TRIP_US: f64 = 1.4;
 
 /// What a block of a paged cache streams, as a share of its instance's rate: its copies wait on
-/// the block-table entries (one r1_k4_c64_s3 block per SM moved 16.4 GB/s over 16-row pages,
-/// 22.9 over a contiguous cache, on an H100).
-const PAGED_RATE: f64 = 0.7;
+/// the block-table entries (fitted on 16-row pages; the fit's 0.64, lowered to 0.5 where a
+/// sweep of long paged caches at one block per SM measured 0.7 of the contiguous pace or less).
+const PAGED_RATE: f64 = 0.5;
+
+/// A K/V slice counts as read once by the row blocks that share it while it is at most this
+/// fraction of the L2: the blocks launch side by side but drift apart as they stream, and a
+/// tile the first fetched must still be in the L2 when the last reads it.
+const L2_SHARE_DIVISOR: usize = 8;
 
 /// The share of the peak DRAM bandwidth a stream reaches: a device-to-device copy moves 3.0 of
 /// the H100's 3.35 TB/s.
@@ -415,18 +422,22 @@ fn cost(
     let block_bytes = (keys * d_load * 2 * esize) as f64;
     // A wave of n blocks: the block scheduler deals them out over the SMs, so the busiest SM
     // holds ceil(n / SMs) of them; its blocks stream at most their own rate each, and its DRAM
-    // bytes arrive at most at its even share of the bandwidth, where only one row block in
-    // m_tiles fetches a K/V tile from the DRAM (the other row blocks of its sequence and K/V
-    // head, launched beside it, find the tile in the L2). The wave lasts as long as its busiest
-    // SM.
+    // bytes arrive at most at its even share of the bandwidth, where, for short slices
+    // ([`L2_SHARE_DIVISOR`]), only one row block in m_tiles fetches a K/V tile from the DRAM
+    // (the other row blocks of its sequence and K/V head, launched beside it, find the tile in
+    // the L2). The wave lasts as long as its busiest SM.
     let sms = caps.sms as usize;
     let sm_share = dram / sms as f64;
     let rate =
         i.rate as f64 * if p.paged.is_some() { PAGED_RATE } else { 1.0 } * esize as f64 / 2.0;
+    let sharing = match block_bytes as usize * L2_SHARE_DIVISOR <= caps.l2_bytes {
+        true => m_tiles as f64,
+        false => 1.0,
+    };
     let wave = |n: usize| {
         let load = n.div_ceil(sms) as f64;
         let compute = block_bytes / rate;
-        let memory = load * block_bytes / m_tiles as f64 / sm_share;
+        let memory = load * block_bytes / sharing / sm_share;
         WAVE_US + compute.max(memory)
     };
     let full = blocks / slots;

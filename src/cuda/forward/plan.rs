@@ -776,7 +776,12 @@ mod tests {
     #[test]
     fn old_gpus_get_an_error_naming_their_capability() {
         let p = problem(64, DType::F16, &FlashAttn::new(0.1), 4, 4);
-        let err = plan(&p, DType::F16, &DeviceCaps::with(7, 5, 40, 65_536, 320_000)).unwrap_err();
+        let err = plan(
+            &p,
+            DType::F16,
+            &DeviceCaps::with(7, 5, 40, 65_536, 320_000, 4 << 20),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("7.5"), "{err}");
     }
 

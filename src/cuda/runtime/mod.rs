@@ -118,6 +118,7 @@ fn read_caps(stream: &CudaStream) -> Result<DeviceCaps> {
         sms: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
         smem_optin: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
         dram_bytes_per_us: mem_khz * bus_bits * 2 / 8 / 1000,
+        l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
         hopper: major == 9 && minor == 0,
         fp8: major > 8 || (major == 8 && minor >= 9),
     })
