@@ -243,6 +243,31 @@ unsafe fn scores_rows<T: 'static, const RB: usize, const CB: usize>(
         let mut x = 0;
         // Sixteen elements per step (two packed chunks), then at most one whole chunk.
         while x + 2 * W <= d {
+            if CB <= 2 {
+                // Both keys' halves fit in registers beside the accumulators: each query
+                // chunk is loaded once for them.
+                let mut kab = [(_mm256_setzero_ps(), _mm256_setzero_ps()); CB];
+                for (kab, kr) in kab.iter_mut().zip(&kr) {
+                    // SAFETY: elements `x .. x + 16 <= d` of a K row in bounds (caller).
+                    *kab = unsafe { load2(kr.wrapping_add(x)) };
+                }
+                for t in 0..RB {
+                    // SAFETY: chunks `x / 8` and `x / 8 + 1` of packed row t (caller).
+                    let (qa, qb) = unsafe {
+                        (
+                            _mm256_loadu_ps(qc.add(t * W)),
+                            _mm256_loadu_ps(qc.add((RB + t) * W)),
+                        )
+                    };
+                    for (c, (ka, kb)) in kab.iter().enumerate() {
+                        acc[t * CB + c] = _mm256_fmadd_ps(qa, *ka, acc[t * CB + c]);
+                        acc[t * CB + c] = _mm256_fmadd_ps(qb, *kb, acc[t * CB + c]);
+                    }
+                }
+                qc = qc.wrapping_add(2 * RB * W);
+                x += 2 * W;
+                continue;
+            }
             for (c, kr) in kr.iter().enumerate() {
                 // SAFETY: elements `x .. x + 16 <= d` of a K row in bounds (caller).
                 let (ka, kb) = unsafe { load2(kr.wrapping_add(x)) };
