@@ -461,8 +461,9 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
 
     // A warp whose row tile holds no packed row (an instance wider than the call's rows) skips
     // the tile products: it still copies its share of each tile, but issues nothing else that
-    // the busy warps of its SM would wait behind.
-    const bool has_rows = m0 + 16 * rg < g.sq * p.kv_group;
+    // the busy warps of its SM would wait behind. One row tile always holds a row (the block
+    // returned above otherwise): no test, and no register, in those instances.
+    const bool has_rows = RG == 1 || m0 + 16 * rg < g.sq * p.kv_group;
 
     const int t_begin = g.n_lo / BC;
     const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BC - 1) / BC : t_begin;
