@@ -497,20 +497,7 @@ unsafe fn pv_bf16_rows<T: 'static, const RB: usize, const CB: usize>(
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
 fn exp2v(x: __m512) -> __m512 {
-    // Adding 1.5·2²³ rounds to an integer n and leaves n in the low mantissa bits.
-    const SHIFT: f32 = 12_582_912.0;
-    const SHIFT_BITS: i32 = 0x4B40_0000;
-    // The Taylor series of 2^f = e^(f ln 2), degree 6 (within 1.2e-7 on |f| <= 1/2).
-    const L: f64 = std::f64::consts::LN_2;
-    const C: [f32; 7] = [
-        1.0,
-        L as f32,
-        (L * L / 2.0) as f32,
-        (L * L * L / 6.0) as f32,
-        (L * L * L * L / 24.0) as f32,
-        (L * L * L * L * L / 120.0) as f32,
-        (L * L * L * L * L * L / 720.0) as f32,
-    ];
+    use crate::cpu::exp2::{C, SHIFT, SHIFT_BITS};
     // `max`/`min` return their second operand when either is NaN: NaN passes through.
     let x = _mm512_max_ps(_mm512_set1_ps(-127.0), x);
     let x = _mm512_min_ps(_mm512_set1_ps(127.0), x);
