@@ -149,6 +149,9 @@ struct Args {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Layout {
     Contiguous,
+    /// K and V stored `(b, kv_heads, kv, d)` (each head's keys together, as PyTorch lays out
+    /// its caches) and passed as the `(b, kv, kv_heads, d)` view of that storage.
+    HeadMajor,
     /// Pages of this many rows over a shuffled block table.
     Paged(usize),
 }
@@ -157,6 +160,7 @@ impl Layout {
     fn name(self) -> String {
         match self {
             Layout::Contiguous => "contiguous".into(),
+            Layout::HeadMajor => "headmajor".into(),
             Layout::Paged(n) => format!("paged{n}"),
         }
     }
@@ -164,9 +168,10 @@ impl Layout {
     fn parse(s: &str) -> Result<Self> {
         match s {
             "contiguous" => Ok(Layout::Contiguous),
+            "headmajor" => Ok(Layout::HeadMajor),
             _ => match s.strip_prefix("paged").map(str::parse::<usize>) {
                 Some(Ok(n)) if n > 0 => Ok(Layout::Paged(n)),
-                _ => bail!("layout {s:?}: expected contiguous or paged<N>"),
+                _ => bail!("layout {s:?}: expected contiguous, headmajor or paged<N>"),
             },
         }
     }
@@ -622,6 +627,12 @@ fn flash_inputs(s: &Shape, dev: &Device, seed: u64) -> Result<FlashInputs> {
             q: randn(&[b, s.seq_q, h, d], s.q_dtype(), dev)?,
             k: randn(&[b, s.kv, hk, d], s.dtype, dev)?,
             v: randn(&[b, s.kv, hk, d], s.dtype, dev)?,
+            paged: None,
+        },
+        Layout::HeadMajor => FlashInputs {
+            q: randn(&[b, s.seq_q, h, d], s.q_dtype(), dev)?,
+            k: randn(&[b, hk, s.kv, d], s.dtype, dev)?.transpose(1, 2)?,
+            v: randn(&[b, hk, s.kv, d], s.dtype, dev)?.transpose(1, 2)?,
             paged: None,
         },
         Layout::Paged(page) => {
