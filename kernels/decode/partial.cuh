@@ -14,8 +14,8 @@
 //   tiles for its own rows (KG 1) and no merge is needed.
 // - K/V tiles stream through a STAGES-deep cp.async ring; STAGES - 1 tiles are in flight while
 //   one is computed, which is what keeps a block's bytes in flight above the memory latency.
-//   Paged caches read the block-table entries of a tile one iteration ahead (into shared
-//   memory, shared by K and V).
+//   Paged caches load the block-table entries of a tile two iterations before its copies are
+//   issued (into registers, then shared memory, shared by K and V).
 // - Per tile and warp: S = Q K^T (Q, K by ldmatrix), the online softmax in the S registers
 //   (scale * log2 e folded into exp2; softcap / ALiBi in the `_mods` instances), O += P V with P
 //   straight from the S registers and V by ldmatrix.trans.
@@ -219,7 +219,7 @@ __device__ __forceinline__ float q_to_f16(void* sQ) {
 
 // The block-table entry of key j of sequence b (paged caches), or -1 past the sequence's sk
 // keys. Only the load is issued here: the value is first used when it is stored to shared
-// memory, after the tile's compute, so the load's latency hides behind it.
+// memory, an iteration of the key loop later, so the load's latency hides behind it.
 __device__ __forceinline__ int table_entry(const FlashParams& p, int b, int j, int sk) {
     int blk = -1;
     if (j < sk) {
@@ -501,12 +501,21 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     load_q<T, D, ROWS, THREADS>(reinterpret_cast<T*>(sQ), p, b, g, m0, kvh);
     // KV8: Q in a group of its own, converted once the first tiles are on their way.
     if constexpr (KV8) cp_async_commit();
+    // Paged: the table entries of the first STAGES tiles are loaded together (one round trip
+    // before the first copy, not one per tile), then stored and issued a tile at a time through
+    // the two buffers.
+    int first_blk[STAGES];
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) first_blk[s] = fetch(t_begin + s);
+    // The entries stored after each tile's compute were loaded an iteration earlier, so that a
+    // tile's compute need not cover a round trip of its own: this is the first of them.
+    int ahead = fetch(t_begin + STAGES);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         const int t = t_begin + s;
         if (t < t_end) {
             if (paged) {
-                put(t, fetch(t));
+                put(t, first_blk[s]);
                 __syncthreads();
             }
             issue(t, s);
@@ -514,7 +523,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         cp_async_commit();
     }
     // The first tile the loop issues: its table entries are in place before its first barrier.
-    put(t_begin + STAGES - 1, fetch(t_begin + STAGES - 1));
+    put(t_begin + STAGES - 1, first_blk[STAGES - 1]);
     float qscale = 1.f;
     // KV8: the descales of this (sequence, K/V head), folded into the scores' factor and the
     // output's (FlashParams::qk_descale, v_descale; absent: 1).
@@ -536,9 +545,11 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         const int tn = t + STAGES - 1;
         if (tn < t_end) issue(tn, (it + STAGES - 1) % STAGES);
         cp_async_commit();
-        // The table entries of the tile after: loaded now, stored after this tile's compute
-        // (its buffer was last read by the copies of tile tn - 1, before the barrier above).
-        const int next_blk = fetch(tn + 1);
+        // The table entries of the tile after: loaded an iteration ago, stored after this
+        // tile's compute (its buffer was last read by the copies of tile tn - 1, before the
+        // barrier above); those of the tile after it are loaded now.
+        const int next_blk = ahead;
+        ahead = fetch(tn + 2);
         const Tc* sK;
         if constexpr (KV8) {
             convert_kv8<D, BC, THREADS>(sWork, sKV + (it % STAGES) * 2 * Tr::TILE);
