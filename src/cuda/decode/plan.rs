@@ -93,6 +93,13 @@ const PAGED_RATE: f64 = 0.5;
 /// tile the first fetched must still be in the L2 when the last reads it.
 const L2_SHARE_DIVISOR: usize = 8;
 
+/// The part of the idle SMs' share of the DRAM bandwidth that the busy ones draw when the grid
+/// has fewer blocks than SMs (fitted: grids of 64 to 96 blocks measured 1.1 to 1.7 times the
+/// even share per SM, the more the fewer SMs; over the fit shapes the planner's choices are as
+/// good anywhere from 0.5 to 1, and 0.5 keeps long caches on every SM, where 96 SMs drew only
+/// 1.1 times their share).
+const IDLE_SHARE: f64 = 0.5;
+
 /// The share of the peak DRAM bandwidth a stream reaches: a device-to-device copy moves 3.0 of
 /// the H100's 3.35 TB/s.
 const STREAM_EFFICIENCY: f64 = 0.9;
@@ -425,18 +432,20 @@ fn cost(
     let block_bytes = (keys * d_load * 2 * esize) as f64;
     // A wave of n blocks: the block scheduler deals them out over the SMs, so the busiest SM
     // holds ceil(n / SMs) of them; its blocks stream at most their own rate each, and its DRAM
-    // bytes arrive at most at its even share of the bandwidth, where, for short slices
-    // ([`L2_SHARE_DIVISOR`]), only one row block in m_tiles fetches a K/V tile from the DRAM
-    // (the other row blocks of its sequence and K/V head, launched beside it, find the tile in
-    // the L2). The wave lasts as long as its busiest SM.
+    // bytes arrive at most at its share of the bandwidth (its even share, plus part of the idle
+    // SMs' where the whole grid has fewer blocks than SMs: [`IDLE_SHARE`]), where, for short
+    // slices ([`L2_SHARE_DIVISOR`]), only one row block in m_tiles fetches a K/V tile from the
+    // DRAM (the other row blocks of its sequence and K/V head, launched beside it, find the
+    // tile in the L2). The wave lasts as long as its busiest SM.
     let sms = caps.sms as usize;
-    let sm_share = dram / sms as f64;
     let rate =
         i.rate as f64 * if p.paged.is_some() { PAGED_RATE } else { 1.0 } * esize as f64 / 2.0;
     let sharing = match block_bytes as usize * L2_SHARE_DIVISOR <= caps.l2_bytes {
         true => m_tiles as f64,
         false => 1.0,
     };
+    let busy = blocks.clamp(1, sms) as f64;
+    let sm_share = dram / sms as f64 * (1.0 + IDLE_SHARE * (sms as f64 / busy - 1.0));
     let wave = |n: usize| {
         let load = n.div_ceil(sms) as f64;
         let compute = block_bytes / rate;
