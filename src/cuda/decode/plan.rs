@@ -704,6 +704,22 @@ mod tests {
         );
     }
 
+    /// A grid with fewer blocks than SMs draws more than its even share per SM: where one
+    /// block per (sequence, K/V head) keeps most SMs streaming, the plan takes it whole, with no
+    /// merge, rather than splitting its keys; a long cache over few sequences is still split
+    /// over every SM.
+    #[test]
+    fn near_full_grids_skip_the_merge() {
+        let caps = DeviceCaps::SM90;
+        for (b, sk, h, hk, d) in [(3, 2048, 32, 32, 128), (64, 512, 8, 1, 256)] {
+            let pl = bf16(b, 1, sk, h, hk, d).unwrap();
+            assert!(b * hk < caps.sms as usize, "{pl:?}");
+            assert_eq!((pl.splits, &pl.merge), (1, &Merge::None), "{pl:?}");
+        }
+        let pl = bf16(3, 1, 131072, 8, 1, 256).unwrap();
+        assert!(pl.splits * 3 >= caps.sms as usize, "{pl:?}");
+    }
+
     /// One packed row per K/V head over a few splits merges in the partial launch; a group
     /// whose last block would walk many rows' splits one after another takes the combine
     /// kernel, launched over every (row, head).
