@@ -503,19 +503,22 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     if constexpr (KV8) cp_async_commit();
     // Paged: the table entries of the first STAGES tiles are loaded together (one round trip
     // before the first copy, not one per tile), then stored and issued a tile at a time through
-    // the two buffers.
+    // the two buffers; and the entries stored after each tile's compute were loaded an
+    // iteration earlier, so that a tile's compute need not cover a round trip of its own. (The
+    // FP8-cache twins, at their register cap, load each tile's entries where they are stored:
+    // holding them longer made them spill.)
+    constexpr bool EARLY_TABLE = !KV8;
     int first_blk[STAGES];
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) first_blk[s] = fetch(t_begin + s);
-    // The entries stored after each tile's compute were loaded an iteration earlier, so that a
-    // tile's compute need not cover a round trip of its own: this is the first of them.
-    int ahead = fetch(t_begin + STAGES);
+    for (int s = 0; s < STAGES; ++s) first_blk[s] = EARLY_TABLE ? fetch(t_begin + s) : -1;
+    auto first = [&](int s) { return EARLY_TABLE ? first_blk[s] : fetch(t_begin + s); };
+    int ahead = EARLY_TABLE ? fetch(t_begin + STAGES) : -1;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         const int t = t_begin + s;
         if (t < t_end) {
             if (paged) {
-                put(t, first_blk[s]);
+                put(t, first(s));
                 __syncthreads();
             }
             issue(t, s);
@@ -523,7 +526,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         cp_async_commit();
     }
     // The first tile the loop issues: its table entries are in place before its first barrier.
-    put(t_begin + STAGES - 1, first_blk[STAGES - 1]);
+    put(t_begin + STAGES - 1, first(STAGES - 1));
     float qscale = 1.f;
     // KV8: the descales of this (sequence, K/V head), folded into the scores' factor and the
     // output's (FlashParams::qk_descale, v_descale; absent: 1).
@@ -545,11 +548,11 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         const int tn = t + STAGES - 1;
         if (tn < t_end) issue(tn, (it + STAGES - 1) % STAGES);
         cp_async_commit();
-        // The table entries of the tile after: loaded an iteration ago, stored after this
-        // tile's compute (its buffer was last read by the copies of tile tn - 1, before the
-        // barrier above); those of the tile after it are loaded now.
-        const int next_blk = ahead;
-        ahead = fetch(tn + 2);
+        // The table entries of the tile after (loaded an iteration ago, or now in the FP8
+        // twins), stored after this tile's compute (its buffer was last read by the copies of
+        // tile tn - 1, before the barrier above); those of the tile after it are loaded now.
+        const int next_blk = EARLY_TABLE ? ahead : fetch(tn + 1);
+        if constexpr (EARLY_TABLE) ahead = fetch(tn + 2);
         const Tc* sK;
         if constexpr (KV8) {
             convert_kv8<D, BC, THREADS>(sWork, sKV + (it % STAGES) * 2 * Tr::TILE);
