@@ -15,7 +15,7 @@
 // - K/V tiles stream through a STAGES-deep cp.async ring; STAGES - 1 tiles are in flight while
 //   one is computed, which is what keeps a block's bytes in flight above the memory latency.
 //   Paged caches load the block-table entries of a tile two iterations before its copies are
-//   issued (into registers, then shared memory, shared by K and V).
+//   issued (one in the FP8 twins), into registers, then shared memory, shared by K and V.
 // - Per tile and warp: S = Q K^T (Q, K by ldmatrix), the online softmax in the S registers
 //   (scale * log2 e folded into exp2; softcap / ALiBi in the `_mods` instances), O += P V with P
 //   straight from the S registers and V by ldmatrix.trans.
@@ -219,7 +219,8 @@ __device__ __forceinline__ float q_to_f16(void* sQ) {
 
 // The block-table entry of key j of sequence b (paged caches), or -1 past the sequence's sk
 // keys. Only the load is issued here: the value is first used when it is stored to shared
-// memory, an iteration of the key loop later, so the load's latency hides behind it.
+// memory, after a tile's compute (an iteration of the key loop later, but in the FP8 twins),
+// so the load's latency hides behind it.
 __device__ __forceinline__ int table_entry(const FlashParams& p, int b, int j, int sk) {
     int blk = -1;
     if (j < sk) {
