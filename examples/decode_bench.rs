@@ -27,7 +27,8 @@
 //!
 //! CSV columns, after `date,commit,device,command`:
 //! `impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,ref_gbps`, with `impl`
-//! `candle-flash` or `candle-naive`, `layout` `contiguous` or `paged<N>` (pages of N rows over a
+//! `candle-flash` or `candle-naive`, `layout` `contiguous`, `headmajor` (K and V stored
+//! `(batch, kv_heads, kv, head_dim)`, passed as a view) or `paged<N>` (pages of N rows over a
 //! shuffled block table), `us` the median time of one call, `gbps` the bytes one decode step
 //! must move (K and V read once, plus q and the output) per second, whichever the
 //! implementation, and `ref_gbps` the reference measured just before the row: on the CPU a
