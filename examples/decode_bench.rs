@@ -624,18 +624,21 @@ fn randn(shape: &[usize], dtype: DType, dev: &Device) -> Result<Tensor> {
 fn flash_inputs(s: &Shape, dev: &Device, seed: u64) -> Result<FlashInputs> {
     let (b, h, hk, d) = (s.batch, s.heads, s.kv_heads, s.head_dim);
     Ok(match s.layout {
-        Layout::Contiguous => FlashInputs {
-            q: randn(&[b, s.seq_q, h, d], s.q_dtype(), dev)?,
-            k: randn(&[b, s.kv, hk, d], s.dtype, dev)?,
-            v: randn(&[b, s.kv, hk, d], s.dtype, dev)?,
-            paged: None,
-        },
-        Layout::HeadMajor => FlashInputs {
-            q: randn(&[b, s.seq_q, h, d], s.q_dtype(), dev)?,
-            k: randn(&[b, hk, s.kv, d], s.dtype, dev)?.transpose(1, 2)?,
-            v: randn(&[b, hk, s.kv, d], s.dtype, dev)?.transpose(1, 2)?,
-            paged: None,
-        },
+        Layout::Contiguous | Layout::HeadMajor => {
+            // `(b, kv, kv_heads, d)`, stored so or as the view of head-major storage.
+            let cache = || -> Result<Tensor> {
+                Ok(match s.layout {
+                    Layout::HeadMajor => randn(&[b, hk, s.kv, d], s.dtype, dev)?.transpose(1, 2)?,
+                    _ => randn(&[b, s.kv, hk, d], s.dtype, dev)?,
+                })
+            };
+            FlashInputs {
+                q: randn(&[b, s.seq_q, h, d], s.q_dtype(), dev)?,
+                k: cache()?,
+                v: cache()?,
+                paged: None,
+            }
+        }
         Layout::Paged(page) => {
             let per_seq = s.kv.div_ceil(page);
             let blocks = b * per_seq;
