@@ -173,9 +173,10 @@ impl FlashAttn {
     /// [`backward_varlen_all`](Self::backward_varlen_all) return `dbias`; they rebuild the
     /// scores one sequence at a time (`(heads, seq_q, seq_k)` f32, the memory of naive
     /// attention for one sequence). Paged and KV-cache calls are inference only: a tracked bias
-    /// is refused there with an error that says so. [`naive_attention`](crate::naive_attention) takes it on every device. A bias without a
-    /// query-row dimension (key padding) is read once per key tile; a full bias is read per
-    /// score and costs several times the plain call on the GPU.
+    /// is refused there with an error that says so. [`naive_attention`](crate::naive_attention)
+    /// takes it on every device. A bias without a query-row dimension (key padding) is read
+    /// once per key tile; a full bias is read per score and costs several times the plain call
+    /// on the GPU.
     pub fn bias(mut self, bias: &Tensor) -> Self {
         self.bias = Some(bias.clone());
         self
