@@ -458,7 +458,8 @@ test_device!(key_bias_tiles, Forward);
 
 /// The bias on decode-shaped calls (few query rows per K/V head, split over the keys): a
 /// key-padding bias with `-inf` keys, a full one in q's dtype and a per-head one, with causal
-/// masks and sinks.
+/// masks and sinks; and key vectors (which the GPU kernels stage per tile) in q's dtype, with
+/// every other key of a wider vector (key stride 2) and one for every sequence.
 fn bias_decode(t: &Target) -> Result<()> {
     for (n, &(sq, sk, h, hk)) in DECODE_SHAPES.iter().enumerate() {
         for &dtype in t.sweep(&DTYPES, n) {
@@ -467,7 +468,14 @@ fn bias_decode(t: &Target) -> Result<()> {
             let padding = bias_of(&[3, 1, 1, sk], seed)?;
             let full = randn(&[3, h, sq, sk], dtype, seed + 1, &Device::Cpu)?;
             let per_head = bias_of(&[h, 1, sk], seed + 2)?;
-            for (i, bias) in [padding, full, per_head].iter().enumerate() {
+            let typed = bias_of(&[3, 1, 1, sk], seed + 3)?.to_dtype(dtype)?;
+            let strided = bias_of(&[3, 1, 1, 2 * sk], seed + 4)?
+                .reshape((3, 1, 1, sk, 2))?
+                .narrow(4, 1, 1)?
+                .squeeze(4)?;
+            let shared = bias_of(&[1, 1, 1, sk], seed + 6)?;
+            let cases = [padding, full, per_head, typed, strided, shared];
+            for (i, bias) in cases.iter().enumerate() {
                 let opts = FlashAttn::new(scale(d)).causal().bias(bias);
                 let opts = if i == 2 { opts.sinks(&sinks(h)) } else { opts };
                 Case::new(3, sq, sk, h, hk, d, dtype)

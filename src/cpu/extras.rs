@@ -143,14 +143,23 @@ fn add_row<T: Value>(
     unit: f32,
 ) {
     let row = base + i * si + j0 * sj;
-    if sj == 1 {
-        let b = &d[row + cols.start..row + cols.end];
-        for (x, &b) in s[cols].iter_mut().zip(b) {
-            *x += b.f32() * unit;
+    match sj {
+        0 => {
+            let b = d[row].f32() * unit;
+            s[cols].iter_mut().for_each(|x| *x += b);
         }
-    } else {
-        let b = d[row].f32() * unit;
-        s[cols].iter_mut().for_each(|x| *x += b);
+        1 => {
+            let b = &d[row + cols.start..row + cols.end];
+            for (x, &b) in s[cols].iter_mut().zip(b) {
+                *x += b.f32() * unit;
+            }
+        }
+        // A strided key dimension (a view of every other key, say).
+        _ => {
+            for (c, x) in s.iter_mut().enumerate().take(cols.end).skip(cols.start) {
+                *x += d[row + c * sj].f32() * unit;
+            }
+        }
     }
 }
 
