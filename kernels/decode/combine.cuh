@@ -30,9 +30,9 @@ constexpr int COMBINE_MAX_SPLITS = 256;
 constexpr int COMBINE_UNROLL = 8;
 
 // Counts this block's split of its group done; true in the one block that finishes the group.
-// Every thread calls it after storing its partials.
-__device__ __forceinline__ bool last_split(const FlashParams& p) {
-    __shared__ int sh_last;
+// Every thread calls it after storing its partials. `sh_last`: a shared int, written only after
+// the block's barrier (it may alias shared memory that the block reads until then).
+__device__ __forceinline__ bool last_split(const FlashParams& p, int& sh_last) {
     // Each thread's partial stores are visible device-wide before its block is counted.
     __threadfence();
     __syncthreads();

@@ -259,8 +259,9 @@ struct WarpState {
 
 // S = Q K^T, softmax update and O += P V for this warp's KW keys of one tile, whose first key is
 // `k0`. Masks with the rows' visible ranges [row_lo, row_hi) (within this split). MODS: softcap,
-// ALiBi and the bias (the rows' offsets into it, `bias_row`, of keys < sk) first: a 2-byte bias
-// has the dtype of q, TB, which is not T where an FP8 cache's tiles are converted to f16.
+// ALiBi and the bias first: staged in shared memory (`sBias`, f32) where the block's rows share
+// one key vector, else read at the rows' offsets (`bias_row`, keys < sk); a 2-byte bias has the
+// dtype of q, TB, which is not T where an FP8 cache's tiles are converted to f16.
 template <typename T, typename TB, int D, int KW, bool MODS>
 __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p, const T* sQ,
                                           const T* sK, const T* sV, const SwzRow<D>& q_off,
@@ -268,7 +269,7 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
                                           const int (&row_lo)[2], const int (&row_hi)[2],
                                           const int (&diag)[2], const float (&slope_log2)[2],
                                           float unit, const int64_t (&bias_off)[2], int sk,
-                                          float qscale) {
+                                          float qscale, const float* sBias) {
     constexpr int NT = KW / 8;
     const int lane = threadIdx.x % 32;
     float s[NT][4];
@@ -297,7 +298,18 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
             for (int e = 0; e < 4; ++e)
                 s[j][e] = modded_score(p, s[j][e] * qscale, slope_log2[e / 2], diag[e / 2],
                                        col + j * 8 + e % 2);
-        if (p.bias) {
+        if (sBias) {
+            // One key vector for every row of the block, staged per tile (sBias: this warp's
+            // first key): two adjacent keys per read, for both of the thread's rows.
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const float2 x = *reinterpret_cast<const float2*>(sBias + col - k0 + j * 8);
+                s[j][0] += x.x * LOG2E_F;
+                s[j][1] += x.y * LOG2E_F;
+                s[j][2] += x.x * LOG2E_F;
+                s[j][3] += x.y * LOG2E_F;
+            }
+        } else if (p.bias) {
             const char* base = static_cast<const char*>(p.bias);
             const int esize = p.bias_f32 ? 4 : 2;
             // Rows with one offset (a key-padding bias, or one query row) read each key once.
@@ -469,17 +481,26 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     const int t_begin = g.n_lo / BC;
     const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BC - 1) / BC : t_begin;
 
-    // Block-table entries of two consecutive K/V tiles (paged caches, tile t in blk[t % 2])
-    // during the key loop; the warps' row maxima and sums in the merge after it (KG > 1). Static
-    // shared memory stays within the planner's reserve (STATIC_SMEM_RESERVE, 1 KB).
+    // During the key loop: the block-table entries of two consecutive K/V tiles (paged caches,
+    // tile t in blk[t % 2]) and the staged key bias of two (tile t in bias[t % 2]). In the merge
+    // after it (KG > 1): the warps' row maxima, sums and factors, and the rows' results. Static
+    // shared memory stays within the planner's reserve (STATIC_SMEM_RESERVE, 1 KB): one union.
     constexpr int MW = KG > 1 ? WARPS : 1;
+    // (The FP8-cache twins read the bias from global memory: at their register cap, and with
+    // their static shared memory at the reserve, the staging spilled.)
+    constexpr bool STAGE_BIAS = MODS && !KV8;
     __shared__ union {
-        int blk[2][BC];
         struct {
-            float m[MW][16], l[MW][16];
+            int blk[2][BC];
+            float bias[STAGE_BIAS ? 2 : 1][BC];
+        } loop;
+        struct {
+            float m[MW][16], l[MW][16], scale[MW][16];
+            float inv[KG > 1 ? ROWS : 1], lse2[KG > 1 ? ROWS : 1];
         } ml;
+        int last;  // last_split's flag, after the merge
     } sh_u;
-    auto& sh_blk = sh_u.blk;
+    auto& sh_blk = sh_u.loop.blk;
     const bool paged = p.block_table != nullptr;
     // Thread tid < BC fetches the table entry of key tid of tile t (-1 elsewhere).
     auto fetch = [&](int t) {
@@ -498,6 +519,23 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
                                     (int64_t)kvh * p.k_head, (int64_t)kvh * p.v_head, t * BC,
                                     min(BC, g.sk - t * BC), paged ? sh_blk[t % 2] : nullptr);
     };
+
+    // A bias that is one key vector for every row of the block (no head or row stride, such as
+    // a key-padding mask) is staged a tile at a time in shared memory, as the table entries are:
+    // thread tid < BC loads key tid of the tile after the one in hand, and stores it after that
+    // tile's compute; the scores then read it without a round trip to global memory.
+    const bool key_bias = STAGE_BIAS && p.bias && p.bias_h == 0 && (p.bias_q == 0 || g.sq == 1);
+    // (The row's address is rebuilt from the parameters at each load: the d 256 instances have
+    // no registers to hold it.)
+    auto bias_of = [&](int t) {
+        const int key = t * BC + tid;
+        if (!key_bias || tid >= BC || t >= t_end || key >= g.sk) return 0.f;
+        const int esize = p.bias_f32 ? 4 : 2;
+        const char* row = static_cast<const char*>(p.bias) + (int64_t)b * p.bias_b * esize;
+        return bias_elem<T>(p, row, (int64_t)key * p.bias_k);
+    };
+    if (key_bias && tid < BC)
+        sh_u.loop.bias[STAGE_BIAS ? t_begin % 2 : 0][tid] = bias_of(t_begin);
 
     load_q<T, D, ROWS, THREADS>(reinterpret_cast<T*>(sQ), p, b, g, m0, kvh);
     // KV8: Q in a group of its own, converted once the first tiles are on their way.
@@ -554,6 +592,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         // tile tn - 1, before the barrier above); those of the tile after it are loaded now.
         const int next_blk = EARLY_TABLE ? ahead : fetch(tn + 1);
         if constexpr (EARLY_TABLE) ahead = fetch(tn + 2);
+        const float next_bias = bias_of(t + 1);
         const Tc* sK;
         if constexpr (KV8) {
             convert_kv8<D, BC, THREADS>(sWork, sKV + (it % STAGES) * 2 * Tr::TILE);
@@ -563,11 +602,15 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             sK = reinterpret_cast<const Tc*>(sKV + (it % STAGES) * 2 * Tr::TILE);
         }
         const int k0 = t * BC + KW * kg;  // this warp's first key
+        float(*sh_bias)[BC] = sh_u.loop.bias;
+        const int bt = STAGE_BIAS ? t % 2 : 0, bn = STAGE_BIAS ? (t + 1) % 2 : 0;
         if (has_rows && k0 < g.n_hi && k0 + KW > g.n_lo)
             warp_tile<Tc, T, D, KW, MODS>(w, p, sQ, sK, sK + BC * D, q_off, k_off, v_off, k0,
                                           row_lo, row_hi, diag, slope_log2, unit, bias_off, g.sk,
-                                          qscale);
+                                          qscale, key_bias ? &sh_bias[bt][KW * kg] : nullptr);
         put(tn + 1, next_blk);
+        // Its buffer was last read by the compute of tile t - 1, before the barrier above.
+        if (key_bias && tid < BC) sh_bias[bn][tid] = next_bias;
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -606,8 +649,9 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         // warp's O and l scaled by 2^(m_w - M), summed in shared memory.
         float(*sh_m)[16] = sh_u.ml.m;
         float(*sh_l)[16] = sh_u.ml.l;
-        __shared__ float sh_scale[MW][16];
-        __shared__ float sh_inv[ROWS], sh_lse2[ROWS];
+        float(*sh_scale)[16] = sh_u.ml.scale;
+        float* sh_inv = sh_u.ml.inv;
+        float* sh_lse2 = sh_u.ml.lse2;
         if (lane % 4 == 0) {
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
@@ -675,7 +719,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     // splits (the ring is drained and its threads past the merge above). Not in the FP8-cache
     // twins: their registers are full (ptxas spills), and the planner gives them the kernel.
     if constexpr (!KV8)
-        if (p.split_sem && last_split(p))
+        if (p.split_sem && last_split(p, sh_u.last))
             combine_rows<T, D, ROWS, WARPS>(p, m0, kvh, b, g, reinterpret_cast<float*>(sKV));
 }
 
