@@ -489,6 +489,25 @@ fn bias_decode(t: &Target) -> Result<()> {
 }
 test_device!(bias_decode, Decode);
 
+/// Small shapes for compute-sanitizer: the decode kernels with a key vector they stage per tile
+/// (f32 with `-inf` keys, and in q's dtype), with one split and with the most, GQA groups of 8
+/// and 1.
+fn sanitizer_bias_decode(t: &Target) -> Result<()> {
+    for (n, &(sq, h, hk)) in [(1, 8, 1), (3, 4, 4)].iter().enumerate() {
+        let seed = 560 + 10 * n as u64;
+        let padding = bias_of(&[2, 1, 1, 300], seed)?;
+        let typed = bias_of(&[2, 1, 1, 300], seed + 1)?.to_dtype(DType::BF16)?;
+        for (i, bias) in [padding, typed].iter().enumerate() {
+            let opts = FlashAttn::new(scale(64)).causal().bias(bias);
+            Case::new(2, sq, 300, h, hk, 64, DType::BF16)
+                .with(opts)
+                .check(t, seed + 2 + i as u64)?;
+        }
+    }
+    Ok(())
+}
+test_device!(sanitizer_bias_decode, Decode);
+
 /// The bias and block masks on packed calls (the ragged batch of the varlen tests: sequences
 /// without queries or keys, odd lengths): a full bias with `-inf` keys, key padding, per head
 /// with sinks, in q's dtype, a block mask per sequence and head alone and with a bias, under
