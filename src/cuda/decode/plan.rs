@@ -191,29 +191,15 @@ fn plan_with(
         kv8,
         forced: p.kernels.overrides.decode_instance.clone(),
     };
-    let cached = SEARCHES
-        .lock()
-        .ok()
-        .and_then(|c| c.iter().find(|(k, _)| *k == key).map(|(_, v)| *v));
-    let (instance, m_tiles, splits) = match cached {
-        Some(found) => found,
-        None => {
-            let shape = Shape {
-                width,
-                rows,
-                d_load,
-                esize: if kv8 { 1 } else { 2 },
-            };
-            let found = search(p, caps, shape, &smem, &|i| residency(&launch(i)))?;
-            if let Ok(mut c) = SEARCHES.lock() {
-                if c.len() == SEARCH_CACHE {
-                    c.remove(0);
-                }
-                c.push((key, found));
-            }
-            found
-        }
+    let shape = Shape {
+        width,
+        rows,
+        d_load,
+        esize: if kv8 { 1 } else { 2 },
     };
+    let (instance, m_tiles, splits) = remembered(key, || {
+        search(p, caps, shape, &smem, &|i| residency(&launch(i)))
+    })?;
     if p.kv_heads * m_tiles > 65535 || p.batch > 65535 || p.heads > 65535 {
         bail!(
             "flash-attn: decode grid ({splits}, {}, {}) exceeds the CUDA limits",
@@ -305,6 +291,26 @@ const SEARCH_CACHE: usize = 16;
 type Found = (DecodeInstance, usize, usize);
 
 static SEARCHES: std::sync::Mutex<Vec<(SearchKey, Found)>> = std::sync::Mutex::new(Vec::new());
+
+/// The search result kept for `key`, else `search()`'s, then kept (the oldest of
+/// [`SEARCH_CACHE`] dropped).
+fn remembered(key: SearchKey, search: impl FnOnce() -> Result<Found>) -> Result<Found> {
+    let cached = SEARCHES
+        .lock()
+        .ok()
+        .and_then(|c| c.iter().find(|(k, _)| *k == key).map(|(_, v)| *v));
+    if let Some(found) = cached {
+        return Ok(found);
+    }
+    let found = search()?;
+    if let Ok(mut c) = SEARCHES.lock() {
+        if c.len() == SEARCH_CACHE {
+            c.remove(0);
+        }
+        c.push((key, found));
+    }
+    Ok(found)
+}
 
 /// What the search reads of a call besides the problem: the instance width, the packed rows per
 /// K/V head, the columns read and the bytes of one K/V element.
