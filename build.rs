@@ -48,11 +48,17 @@ const ARCH_MODULES: &[(&str, &str, &[&str])] = &[
         "flash_bwd_sm90",
         &["-gencode=arch=compute_90a,code=compute_90a"],
     ),
-    // Decode from FP8 caches: the e4m3 -> f16 conversion instruction is sm_89's.
+    // Decode from FP8 caches: with sm_89's e4m3 -> f16 conversion instruction, and for the
+    // GPUs before it (and the portable path) with the conversion in integer and f16 arithmetic.
     (
         "kernels/decode/decode_fp8.cu",
         "flash_decode_fp8",
         &["-gencode=arch=compute_89,code=compute_89"],
+    ),
+    (
+        "kernels/decode/decode_fp8.cu",
+        "flash_decode_fp8_sm80",
+        &["-arch=compute_80"],
     ),
 ];
 

@@ -1,7 +1,8 @@
-// Decode from FP8 (e4m3) KV caches (compute_89 PTX: the e4m3 -> f16 conversion instruction is
-// sm_89's; older GPUs take the converting path): the partial pass of decode/partial.cuh over
-// one-byte K and V, for bf16 and f16 queries and outputs, merging its splits as they do
-// (the separate combine kernel is theirs: its partials are f32 whatever the cache holds).
+// Decode from FP8 (e4m3) KV caches: the partial pass of decode/partial.cuh over one-byte K and
+// V, for bf16 and f16 queries and outputs, merging its splits as they do (the separate combine
+// kernel is theirs: its partials are f32 whatever the cache holds). Built twice: compute_89
+// PTX, with sm_89's e4m3 -> f16 conversion instruction, and compute_80 PTX for the GPUs before
+// it (and the portable path), converting in integer and f16 arithmetic (e4m3x2_to_f16x2).
 #include "decode/partial.cuh"
 #include "instances.cuh"
 

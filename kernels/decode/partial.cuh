@@ -28,8 +28,8 @@
 //
 // FP8 caches (KV8): K and V stream as stored (e4m3, one byte per element) through a ring of half
 // the size; each tile is converted once in shared memory into f16 tiles that the warps read as
-// above, and the products run in f16 (e4m3 converts to it exactly, by one instruction per pair
-// on sm_89 and later, the only GPUs this variant is built for). Q, read in T, becomes f16
+// above, and the products run in f16 (e4m3 converts to it exactly: by one instruction per pair
+// on sm_89 and later, by a few integer and f16 operations before it). Q, read in T, becomes f16
 // scaled by a power of two 2^-e per block so that its largest value stays below 2^15 (f16's
 // range; the scaling is exact), and the scores are taken times 2^e and the call's q·k descale of
 // the block's (sequence, K/V head); its v descale scales the block's output.
@@ -161,10 +161,25 @@ __device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, cons
     }
 }
 
-// Two e4m3 values (low byte first) as an f16 pair, exactly; NaN stays NaN.
+// Two e4m3 values (low byte first) as an f16 pair, exactly; NaN stays NaN. sm_89 and later
+// convert a pair in one instruction. Before it, bits: e4m3 (bias 7, 3 mantissa bits) placed in
+// f16's fields (bias 15, 10 bits), sign | magnitude << 7, is the value times 2^-8 for every
+// finite input, e4m3's subnormals included (they land on f16 normals or subnormals, exactly);
+// one f16 multiply by 2^8 restores it. e4m3's NaN (magnitude 0x7f; it has no infinities) comes
+// out as 480, above its largest finite value (448), and is then made f16's NaN.
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t x) {
+#if __CUDA_ARCH__ >= 890
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(x, __NV_E4M3);
     return (uint32_t)h.x | ((uint32_t)h.y << 16);
+#else
+    // Byte i in the high byte of half i, then its magnitude shifted down by one.
+    const uint32_t w = __byte_perm((uint32_t)x, 0, 0x1404);
+    const uint32_t bits = (w & 0x80008000u) | ((w >> 1) & 0x3f803f80u);
+    const __half two8 = __ushort_as_half(0x5c00);  // 2^8
+    const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&bits), __half2half2(two8));
+    const unsigned nan = __hgt2_mask(__habs2(v), __half2half2(__ushort_as_half(0x5f40)));  // 464
+    return *reinterpret_cast<const uint32_t*>(&v) | (nan & 0x7e007e00u);
+#endif
 }
 
 // Converts a stored (K, V) FP8 tile pair (row-major, D bytes a row) into the swizzled f16

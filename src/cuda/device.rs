@@ -18,8 +18,8 @@ pub(crate) struct DeviceCaps {
     /// Run the sm_90a (wgmma + TMA) kernels where they cover the problem: compute capability
     /// 9.0, unless the caller asked for the portable path.
     pub hopper: bool,
-    /// Run the FP8-cache decode kernels (compute_89 code, for sm_89's e4m3 conversion), unless
-    /// the caller asked for the portable path.
+    /// Has sm_89's e4m3 conversion instruction: the FP8-cache decode kernels of the compute_89
+    /// module, unless the caller asked for the portable path (then those of compute_80).
     pub fp8: bool,
 }
 

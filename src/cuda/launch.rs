@@ -15,8 +15,12 @@ pub(crate) enum Module {
     Sm90,
     /// The sm_90a backward kernels (kernels/sm90/bwd_sm90.cu).
     Sm90Bwd,
-    /// Decode from FP8 caches (kernels/decode/decode_fp8.cu, compute_89), f16 and bf16.
+    /// Decode from FP8 caches (kernels/decode/decode_fp8.cu), f16 and bf16: compute_89, with
+    /// sm_89's e4m3 conversion instruction.
     DecodeFp8,
+    /// The same kernels in compute_80, converting e4m3 by integer and f16 arithmetic: GPUs
+    /// before sm_89, and the portable path.
+    DecodeFp8Portable,
     /// Operand packing and KV-cache appends (kernels/pack.cu).
     Pack,
     /// The merge of two attention states (kernels/merge.cu).

@@ -44,7 +44,7 @@ pub(crate) use backward::{backward, Saved as BwdSaved};
 pub(crate) use merge::merge;
 
 /// Whether the FP8 (e4m3) K and V of `p` (bf16 or f16 queries `dtype`, validated) are read as
-/// stored, by the decode kernels: on GPUs with sm_89's e4m3 conversion, for decode-shaped calls
+/// stored, by the decode kernels: on every GPU the crate runs on, for decode-shaped calls
 /// whose head dim is a multiple of 16 and whose K and V rows are 16-byte aligned with
 /// contiguous head dims. Elsewhere the caller converts K and V first.
 #[cfg(feature = "cuda")]

@@ -5,7 +5,7 @@
 //! `d = v_descale` of a row's sequence and K/V head,
 //! `softmax(scale · (c q)·k) (d v) = d · softmax(scale · (c q)·k) v`: `c` multiplies the (few)
 //! query rows, `d` the output, and K and V are attended as stored. Decode calls read e4m3 K and
-//! V directly, one byte per element: the CUDA decode kernels on GPUs from sm_89 (see
+//! V directly, one byte per element: the CUDA decode kernels (see
 //! `kernels/decode/partial.cuh`), and the CPU's decode kernel, which converts each block of keys
 //! to f32 (`cpu::forward_kv8`). Elsewhere K and V are converted first, exactly (an e4m3 value is
 //! exact in f32, f16 and bf16): to f32 on the CPU, to the output's dtype on the GPU. The result

@@ -120,17 +120,17 @@ pub(crate) fn plan(
 }
 
 /// The decode plan of `p` over FP8 (e4m3) K and V with `dtype` queries and output (the
-/// `kernels/decode/decode_fp8.cu` twins of the instances), or `None` where they do not apply:
-/// a GPU without sm_89's e4m3 conversion (or the portable path), a head dim that is not a
-/// multiple of 16 (the kernels copy whole 16-byte chunks of FP8 rows), or a call that is not
-/// decode-shaped.
+/// `kernels/decode/decode_fp8.cu` twins of the instances: compute_89 where the GPU has sm_89's
+/// e4m3 conversion, else, and on the portable path, compute_80), or `None` where they do not
+/// apply: a head dim that is not a multiple of 16 (the kernels copy whole 16-byte chunks of FP8
+/// rows), or a call that is not decode-shaped.
 pub(crate) fn plan_kv8(
     p: &Problem,
     dtype: DType,
     caps: &DeviceCaps,
     residency: Residency,
 ) -> Result<Option<Plan>> {
-    if !caps.fp8 || !p.head_dim.is_multiple_of(16) {
+    if !p.head_dim.is_multiple_of(16) {
         return Ok(None);
     }
     plan_with(p, dtype, caps, residency, true)
@@ -166,7 +166,11 @@ fn plan_with(
     let module = Module::of(dtype)?;
     let smem = |i: &DecodeInstance| if kv8 { i.smem_kv8() } else { i.smem() };
     let launch = |i: &DecodeInstance| Launch {
-        module: if kv8 { Module::DecodeFp8 } else { module },
+        module: match (kv8, caps.fp8) {
+            (false, _) => module,
+            (true, true) => Module::DecodeFp8,
+            (true, false) => Module::DecodeFp8Portable,
+        },
         function: format!(
             "flash_decode_{dn}_{}{}{mods}",
             if kv8 { "kv8_" } else { "" },
@@ -558,9 +562,10 @@ mod tests {
         }
     }
 
-    /// FP8 caches take the FP8 twins where the GPU converts e4m3 (sm_89 on, not the portable
-    /// path) and the head dim is whole 16-byte chunks; their shared memory is the twin's, and
-    /// they fit every GPU that has them. Elsewhere there is no FP8 plan (the caller converts).
+    /// FP8 caches take the FP8 twins where the head dim is whole 16-byte chunks, on every GPU:
+    /// the compute_89 module where the GPU converts e4m3 (sm_89 on, not the portable path), the
+    /// compute_80 one elsewhere; their shared memory is the twin's, and they fit every GPU.
+    /// Other head dims have no FP8 plan (the caller converts).
     #[test]
     fn fp8_caches_take_the_fp8_twins() {
         let opts = FlashAttn::new(0.1).causal();
@@ -570,26 +575,27 @@ mod tests {
             (3, 1, 77, 6, 6, 64),
         ] {
             let p = problem(b, sq, sk, h, hk, d, DType::BF16, &opts);
-            for caps in [DeviceCaps::SM89, DeviceCaps::SM90] {
+            for caps in [
+                DeviceCaps::SM80,
+                DeviceCaps::SM86,
+                DeviceCaps::SM89,
+                DeviceCaps::SM90,
+                DeviceCaps::SM90.portable(),
+            ] {
                 let pl = plan_kv8(&p, DType::BF16, &caps, &by_smem(caps))
                     .unwrap()
                     .unwrap();
-                assert_eq!(pl.partial.module, Module::DecodeFp8);
+                let module = match caps.fp8 {
+                    true => Module::DecodeFp8,
+                    false => Module::DecodeFp8Portable,
+                };
+                assert_eq!(pl.partial.module, module);
                 assert!(pl.partial.function.starts_with("flash_decode_bf16_kv8_"));
                 assert_eq!(pl.partial.smem, pl.instance.smem_kv8());
                 assert!(caps.fits(pl.partial.smem) && pl.pack[1..] == [false, false]);
                 // Their kernels have no fused merge (registers full).
                 assert_ne!(pl.merge, Merge::Fused);
                 assert!(pl.instance.smem_kv8() <= pl.instance.smem());
-            }
-            for caps in [
-                DeviceCaps::SM80,
-                DeviceCaps::SM86,
-                DeviceCaps::SM90.portable(),
-            ] {
-                assert!(plan_kv8(&p, DType::BF16, &caps, &by_smem(caps))
-                    .unwrap()
-                    .is_none());
             }
         }
         let p = problem(2, 1, 1000, 8, 2, 72, DType::BF16, &opts);

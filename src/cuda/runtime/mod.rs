@@ -55,6 +55,10 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
             "candle_flash_decode_fp8",
             include_str!(concat!(env!("OUT_DIR"), "/flash_decode_fp8.ptx")),
         ),
+        Module::DecodeFp8Portable => (
+            "candle_flash_decode_fp8_sm80",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_decode_fp8_sm80.ptx")),
+        ),
         Module::Pack => (
             "candle_flash_pack",
             include_str!(concat!(env!("OUT_DIR"), "/pack.ptx")),
