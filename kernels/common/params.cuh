@@ -72,6 +72,7 @@ struct FlashParams {
     int32_t tiles_h;        // tile lists: lists per head (0: shared by all heads)
     int32_t q_tiles;        // tile lists: query tiles per (batch, head)
     int32_t k_tiles;        // tile lists: entries per list
+    int32_t page_dense;     // paged K/V: 1 when row r of block i is row i * page + r of k and v
 };
 
 

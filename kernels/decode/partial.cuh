@@ -102,7 +102,7 @@ __device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const
 // planner sends others to the converting path). Contiguous caches (blk null) read row j at kg /
 // vg (the sequence's first row) plus j rows; paged caches read row j % page of block
 // blk[j - key0], the tile's block-table entries fetched beforehand (-1 for rows past the
-// sequence). Rows past `rows_valid`, columns past d_load and blocks outside the cache are
+// sequence), or, with dense blocks, the cache row blk[j - key0] (table_row). Rows past `rows_valid`, columns past d_load and blocks outside the cache are
 // zero-filled.
 //
 // Each thread keeps one column chunk and steps down the rows, RPI at a time. The decode loop is
@@ -139,6 +139,22 @@ __device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, cons
             flash::cp_async16(sV + dst(r), ok ? vs : vc, ok ? 16 : 0);
             ks += step_k;
             vs += step_v;
+        }
+        return;
+    }
+    if (p.page_dense) {
+        // The entries are cache rows (table_row): one index, one product per operand.
+        const bool col_ok = c * EPC < p.d_load;
+        const E* kb = kc + k_head_off + c * EPC;
+        const E* vb = vc + v_head_off + c * EPC;
+#pragma unroll
+        for (int it = 0; it < N; ++it) {
+            const int r = r0 + it * RPI;
+            if (TILE % RPI != 0 && r >= TILE) break;
+            const int row = blk[r];
+            const bool ok = col_ok && row >= 0;
+            flash::cp_async16(sK + dst(r), ok ? kb + (int64_t)row * p.k_seq : kc, ok ? 16 : 0);
+            flash::cp_async16(sV + dst(r), ok ? vb + (int64_t)row * p.v_seq : vc, ok ? 16 : 0);
         }
         return;
     }
@@ -243,6 +259,15 @@ __device__ __forceinline__ int table_entry(const FlashParams& p, int b, int j, i
         blk = p.block_table[(int64_t)b * p.max_blocks + pg];
     }
     return blk;
+}
+
+// A table entry as the row of k and v it names for key j where the blocks are dense
+// (FlashParams::page_dense: row j % page of block blk is row blk * page + j % page), or -1 for an
+// entry past the keys or outside [0, num_blocks). Computed when the entry is stored, so the
+// copies of every row need one product per operand instead of two and the bounds tests.
+__device__ __forceinline__ int table_row(const FlashParams& p, int blk, int j) {
+    if (blk < 0 || blk >= p.num_blocks) return -1;
+    return blk * p.page + (p.page_shift >= 0 ? j & (p.page - 1) : j % p.page);
 }
 
 // The keys [n_lo, n_hi) this block reads: the union of the windows of the query rows its packed
@@ -517,13 +542,15 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     } sh_u;
     auto& sh_blk = sh_u.loop.blk;
     const bool paged = p.block_table != nullptr;
-    // Thread tid < BC fetches the table entry of key tid of tile t (-1 elsewhere).
+    // Thread tid < BC fetches the table entry of key tid of tile t (-1 elsewhere), and stores it
+    // (as a cache row where the blocks are dense).
     auto fetch = [&](int t) {
         return paged && tid < BC && t < t_end ? table_entry(p, b, t * BC + tid, g.sk) : -1;
     };
     // Only tiles the loop will issue: the buffer of a later one may still be read.
     auto put = [&](int t, int blk) {
-        if (paged && tid < BC && t < t_end) sh_blk[t % 2][tid] = blk;
+        if (paged && tid < BC && t < t_end)
+            sh_blk[t % 2][tid] = p.page_dense ? table_row(p, blk, t * BC + tid) : blk;
     };
     // Issues the copies of tile t into ring stage `stage` (the table entries of a paged tile
     // must be in shared memory, behind a barrier).

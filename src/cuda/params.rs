@@ -114,10 +114,15 @@ pub struct Params {
     pub tiles_h: i32,
     pub q_tiles: i32,
     pub k_tiles: i32,
+    /// Paged K/V: 1 when row `r` of block `i` is row `i * page + r` of k and of v (blocks
+    /// `page` rows apart, `k_batch = page * k_seq`, likewise v) and every such row index fits
+    /// an i32, so the decode kernels address a row from one index; else 0.
+    pub page_dense: i32,
 }
 
-/// The size both sides agree on (also asserted in C by the generated header).
-pub const PARAMS_SIZE: usize = 8 * 46 + 4 * 32;
+/// The size both sides agree on (also asserted in C by the generated header); the last i32
+/// leaves four bytes of tail padding.
+pub const PARAMS_SIZE: usize = (8 * 46 + 4 * 33_usize).next_multiple_of(8);
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);
 
 /// Launch parameters of the backward kernels, mirrored field for field by `BwdParams` in C. The

@@ -341,6 +341,15 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
                 .filter(|pg| pg.page.is_power_of_two())
                 .map_or(-1, |pg| pg.page.trailing_zeros() as i32),
             q_uniform: l.q_uniform as i32,
+            page_dense: paged.is_some_and(|pg| {
+                let (k, v) = (&self.k.s, &self.v.s);
+                pg.page.checked_mul(k.seq) == Some(k.batch)
+                    && pg.page.checked_mul(v.seq) == Some(v.batch)
+                    && pg
+                        .num_blocks
+                        .checked_mul(pg.page)
+                        .is_some_and(|n| n <= i32::MAX as usize)
+            }) as i32,
             ..problem_params(p, [&self.q.s, &self.k.s, &self.v.s], d_load, seq_k)?
         })
     }
