@@ -99,9 +99,22 @@ fn table_tensor(table: &[Vec<u32>], dtype: DType) -> Tensor {
         .unwrap()
 }
 
-/// Runs one paged varlen call (the cache of `r`'s keys in pages of `page` rows, 3 spare blocks)
-/// and checks it against the reference, with the naive path in the same dtype on the packed keys
-/// as the precision yardstick.
+/// A paged cache on the target whose blocks lie `gap` rows further apart than their `page` rows
+/// (NaN between them): a view with a block stride that is not `page` row strides.
+fn spread(t: &Target, cache: &Tensor, gap: usize) -> Result<Tensor> {
+    let cache = t.put(cache)?;
+    if gap == 0 {
+        return Ok(cache);
+    }
+    let (n, page, hk, d) = cache.dims4()?;
+    let nan = Tensor::full(f32::NAN, (n, gap, hk, d), cache.device())?.to_dtype(cache.dtype())?;
+    Tensor::cat(&[&cache, &nan], 1)?.narrow(1, 0, page)
+}
+
+/// Runs one paged varlen call (the cache of `r`'s keys in pages of `page` rows, 3 spare blocks,
+/// k's and v's blocks `gaps` rows further apart than a page) and checks it against the
+/// reference, with the naive path in the same dtype on the packed keys as the precision
+/// yardstick.
 #[allow(clippy::too_many_arguments)]
 fn check_paged(
     t: &Target,
@@ -109,6 +122,7 @@ fn check_paged(
     r: &Ragged,
     (h, hk, d): (usize, usize, usize),
     page: usize,
+    gaps: (usize, usize),
     dtype: DType,
     opts: &FlashAttn,
     seed: u64,
@@ -127,8 +141,8 @@ fn check_paged(
         .op(&opts.clone().paged(&table, page))
         .forward_varlen(
             &q,
-            &t.put(&pk.k)?,
-            &t.put(&pk.v)?,
+            &spread(t, &pk.k, gaps.0)?,
+            &spread(t, &pk.v, gaps.1)?,
             &cq,
             &ck,
             r.max_q,
@@ -143,7 +157,7 @@ fn check_paged(
 
 /// Pages of 1, 7, 16, 32 and 256 rows over shuffled blocks, decode with sequences of length 0
 /// and 1, a few query rows per sequence (the decode kernels) and a longer prefill chunk (the
-/// prefill kernels); heads, head dims and options rotate.
+/// prefill kernels); heads, head dims, options and gaps between the blocks rotate.
 fn paged_matches_reference(t: &Target) -> Result<()> {
     let shapes = [
         Ragged::new(&[(1, 0), (1, 1), (1, 300), (1, 45)]),
@@ -166,9 +180,10 @@ fn paged_matches_reference(t: &Target) -> Result<()> {
                     FlashAttn::new(s).causal().softcap(2.0),
                 ];
                 let opts = &opts[(pi + 2 * di + si) % opts.len()];
+                let gaps = [(0, 0), (0, 0), (2, 2), (0, 5)][(pi + di + si) % 4];
                 seed += 10;
                 let what = format!(
-                    "page {page} {dtype:?} lens {:?} heads {h}/{hk} d {d} window ({:?}, {:?}) \
+                    "page {page} gaps {gaps:?} {dtype:?} lens {:?} heads {h}/{hk} d {d} window ({:?}, {:?}) \
                      softcap {:?} alibi {}",
                     r.lens,
                     opts.window_size_left,
@@ -176,7 +191,7 @@ fn paged_matches_reference(t: &Target) -> Result<()> {
                     opts.softcap,
                     opts.alibi_slopes.is_some()
                 );
-                check_paged(t, &what, r, (h, hk, d), page, dtype, opts, seed)?;
+                check_paged(t, &what, r, (h, hk, d), page, gaps, dtype, opts, seed)?;
             }
         }
     }
@@ -241,6 +256,7 @@ fn paged_every_option(t: &Target) -> Result<()> {
                 &r,
                 (6, 2, 32),
                 page,
+                if page == 7 { (3, 0) } else { (0, 0) },
                 DType::F32,
                 opts,
                 900 + n as u64,
