@@ -102,8 +102,8 @@ __device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const
 // planner sends others to the converting path). Contiguous caches (blk null) read row j at kg /
 // vg (the sequence's first row) plus j rows; paged caches read row j % page of block
 // blk[j - key0], the tile's block-table entries fetched beforehand (-1 for rows past the
-// sequence), or, with dense blocks, the cache row blk[j - key0] (table_row). Rows past `rows_valid`, columns past d_load and blocks outside the cache are
-// zero-filled.
+// sequence), or, where `dense`, the cache row blk[j - key0] (table_row). Rows past
+// `rows_valid`, columns past d_load and blocks outside the cache are zero-filled.
 //
 // Each thread keeps one column chunk and steps down the rows, RPI at a time. The decode loop is
 // bound by the instructions it issues, not by the bytes in flight, so the contiguous path
@@ -112,7 +112,7 @@ __device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const
 template <typename E, int D, int TILE, int THREADS>
 __device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, const E* kg,
                                         const E* vg, int64_t k_head_off, int64_t v_head_off,
-                                        int key0, int rows_valid, const int* blk) {
+                                        int key0, int rows_valid, const int* blk, bool dense) {
     constexpr int EPC = 16 / (int)sizeof(E);  // elements per chunk
     constexpr int C = D / EPC;
     constexpr int RPI = THREADS / C;
@@ -142,7 +142,7 @@ __device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, cons
         }
         return;
     }
-    if (p.page_dense) {
+    if (dense) {
         // The entries are cache rows (table_row): one index, one product per operand.
         const bool col_ok = c * EPC < p.d_load;
         const E* kb = kc + k_head_off + c * EPC;
@@ -547,10 +547,13 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     auto fetch = [&](int t) {
         return paged && tid < BC && t < t_end ? table_entry(p, b, t * BC + tid, g.sk) : -1;
     };
+    // Dense blocks' entries are stored as cache rows (table_row), but in the FP8-cache twins:
+    // at their register cap, the second copy loop made them spill.
+    const bool dense = !KV8 && p.page_dense;
     // Only tiles the loop will issue: the buffer of a later one may still be read.
     auto put = [&](int t, int blk) {
         if (paged && tid < BC && t < t_end)
-            sh_blk[t % 2][tid] = p.page_dense ? table_row(p, blk, t * BC + tid) : blk;
+            sh_blk[t % 2][tid] = dense ? table_row(p, blk, t * BC + tid) : blk;
     };
     // Issues the copies of tile t into ring stage `stage` (the table entries of a paged tile
     // must be in shared memory, behind a barrier).
@@ -559,7 +562,8 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         load_kv<Ts, D, BC, THREADS>(reinterpret_cast<Ts*>(st),
                                     reinterpret_cast<Ts*>(st + Tr::TILE), p, kg_ptr, vg_ptr,
                                     (int64_t)kvh * p.k_head, (int64_t)kvh * p.v_head, t * BC,
-                                    min(BC, g.sk - t * BC), paged ? sh_blk[t % 2] : nullptr);
+                                    min(BC, g.sk - t * BC), paged ? sh_blk[t % 2] : nullptr,
+                                    dense);
     };
 
     // A bias that is one key vector for every row of the block (no head or row stride, such as
