@@ -401,6 +401,39 @@ fn bias_dense(t: &Target) -> Result<()> {
 }
 test_device!(bias_dense, Forward);
 
+/// Full biases in q's dtype, whose blocks cut the kernels' tiles and the CPU's 8 × 8 vector
+/// blocks: lengths that are no multiple of 8 (rows and keys left to the scalar path), a bias
+/// narrowed inside a wider one (a row stride that is no multiple of 8, an unaligned first
+/// element), one broadcast over heads, one with strided keys; `-inf` on every third key of
+/// the last batch; causal, a window and softcap.
+fn full_bias_tiles(t: &Target) -> Result<()> {
+    let pairs = [(130, 203), (64, 64), (71, 9), (24, 300)];
+    for (n, &(sq, sk)) in pairs.iter().enumerate() {
+        for &dtype in &DTYPES {
+            let d = [64, 40, 128, 80][n];
+            let seed = 1000 + 100 * n as u64;
+            let typed = |b: Tensor| b.to_dtype(dtype);
+            let full = typed(bias_of(&[2, 6, sq, sk], seed)?)?;
+            let wide = typed(bias_of(&[2, 6, sq, sk + 7], seed + 1)?)?.narrow(3, 3, sk)?;
+            let heads = typed(bias_of(&[2, 1, sq, sk], seed + 2)?)?;
+            let strided = typed(bias_of(&[2, 6, sk, sq], seed + 3)?)?.transpose(2, 3)?;
+            let base = Case::new(2, sq, sk, 6, 2, d, dtype);
+            let o = |b: &Tensor| FlashAttn::new(scale(d)).bias(b);
+            let cases = [
+                base.clone().with(o(&full)),
+                base.clone().causal().with(o(&wide).causal()),
+                base.clone().with(o(&heads).softcap(3.0)),
+                base.clone().with(o(&strided).window(Some(20), Some(7))),
+            ];
+            for (i, c) in cases.iter().enumerate() {
+                c.check(t, seed + 10 + i as u64)?;
+            }
+        }
+    }
+    Ok(())
+}
+test_device!(full_bias_tiles, Forward);
+
 /// Key biases (no row dimension) whose values fill whole key tiles with `-inf`, which the tiled
 /// kernels skip, and with 0, on which they add nothing, and cut other tiles, as padding does:
 /// per batch, keys padded at the end, padded at the start before real values and zeros, and a

@@ -6,6 +6,8 @@ use std::ops::{Deref, Range};
 
 use candle::{bail, CpuStorage, DType, Result, Storage, Tensor};
 
+#[cfg(target_arch = "x86_64")]
+use super::avx2;
 use super::{Lanes, BC};
 use crate::problem::Problem;
 use crate::semantics::LOG2_E;
@@ -107,12 +109,62 @@ pub(super) enum BiasSlice<'a> {
 /// A stored bias value, read as f32.
 trait Value: Copy {
     fn f32(self) -> f32;
+    /// `avx2::add_rows_to_lanes` in base-2 units where the CPU has AVX2 (and F16C); `false`,
+    /// having added nothing, elsewhere.
+    #[inline(always)]
+    fn add_rows_to_lanes(
+        _d: &[Self],
+        _si: usize,
+        _s: &mut [Lanes],
+        _rows: usize,
+        _cols: usize,
+        _ahead: (usize, usize),
+    ) -> bool {
+        false
+    }
+}
+
+/// [`Value::add_rows_to_lanes`] for an element the AVX2 code widens.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn rows_to_lanes_avx2<T: avx2::Widen>(
+    d: &[T],
+    si: usize,
+    s: &mut [Lanes],
+    rows: usize,
+    cols: usize,
+    ahead: (usize, usize),
+) -> bool {
+    if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c")) {
+        return false;
+    }
+    assert!(
+        rows <= super::BR
+            && cols <= s.len()
+            && (rows == 0 || cols == 0 || (rows - 1) * si + cols <= d.len()),
+        "cpu flash kernel: bias block out of bounds"
+    );
+    // SAFETY: avx2 and f16c were detected; the bounds were checked just above.
+    unsafe { avx2::add_rows_to_lanes(d, si, s, rows, cols, LOG2_E, ahead) };
+    true
 }
 
 impl Value for f32 {
     #[inline(always)]
     fn f32(self) -> f32 {
         self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn add_rows_to_lanes(
+        d: &[Self],
+        si: usize,
+        s: &mut [Lanes],
+        rows: usize,
+        cols: usize,
+        ahead: (usize, usize),
+    ) -> bool {
+        rows_to_lanes_avx2(d, si, s, rows, cols, ahead)
     }
 }
 
@@ -121,12 +173,36 @@ impl Value for half::bf16 {
     fn f32(self) -> f32 {
         self.to_f32()
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn add_rows_to_lanes(
+        d: &[Self],
+        si: usize,
+        s: &mut [Lanes],
+        rows: usize,
+        cols: usize,
+        ahead: (usize, usize),
+    ) -> bool {
+        rows_to_lanes_avx2(d, si, s, rows, cols, ahead)
+    }
 }
 
 impl Value for half::f16 {
     #[inline(always)]
     fn f32(self) -> f32 {
         self.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn add_rows_to_lanes(
+        d: &[Self],
+        si: usize,
+        s: &mut [Lanes],
+        rows: usize,
+        cols: usize,
+        ahead: (usize, usize),
+    ) -> bool {
+        rows_to_lanes_avx2(d, si, s, rows, cols, ahead)
     }
 }
 
@@ -181,18 +257,41 @@ fn add_tile<T: Value>(
         }
         return;
     }
-    // A full bias is stored row by row and the scores hold rows in lanes: sixteen rows at a
-    // time are read along their keys (in memory order) into a small transposed block, which is
-    // then added a vector of rows per key. Adding each score on its own was a scalar
-    // read-modify-write per score.
+    let cols = s.len();
+    let at = base + r0 * si + j0 * sj;
+    // A full bias is stored row by row and the scores hold rows in lanes. Where the keys are
+    // consecutive, blocks of 8 rows × 8 keys go through the vector transpose; the rows and
+    // keys past the last whole block (and every strided bias) take the scalar path.
+    let (r8, c8) = (rows - rows % 8, cols - cols % 8);
+    let vector = sj == 1 && T::add_rows_to_lanes(&d[at..], si, s, r8, c8, (cols, cols));
+    if vector {
+        add_block(d, at + c8, (si, sj), &mut s[c8..], 0..r8);
+        add_block(d, at, (si, sj), s, r8..rows);
+    } else {
+        add_block(d, at, (si, sj), s, 0..rows);
+    }
+}
+
+/// `s[c].0[r] += LOG2_E · d[at + r · si + c · sj]` for the lanes `r` in `lanes`: sixteen rows
+/// at a time are read along their keys (in memory order) into a small transposed block, which
+/// is then added a vector of rows per key. Adding each score on its own was a scalar
+/// read-modify-write per score.
+#[inline(always)]
+fn add_block<T: Value>(
+    d: &[T],
+    at: usize,
+    (si, sj): (usize, usize),
+    s: &mut [Lanes],
+    lanes: Range<usize>,
+) {
     const R: usize = 16;
     let mut block = [[0f32; R]; BC];
     for (cb, s) in s.chunks_mut(BC).enumerate() {
-        let (j, cols) = (j0 + cb * BC, s.len());
-        for rc in (0..rows).step_by(R) {
-            let n = (rows - rc).min(R);
+        let (j, cols) = (cb * BC, s.len());
+        for rc in lanes.clone().step_by(R) {
+            let n = (lanes.end - rc).min(R);
             for r in 0..n {
-                let at = base + (r0 + rc + r) * si + j * sj;
+                let at = at + (rc + r) * si + j * sj;
                 prefetch_row(d, at + cols * sj, cols * sj);
                 let row = &d[at..];
                 for (c, b) in block[..cols].iter_mut().enumerate() {
