@@ -107,9 +107,9 @@ impl Widen for half::f16 {
 /// bias block stored row by row added to scores that hold rows in lanes, an 8 × 8 block at a
 /// time transposed in registers (24 shuffles per 64 values, where a transposed copy took a
 /// scalar load and store per value). The sum is rounded as the scalar `x + b · unit` is, so the
-/// bits do not depend on the path. Each group of 8 rows first asks for its elements
-/// `ahead.0 .. ahead.0 + ahead.1` (the next key tile's): the rows lie far apart in memory and
-/// the hardware prefetchers do not follow them.
+/// bits do not depend on the path. Each group of 8 rows asks for the next group's values into
+/// L1 before it starts; the whole block was asked for into L2 before the tile's `Q Kᵀ` (see
+/// `ExtrasAt::prefetch`).
 ///
 /// # Safety
 /// avx2 and f16c must be available, `s.len() >= cols`, `rows <= BR`, and when `rows > 0` and
@@ -122,17 +122,16 @@ pub(super) unsafe fn add_rows_to_lanes<T: Widen>(
     rows: usize,
     cols: usize,
     unit: f32,
-    ahead: (usize, usize),
 ) {
     debug_assert!(rows.is_multiple_of(8) && cols.is_multiple_of(8) && rows <= BR);
     let unit = _mm256_set1_ps(unit);
     let line = (64 / std::mem::size_of::<T>()).max(1);
     let p = d.as_ptr();
     for r in (0..rows).step_by(8) {
-        for i in r..r + 8 {
-            let end = (i * si + ahead.0 + ahead.1).min(d.len());
-            for x in (i * si + ahead.0..end).step_by(line) {
-                // SAFETY: `x < d.len()`; a prefetch reads nothing.
+        for i in r + 8..(r + 16).min(rows) {
+            for x in (i * si..i * si + cols).step_by(line) {
+                // SAFETY: row `i < rows` holds elements `0 .. cols` inside `d` (caller); a
+                // prefetch reads nothing.
                 unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(x).cast()) };
             }
         }

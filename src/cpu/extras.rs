@@ -118,7 +118,6 @@ trait Value: Copy {
         _s: &mut [Lanes],
         _rows: usize,
         _cols: usize,
-        _ahead: (usize, usize),
     ) -> bool {
         false
     }
@@ -133,7 +132,6 @@ fn rows_to_lanes_avx2<T: avx2::Widen>(
     s: &mut [Lanes],
     rows: usize,
     cols: usize,
-    ahead: (usize, usize),
 ) -> bool {
     if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c")) {
         return false;
@@ -145,7 +143,7 @@ fn rows_to_lanes_avx2<T: avx2::Widen>(
         "cpu flash kernel: bias block out of bounds"
     );
     // SAFETY: avx2 and f16c were detected; the bounds were checked just above.
-    unsafe { avx2::add_rows_to_lanes(d, si, s, rows, cols, LOG2_E, ahead) };
+    unsafe { avx2::add_rows_to_lanes(d, si, s, rows, cols, LOG2_E) };
     true
 }
 
@@ -156,15 +154,8 @@ impl Value for f32 {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    fn add_rows_to_lanes(
-        d: &[Self],
-        si: usize,
-        s: &mut [Lanes],
-        rows: usize,
-        cols: usize,
-        ahead: (usize, usize),
-    ) -> bool {
-        rows_to_lanes_avx2(d, si, s, rows, cols, ahead)
+    fn add_rows_to_lanes(d: &[Self], si: usize, s: &mut [Lanes], rows: usize, cols: usize) -> bool {
+        rows_to_lanes_avx2(d, si, s, rows, cols)
     }
 }
 
@@ -175,15 +166,8 @@ impl Value for half::bf16 {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    fn add_rows_to_lanes(
-        d: &[Self],
-        si: usize,
-        s: &mut [Lanes],
-        rows: usize,
-        cols: usize,
-        ahead: (usize, usize),
-    ) -> bool {
-        rows_to_lanes_avx2(d, si, s, rows, cols, ahead)
+    fn add_rows_to_lanes(d: &[Self], si: usize, s: &mut [Lanes], rows: usize, cols: usize) -> bool {
+        rows_to_lanes_avx2(d, si, s, rows, cols)
     }
 }
 
@@ -194,15 +178,8 @@ impl Value for half::f16 {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    fn add_rows_to_lanes(
-        d: &[Self],
-        si: usize,
-        s: &mut [Lanes],
-        rows: usize,
-        cols: usize,
-        ahead: (usize, usize),
-    ) -> bool {
-        rows_to_lanes_avx2(d, si, s, rows, cols, ahead)
+    fn add_rows_to_lanes(d: &[Self], si: usize, s: &mut [Lanes], rows: usize, cols: usize) -> bool {
+        rows_to_lanes_avx2(d, si, s, rows, cols)
     }
 }
 
@@ -261,9 +238,12 @@ fn add_tile<T: Value>(
     let at = base + r0 * si + j0 * sj;
     // A full bias is stored row by row and the scores hold rows in lanes. Where the keys are
     // consecutive, blocks of 8 rows × 8 keys go through the vector transpose; the rows and
-    // keys past the last whole block (and every strided bias) take the scalar path.
+    // keys past the last whole block (and every strided bias) take the scalar path. On an
+    // AVX2 EPYC (f32, 16/8 heads, d 128, 1024 × 1024 keys) the scalar transposed copy made a
+    // full bias cost about a fifth of the plain call; the vector transpose with the prefetches
+    // (see `ExtrasAt::prefetch`) about 5% of its CPU time.
     let (r8, c8) = (rows - rows % 8, cols - cols % 8);
-    let vector = sj == 1 && T::add_rows_to_lanes(&d[at..], si, s, r8, c8, (cols, cols));
+    let vector = sj == 1 && T::add_rows_to_lanes(&d[at..], si, s, r8, c8);
     if vector {
         add_block(d, at + c8, (si, sj), &mut s[c8..], 0..r8);
         add_block(d, at, (si, sj), s, r8..rows);
@@ -292,7 +272,7 @@ fn add_block<T: Value>(
             let n = (lanes.end - rc).min(R);
             for r in 0..n {
                 let at = at + (rc + r) * si + j * sj;
-                prefetch_row(d, at + cols * sj, cols * sj);
+                prefetch_row::<L1, _>(d, at + cols * sj, cols * sj);
                 let row = &d[at..];
                 for (c, b) in block[..cols].iter_mut().enumerate() {
                     b[r] = row[c * sj].f32();
@@ -379,6 +359,30 @@ impl ExtrasAt<'_> {
         }
     }
 
+    /// Asks for the full bias of rows `r0 .. r0 + rows`, keys `j0 .. j0 + cols` into L2, ahead
+    /// of the tile's `Q Kᵀ`, whose tens of thousands of cycles then hide the memory latency
+    /// (each row of a tile is a separate short run, which the hardware prefetchers do not
+    /// follow). Into L2, not L1: rows a power-of-two number of bytes apart fall into the same
+    /// few L1 sets and would evict the K and Q tiles the product is reading. Biases without a
+    /// row dimension (small, and read again by every row tile) and strided keys are left alone.
+    #[inline(always)]
+    pub fn prefetch(&self, r0: usize, rows: usize, j0: usize, cols: usize) {
+        let Some((d, base, si, 1)) = self.bias else {
+            return;
+        };
+        if si == 0 {
+            return;
+        }
+        for r in r0..r0 + rows {
+            let at = base + r * si + j0;
+            match d {
+                BiasSlice::F32(d) => prefetch_row::<L2, _>(d, at, cols),
+                BiasSlice::Bf16(d) => prefetch_row::<L2, _>(d, at, cols),
+                BiasSlice::F16(d) => prefetch_row::<L2, _>(d, at, cols),
+            }
+        }
+    }
+
     /// Whether the block mask hides every key of `keys` from every row of `rows` (a tile that
     /// is then neither read nor computed).
     pub fn hides(&self, rows: std::ops::Range<usize>, keys: std::ops::Range<usize>) -> bool {
@@ -438,11 +442,17 @@ impl<'p> Extras<'p> {
     }
 }
 
-/// Asks for the cache lines of `d[at..at + len]` (clamped to `d`), ahead of their use: a full
-/// bias is read as one short run per query row and key tile, dozens of rows apart in memory,
-/// which the hardware prefetchers do not follow.
+/// Where [`prefetch_row`] asks for the lines: L1 (and L2), or L2 only.
+const L1: i32 = 3;
+const L2: i32 = 2;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(L1 == std::arch::x86_64::_MM_HINT_T0 && L2 == std::arch::x86_64::_MM_HINT_T1);
+
+/// Asks for the cache lines of `d[at..at + len]` (clamped to `d`) into `LEVEL` ([`L1`] or
+/// [`L2`]), ahead of their use: a full bias is read as one short run per query row and key
+/// tile, dozens of rows apart in memory, which the hardware prefetchers do not follow.
 #[inline(always)]
-fn prefetch_row<T>(d: &[T], at: usize, len: usize) {
+fn prefetch_row<const LEVEL: i32, T>(d: &[T], at: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         let end = (at + len).min(d.len());
@@ -451,11 +461,7 @@ fn prefetch_row<T>(d: &[T], at: usize, len: usize) {
         let step = (64 / std::mem::size_of::<T>().max(1)).max(1);
         while i < end {
             // SAFETY: `i < d.len()`, so the address lies inside `d`; a prefetch reads nothing.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    d.as_ptr().add(i).cast(),
-                )
-            };
+            unsafe { std::arch::x86_64::_mm_prefetch::<LEVEL>(d.as_ptr().add(i).cast()) };
             i += step;
         }
     }

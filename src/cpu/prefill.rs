@@ -267,6 +267,7 @@ fn update<K: Kernel>(
     cols: usize,
 ) {
     let d = it.d;
+    it.extras.prefetch(r0, rows, j0, cols);
     // Sᵀ = K Qᵀ, ROWS keys per micro-kernel call.
     let mut c = 0;
     while c < cols {

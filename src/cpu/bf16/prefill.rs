@@ -290,6 +290,8 @@ fn run_item<E: Engine>(ctx: &Ctx, sc: &mut Scratch, (b, h, t): (usize, usize, us
             let (r0, nrows) = sub_rows[u];
             let st = &mut sc.sub[u];
             let s = &mut sc.s[..n];
+            it.extras
+                .prefetch(r0, nrows, a0, n.min(sk.saturating_sub(a0)));
             E::mm(
                 s,
                 Acc::Zero,
