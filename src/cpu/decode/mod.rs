@@ -25,7 +25,7 @@
 //! * **Blocks of `BK` keys**, one KV head after the other; while the scores of a KV head run,
 //!   the rows [`PREFETCH_BYTES`] ahead are prefetched into L2 a row at a time between the
 //!   kernel's own loads (the kernels read several rows at once, which the hardware prefetchers
-//!   do not follow).
+//!   do not follow), in address order where the heads of a key are one run of memory.
 //! * **Combine**: the item that finishes a sequence's last split merges the partials of all
 //!   its splits through their log-sum-exp, in split order, then normalises once (no second
 //!   pass over the pool); a sequence with one split is normalised by its item directly.
@@ -744,6 +744,28 @@ impl<T> Ahead<'_, T> {
         let (a, e) = (jb.min(self.hi), (jb + BK).min(self.hi));
         let (kb, vb) = (self.k.as_ptr().cast::<u8>(), self.v.as_ptr().cast::<u8>());
         let size = std::mem::size_of::<T>();
+        // Where every KV head of a key lies in one run of rows (the usual `(batch, keys, kv
+        // heads, d)` cache) and the block's keys are consecutive rows, the block's K (and V)
+        // rows of all heads are one range of memory: step `h` asks for the `h`-th part of that
+        // range, so the requests go out in address order. (Asking for the rows of head `h`
+        // instead touches every page of the range once per head, `kv_heads · d` elements
+        // apart; on the 2-core Zen 3 VM the 32/8-head caches streamed at 39-53% of the read
+        // bandwidth that way and at 72-76% in address order.)
+        let whole = |st: &Strides| st.head == p.head_dim && st.seq == p.kv_heads * p.head_dim;
+        let n = e - a;
+        let row_bytes = p.head_dim * size;
+        if n > 0 && whole(&p.k) && whole(&p.v) && self.keys.run(a, n) == n {
+            let (b, r) = self.keys.at(a);
+            let k0 = kb.wrapping_add((p.k.at(b, r, 0) + h * n * p.head_dim) * size);
+            let v0 = vb.wrapping_add((p.v.at(b, r, 0) + h * n * p.head_dim) * size);
+            for i in 0..n {
+                pf.rows[pf.n] = k0.wrapping_add(i * row_bytes);
+                pf.rows[pf.n + 1] = v0.wrapping_add(i * row_bytes);
+                pf.n += 2;
+            }
+            pf.bytes = row_bytes;
+            return pf;
+        }
         for j in a..e {
             let (b, r) = self.keys.at(j);
             pf.rows[pf.n] = kb.wrapping_add(p.k.at(b, r, h) * size);
