@@ -432,8 +432,8 @@ mod tests {
 
     /// On Hopper, f16/bf16 calls at head dims 64 and 128 take the sm_90a kernels (both modes:
     /// they use no atomics), with the `_mods` twins for softcap / ALiBi where they exist (d 64);
-    /// d 128 with softcap / ALiBi, f32, other head dims, misaligned or broadcast operands keep
-    /// the portable plans. Grids cover every key and query row; variants swap single kernels.
+    /// d 128 with softcap / ALiBi, f32 and other head dims keep the portable plans. Grids cover
+    /// every key and query row.
     #[test]
     fn hopper_plans() {
         let slopes = Tensor::new(&[0.5f32, 0.25, 0.125, 0.1, 0.2, 0.3], &Device::Cpu).unwrap();
@@ -487,6 +487,11 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Variant names pick the sm_90a instances they name, one head dim at a time.
+    #[test]
+    fn hopper_variant_names() {
         let plain = FlashAttn::new(0.1);
         let p = problem(128, DType::BF16, &plain, 300, 517);
         let v = plan_with(&p, DType::BF16, [0, 0], &H100, &["s2".into(), "k64".into()]).unwrap();
@@ -522,6 +527,13 @@ mod tests {
             &["nope".into()]
         )
         .is_err());
+    }
+
+    /// Packed sequences take the `_varlen` twins; what the sm_90a kernels cannot take goes to
+    /// the portable ones.
+    #[test]
+    fn hopper_varlen_and_fallbacks() {
+        let p = problem(128, DType::BF16, &FlashAttn::new(0.1), 300, 517);
         // Packed sequences take the `_varlen` twins (they zero the next sequence's rows).
         let mut packed = p.clone();
         packed.varlen = Some(crate::problem::VarLen {

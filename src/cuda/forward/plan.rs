@@ -573,8 +573,17 @@ mod tests {
             let pl = pick(264, dtype, &plain, &DeviceCaps::SM90);
             assert!(matches!(pl.kernel, Kernel::Mma(_)), "{pl:?}");
         }
-        // Short windowed d 64 calls stay portable; short causal ones and longer windowed ones
-        // do not. bf16 on sm_90 at other lengths than pick's 300 x 300.
+    }
+
+    /// Short windowed d 64 calls stay portable, short causal ones and longer windowed ones do
+    /// not; f32 keeps its kernel; a broadcast K is packed for the tensor maps.
+    #[test]
+    fn hopper_windows_f32_and_broadcast_k() {
+        let pick = |d, dtype, opts: &FlashAttn, caps: &DeviceCaps| {
+            plan(&problem(d, dtype, opts, 300, 300), dtype, caps).unwrap()
+        };
+        let plain = FlashAttn::new(0.1);
+        // bf16 on sm_90 at other lengths than pick's 300 x 300.
         let bf16_at = |d, opts: &FlashAttn, sq, sk| {
             plan(
                 &problem(d, DType::BF16, opts, sq, sk),
