@@ -383,9 +383,34 @@ impl ExtrasAt<'_> {
         }
     }
 
-    /// Whether the block mask hides every key of `keys` from every row of `rows` (a tile that
-    /// is then neither read nor computed).
+    /// Whether the tile of `rows` × `keys` is hidden (then neither read nor computed): the
+    /// block mask hides every key of it from every row, or a bias that does not vary over the
+    /// rows (key padding, per-key terms) is `-inf` at every key of it, as the GPU kernels' tile
+    /// lists skip such tiles.
     pub fn hides(&self, rows: std::ops::Range<usize>, keys: std::ops::Range<usize>) -> bool {
+        self.bias_hides(&keys) || self.blocks_hide(rows, keys)
+    }
+
+    /// Whether a bias without a row dimension is `-inf` at every key of `keys` (not empty).
+    fn bias_hides(&self, keys: &std::ops::Range<usize>) -> bool {
+        let Some((d, base, 0, sj)) = self.bias else {
+            return false;
+        };
+        fn all_masked<T: Value>(d: &[T], base: usize, sj: usize, keys: &Range<usize>) -> bool {
+            !keys.is_empty()
+                && keys
+                    .clone()
+                    .all(|j| d[base + j * sj].f32() == f32::NEG_INFINITY)
+        }
+        match d {
+            BiasSlice::F32(d) => all_masked(d, base, sj, keys),
+            BiasSlice::Bf16(d) => all_masked(d, base, sj, keys),
+            BiasSlice::F16(d) => all_masked(d, base, sj, keys),
+        }
+    }
+
+    /// Whether the block mask hides every key of `keys` from every row of `rows`.
+    fn blocks_hide(&self, rows: std::ops::Range<usize>, keys: std::ops::Range<usize>) -> bool {
         let Some((d, [base, si, sj], bq, bk)) = self.blocks else {
             return false;
         };
