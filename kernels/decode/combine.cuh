@@ -37,7 +37,7 @@ __device__ __forceinline__ bool last_split(const FlashParams& p, int& sh_last) {
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        const int64_t group = (int64_t)blockIdx.z * gridDim.y + blockIdx.y;
+        const int64_t group = (int64_t)blockIdx.z * gridDim.x + blockIdx.x;
         sh_last = atomicAdd(p.split_sem + group, 1u) == (unsigned)p.num_splits - 1;
     }
     __syncthreads();

@@ -3,8 +3,11 @@
 // each block computes one split of the keys; the last block of a group to finish merges the
 // splits, or a combine kernel does (decode/combine.cuh).
 //
-// Grid (splits, kv_heads * row_blocks, batch). One block reads the keys of one split of one K/V
-// head of one sequence once, for every query row that uses them:
+// Grid (kv_heads * row_blocks, splits, batch). One block reads the keys of one split of one K/V
+// head of one sequence once, for every query row that uses them. The blocks of one key range
+// launch side by side, one per K/V head and row block: in a (keys, kv_heads, d) cache the heads
+// of a key share one run of memory, which those blocks then read at about the same time rather
+// than a split's length apart, and the row blocks of a head find its tiles in the L2.
 // - GQA packing: the query heads sharing the K/V head and all their seq_q rows form the packed
 //   rows of the block (packed row r -> query i = r / group, head kvh * group + r % group), up to
 //   ROWS = 16 RG of them, RG 16-row mma tiles.
@@ -469,8 +472,8 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int rg = warp / KG, kg = warp % KG;
-    const int split = blockIdx.x;
-    const int kvh = blockIdx.y / p.m_tiles, mb = blockIdx.y % p.m_tiles;
+    const int split = blockIdx.y;
+    const int kvh = blockIdx.x / p.m_tiles, mb = blockIdx.x % p.m_tiles;
     const int b = blockIdx.z;
     const int m0 = mb * ROWS;  // first packed row of the block
 

@@ -26,12 +26,12 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
     let stream = dev.cuda_stream();
     // Split calls: f32 partial outputs `(splits, total_q, heads, d)`, base-2 partial
     // log-sum-exps `(splits, heads, total_q)` and, for a fused merge, one counter per group of
-    // blocks that share their rows (`grid.1 x grid.2`), in the lse's allocation after the lse.
+    // blocks that share their rows (`grid.0 x grid.2`), in the lse's allocation after the lse.
     // Every block writes all its partials (a split with no key writes zeros and -inf) before
     // it counts itself done or the combine kernel starts.
     let part_len = plan.splits * p.total_q * p.heads;
     let groups = match plan.merge {
-        Merge::Fused => (plan.partial.grid.1 * plan.partial.grid.2) as usize,
+        Merge::Fused => (plan.partial.grid.0 * plan.partial.grid.2) as usize,
         _ => 0,
     };
     let split = plan.merge != Merge::None;

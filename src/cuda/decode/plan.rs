@@ -204,9 +204,9 @@ fn plan_with(
     let (instance, m_tiles, splits) = remembered(key, || {
         search(p, caps, shape, &smem, &|i| residency(&launch(i)))
     })?;
-    if p.kv_heads * m_tiles > 65535 || p.batch > 65535 || p.heads > 65535 {
+    if p.batch > 65535 || p.heads > 65535 {
         bail!(
-            "flash-attn: decode grid ({splits}, {}, {}) exceeds the CUDA limits",
+            "flash-attn: decode grid ({}, {splits}, {}) exceeds the CUDA limits",
             p.kv_heads * m_tiles,
             p.batch
         )
@@ -227,9 +227,11 @@ fn plan_with(
     Ok(Some(Plan {
         instance,
         partial: Launch {
+            // The K/V heads (and row blocks) of a key range side by side: see
+            // kernels/decode/partial.cuh.
             grid: (
+                to_u32(p.kv_heads * m_tiles, "K/V heads x row blocks")?,
                 to_u32(splits, "splits")?,
-                (p.kv_heads * m_tiles) as u32,
                 p.batch as u32,
             ),
             ..launch(&instance)
@@ -627,7 +629,7 @@ mod tests {
                 (pl.m_tiles - 1) * pl.instance.rows() < rows,
                 "sq {sq} {h}/{hk}"
             );
-            assert_eq!(pl.partial.grid.1 as usize, hk * pl.m_tiles);
+            assert_eq!(pl.partial.grid.0 as usize, hk * pl.m_tiles);
         }
         // 129 packed rows and more: the prefill kernels; f32 and heads over 256 too.
         assert!(bf16(2, 17, 3000, 64, 8, 128).is_none());
@@ -781,11 +783,11 @@ mod tests {
         assert_eq!((pl.splits, pl.split_keys), (86, 384));
         assert_eq!(
             pl.partial.grid,
-            (86, base.partial.grid.1, base.partial.grid.2)
+            (base.partial.grid.0, 86, base.partial.grid.2)
         );
         assert_eq!(pl.partial.function, base.partial.function);
         let one = at(&opts(1));
-        assert_eq!((one.partial.grid.0, one.splits), (1, 1));
+        assert_eq!((one.partial.grid.1, one.splits), (1, 1));
     }
 
     /// The instance override forces that instance (any row tiles) at its best split count; a
