@@ -30,9 +30,15 @@
 // common/.
 //
 // FP8 caches (KV8): K and V stream as stored (e4m3, one byte per element) through a ring of half
-// the size; each tile is converted once in shared memory into f16 tiles that the warps read as
-// above, and the products run in f16 (e4m3 converts to it exactly: by one instruction per pair
-// on sm_89 and later, by a few integer and f16 operations before it). Q, read in T, becomes f16
+// the size, and the products run in f16 (e4m3 converts to it exactly: by one instruction per
+// pair on sm_89 and later, by a few integer and f16 operations before it). With one row tile
+// (RG 1, DIRECT) each warp converts the bytes of its own keys in registers, straight into the
+// mma fragments, which is half the instructions of converting a tile in shared memory and needs
+// no barrier between conversion and products: a thread reads whole runs of bytes, so the head
+// dim is permuted (the same permutation of Q's and K's columns, which leaves Q K^T unchanged,
+// and one of V's columns, undone where O is written: `direct_col`). With more row tiles every
+// warp reads every key, and each tile is converted once in shared memory into f16 tiles that
+// the warps read as above. Q, read in T, becomes f16
 // scaled by a power of two 2^-e per block so that its largest value stays below 2^15 (f16's
 // range; the scaling is exact), and the scores are taken times 2^e and the call's q·k descale of
 // the block's (sequence, K/V head); its v descale scales the block's output.
@@ -70,7 +76,9 @@ struct Traits {
     static constexpr int DT = D / 8;      // n8 tiles of O
     // Bytes of one stored K (or V) tile, and of the f16 pair an FP8 tile is converted into.
     static constexpr int TILE = BC * D * (KV8 ? 1 : (int)sizeof(T));
-    static constexpr int WORK = KV8 ? 2 * BC * D * 2 : 0;
+    // FP8 tiles converted in registers (one row tile) or through shared memory (more).
+    static constexpr bool DIRECT = KV8 && RG == 1;
+    static constexpr int WORK = KV8 && !DIRECT ? 2 * BC * D * 2 : 0;
     // Q tile (2-byte elements), then STAGES (K, V) tiles, then the converted pair (KV8). The f32
     // merge buffer (KG > 1) reuses the ring and the pair.
     static constexpr int SMEM = ROWS * D * 2 + STAGES * 2 * TILE + WORK;
@@ -99,9 +107,18 @@ __device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const
     }
 }
 
+// Byte offset of 16-byte chunk c of row r in an FP8 tile (D bytes a row): chunks XOR-permuted
+// by the row, so that the register conversion's reads (a quad's runs of one K row; one run of
+// four rows of V per thread) and the shared-memory conversion's hit distinct bank groups.
+template <int D>
+__device__ __forceinline__ int kv8_chunk(int r, int c) {
+    constexpr int C = D / 16;
+    return r * D + (c ^ (r & (C - 1))) * 16;
+}
+
 // Copies keys [key0, key0 + TILE) of one K/V head, 16-byte chunks of elements E, into the K and
-// V tiles: swizzled for 2-byte elements (read by ldmatrix), row-major for e4m3 bytes (read once
-// by the conversion, D bytes a row; their head dim is a multiple of 16, whole chunks, the
+// V tiles: swizzled for 2-byte elements (read by ldmatrix), rows of D bytes for e4m3 (chunks
+// permuted by kv8_chunk; their head dim is a multiple of 16, whole chunks, the
 // planner sends others to the converting path). Contiguous caches (blk null) read row j at kg /
 // vg (the sequence's first row) plus j rows; paged caches read row j % page of block
 // blk[j - key0], the tile's block-table entries fetched beforehand (-1 for rows past the
@@ -127,7 +144,7 @@ __device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, cons
     const E* kc = static_cast<const E*>(p.k);
     const E* vc = static_cast<const E*>(p.v);
     constexpr int N = (TILE + RPI - 1) / RPI;
-    auto dst = [&](int r) { return sizeof(E) == 1 ? r * D + c * EPC : swz<D>(r, c); };
+    auto dst = [&](int r) { return sizeof(E) == 1 ? kv8_chunk<D>(r, c) : swz<D>(r, c); };
     if (!blk) {
         const int64_t step_k = (int64_t)RPI * p.k_seq, step_v = (int64_t)RPI * p.v_seq;
         const E* ks = kg + (int64_t)(key0 + r0) * p.k_seq + c * EPC;
@@ -209,7 +226,8 @@ __device__ __forceinline__ void convert_kv8(__half* wK, const uint8_t* sK) {
     for (int idx = threadIdx.x; idx < 2 * BC * C; idx += THREADS) {
         const int which = idx / (BC * C), rc = idx % (BC * C);
         const int r = rc / C, c = rc % C;
-        const uint4 raw = *reinterpret_cast<const uint4*>(sK + which * BC * D + r * D + c * 16);
+        const uint8_t* src = sK + which * BC * D + kv8_chunk<D>(r, c);
+        const uint4 raw = *reinterpret_cast<const uint4*>(src);
         const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
         uint32_t h[8];
 #pragma unroll
@@ -223,17 +241,53 @@ __device__ __forceinline__ void convert_kv8(__half* wK, const uint8_t* sK) {
     }
 }
 
-// Q of a KV8 block, loaded in T into sQ, becomes f16 times 2^-e in place, e >= 0 the least
-// keeping every |value| below 2^15; returns 2^e (the factor of every score). Every thread
-// takes part (two barriers).
-template <typename T, int D, int ROWS, int THREADS>
+// The column of K's bytes (and Q's) that column `col` of the mma fragments holds where a KV8
+// warp converts its keys in registers: in k16 step kk, the quad's thread t holds columns
+// 16 kk + 2 t + {0, 1} and + 8 of its key; they are bytes 4 kk .. 4 kk + 3 of the thread's run
+// of D / 4 bytes, so that it reads its key's bytes in whole 16-byte chunks.
+template <int D>
+__device__ __forceinline__ int direct_k_col(int col) {
+    const int kk = col / 16, h = (col / 8) % 2, t = (col / 2) % 4, e = col % 2;
+    return (D / 4) * t + 4 * kk + 2 * h + e;
+}
+
+// The column of O (and of V's bytes) that column n of O's n8 tile j holds in that case: the
+// thread that loads n's fragment of V reads a run of D / 8 bytes (one per tile) of each key.
+template <int D>
+__device__ __forceinline__ int direct_col(int j, int n) {
+    return n * (D / 8) + j;
+}
+
+// Q of a KV8 block, loaded in T into sQ, becomes f16 times 2^-e, e >= 0 the least keeping
+// every |value| below 2^15; returns 2^e (the factor of every score). PERMUTE: column c of the
+// result holds Q's column direct_k_col(c). Every thread takes part (two barriers).
+template <typename T, int D, int ROWS, int THREADS, bool PERMUTE>
 __device__ __forceinline__ float q_to_f16(void* sQ) {
     __shared__ float sh_amax[THREADS / 32];
     constexpr int N = ROWS * D;
+    // PERMUTE (one row tile: D / 8 or D / 4 values a thread) moves values between threads, so
+    // they wait in registers for the barrier; otherwise each converts its own values in place.
+    constexpr int HELD = PERMUTE ? N / THREADS : 1;
+    static_assert(!PERMUTE || N % THREADS == 0, "every thread holds as many values");
     T* qt = static_cast<T*>(sQ);
+    // Logical element i (row-major) of the result, and where its value is in the loaded tile.
+    auto at = [](int i, bool src) {
+        const int r = i / D, c = i % D;
+        const int col = src ? direct_k_col<D>(c) : c;
+        return flash::swz<D>(r, col / 8) + col % 8;
+    };
+    T held[HELD];
     float amax = 0.f;
-    for (int i = threadIdx.x; i < N; i += THREADS)
-        amax = fmaxf(amax, fabsf(rowwise::to_f32(qt[i])));
+    if constexpr (PERMUTE) {
+#pragma unroll
+        for (int k = 0; k < HELD; ++k) {
+            held[k] = qt[at(threadIdx.x + k * THREADS, true)];
+            amax = fmaxf(amax, fabsf(rowwise::to_f32(held[k])));
+        }
+    } else {
+        for (int i = threadIdx.x; i < N; i += THREADS)
+            amax = fmaxf(amax, fabsf(rowwise::to_f32(qt[i])));
+    }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
     if (threadIdx.x % 32 == 0) sh_amax[threadIdx.x / 32] = amax;
@@ -245,8 +299,16 @@ __device__ __forceinline__ float q_to_f16(void* sQ) {
     int e = 0;
     if (amax >= 32768.f && amax <= 3.4e38f) e = ilogbf(amax) - 14;
     const float down = exp2f((float)-e);
-    for (int i = threadIdx.x; i < N; i += THREADS)
-        reinterpret_cast<__half*>(sQ)[i] = __float2half_rn(rowwise::to_f32(qt[i]) * down);
+    __half* qh = static_cast<__half*>(sQ);
+    if constexpr (PERMUTE) {
+#pragma unroll
+        for (int k = 0; k < HELD; ++k)
+            qh[at(threadIdx.x + k * THREADS, false)] =
+                __float2half_rn(rowwise::to_f32(held[k]) * down);
+    } else {
+        for (int i = threadIdx.x; i < N; i += THREADS)
+            qh[i] = __float2half_rn(rowwise::to_f32(qt[i]) * down);
+    }
     __syncthreads();
     return exp2f((float)e);
 }
@@ -304,15 +366,17 @@ struct WarpState {
 // `k0`. Masks with the rows' visible ranges [row_lo, row_hi) (within this split). MODS: softcap,
 // ALiBi and the bias first: staged in shared memory (`sBias`, f32) where the block's rows share
 // one key vector, else read at the rows' offsets (`bias_row`, keys < sk); a 2-byte bias has the
-// dtype of q, TB, which is not T where an FP8 cache's tiles are converted to f16.
-template <typename T, typename TB, int D, int KW, bool MODS>
+// dtype of q, TB, which is not T where an FP8 cache's tiles are converted to f16. DIRECT: sK and
+// sV are the stored FP8 tiles (kv8_chunk), converted here into the fragments (the columns of Q
+// permuted by direct_k_col, those of O by direct_col); `kw0` is the warp's first row in them.
+template <typename T, typename TB, int D, int KW, bool MODS, bool DIRECT = false>
 __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p, const T* sQ,
                                           const T* sK, const T* sV, const SwzRow<D>& q_off,
                                           const SwzRow<D>& k_off, const SwzRow<D>& v_off, int k0,
                                           const int (&row_lo)[2], const int (&row_hi)[2],
                                           const int (&diag)[2], const float (&slope_log2)[2],
                                           float unit, const int64_t (&bias_off)[2], int sk,
-                                          float qscale, const float* sBias) {
+                                          float qscale, const float* sBias, int kw0) {
     constexpr int NT = KW / 8;
     const int lane = threadIdx.x % 32;
     float s[NT][4];
@@ -320,16 +384,46 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
     for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+    if constexpr (DIRECT) {
+        // Key 8 j + lane / 4 of the warp's: the thread's run of D / 4 bytes, word kk holding
+        // its (b0 b1, b2 b3) pair of k16 step kk.
+        constexpr int KB = D / 4;
+        const uint8_t* k8 = reinterpret_cast<const uint8_t*>(sK);
+        uint32_t kw[NT][KB / 4];
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t qa[4];
-        ldsm_x4(qa, sQ + q_off.at(0, kk));
+        for (int j = 0; j < NT; ++j) {
+            const int r = kw0 + 8 * j + lane / 4;
 #pragma unroll
-        for (int np = 0; np < KW / 16; ++np) {
-            uint32_t kb[4];
-            ldsm_x4(kb, sK + k_off.at(np, kk));
-            Mma<T>::run(s[2 * np], qa, kb[0], kb[1]);
-            Mma<T>::run(s[2 * np + 1], qa, kb[2], kb[3]);
+            for (int q = 0; q < KB / 16; ++q) {
+                const uint4 x = *reinterpret_cast<const uint4*>(
+                    k8 + kv8_chunk<D>(r, (KB / 16) * (lane % 4) + q));
+                kw[j][4 * q] = x.x;
+                kw[j][4 * q + 1] = x.y;
+                kw[j][4 * q + 2] = x.z;
+                kw[j][4 * q + 3] = x.w;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[4];
+            ldsm_x4(qa, sQ + q_off.at(0, kk));
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+                Mma<T>::run(s[j], qa, e4m3x2_to_f16x2((uint16_t)(kw[j][kk] & 0xffff)),
+                            e4m3x2_to_f16x2((uint16_t)(kw[j][kk] >> 16)));
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[4];
+            ldsm_x4(qa, sQ + q_off.at(0, kk));
+#pragma unroll
+            for (int np = 0; np < KW / 16; ++np) {
+                uint32_t kb[4];
+                ldsm_x4(kb, sK + k_off.at(np, kk));
+                Mma<T>::run(s[2 * np], qa, kb[0], kb[1]);
+                Mma<T>::run(s[2 * np + 1], qa, kb[2], kb[3]);
+            }
         }
     }
     const int col = k0 + 2 * (lane % 4);
@@ -421,12 +515,58 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
         pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
         pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
         pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+        if constexpr (DIRECT) {
+            // Keys 2 t + {0, 1} and + 8 of the step (t = lane % 4), bytes j of the run of
+            // D / 8 that column lane / 4 of every n8 tile j of O holds (direct_col): byte j of
+            // two rows makes one (b0 b1) pair.
+            constexpr int VB = D / 8;
+            const uint8_t* v8 = reinterpret_cast<const uint8_t*>(sV);
+            const int r0 = kw0 + 16 * ks + 2 * (lane % 4);
+            uint32_t vw[4][VB / 4];
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-            uint32_t vb[4];
-            ldsm_x4_t(vb, sV + v_off.at(ks, dp));
-            Mma<T>::run(w.o[2 * dp], pa, vb[0], vb[1]);
-            Mma<T>::run(w.o[2 * dp + 1], pa, vb[2], vb[3]);
+            for (int i = 0; i < 4; ++i) {
+                const int r = r0 + (i % 2) + 8 * (i / 2);
+                const int byte = VB * (lane / 4);
+#pragma unroll
+                for (int q = 0; q < (VB + 15) / 16; ++q) {
+                    const uint8_t* src = v8 + kv8_chunk<D>(r, (byte + 16 * q) / 16) + byte % 16;
+                    if constexpr (VB >= 16) {
+                        const uint4 x = *reinterpret_cast<const uint4*>(src);
+                        vw[i][4 * q] = x.x;
+                        vw[i][4 * q + 1] = x.y;
+                        vw[i][4 * q + 2] = x.z;
+                        vw[i][4 * q + 3] = x.w;
+                    } else {
+                        const uint2 x = *reinterpret_cast<const uint2*>(src);
+                        vw[i][0] = x.x;
+                        vw[i][1] = x.y;
+                    }
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < VB / 4; ++q) {
+                // (row 2t, row 2t + 1) and (+ 8, + 9): bytes 4 q + {0, 1} then + {2, 3}.
+                const uint32_t lo01 = __byte_perm(vw[0][q], vw[1][q], 0x5140);
+                const uint32_t hi01 = __byte_perm(vw[0][q], vw[1][q], 0x7362);
+                const uint32_t lo89 = __byte_perm(vw[2][q], vw[3][q], 0x5140);
+                const uint32_t hi89 = __byte_perm(vw[2][q], vw[3][q], 0x7362);
+                const uint32_t pr[2][2] = {{lo01, lo89}, {hi01, hi89}};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int sh = 16 * (u % 2);
+                    Mma<T>::run(w.o[4 * q + u], pa,
+                                e4m3x2_to_f16x2((uint16_t)(pr[u / 2][0] >> sh)),
+                                e4m3x2_to_f16x2((uint16_t)(pr[u / 2][1] >> sh)));
+                }
+            }
+        } else {
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                uint32_t vb[4];
+                ldsm_x4_t(vb, sV + v_off.at(ks, dp));
+                Mma<T>::run(w.o[2 * dp], pa, vb[0], vb[1]);
+                Mma<T>::run(w.o[2 * dp + 1], pa, vb[2], vb[3]);
+            }
         }
     }
 }
@@ -463,6 +603,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     using Tc = typename std::conditional<KV8, __half, T>::type;
     constexpr int THREADS = Tr::THREADS, ROWS = Tr::ROWS, KW = Tr::KW, DT = Tr::DT;
     constexpr int WARPS = Tr::WARPS;
+    constexpr bool DIRECT = Tr::DIRECT;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     Tc* sQ = reinterpret_cast<Tc*>(smem_raw);
     // Stage s: K at sKV + 2 s TILE bytes, V right after; KV8: the converted f16 pair after the
@@ -622,7 +763,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     if constexpr (KV8) {
         cp_async_wait<STAGES - 1>();
         __syncthreads();
-        qscale = q_to_f16<T, D, ROWS, THREADS>(sQ);
+        qscale = q_to_f16<T, D, ROWS, THREADS, DIRECT>(sQ);
         const int64_t bk = (int64_t)b * (p.heads / p.kv_group) + kvh;
         if (p.qk_descale) qscale *= p.qk_descale[bk];
         if (p.v_descale) vscale = p.v_descale[bk];
@@ -642,21 +783,25 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         const int next_blk = EARLY_TABLE ? ahead : fetch(tn + 1);
         if constexpr (EARLY_TABLE) ahead = fetch(tn + 2);
         const float next_bias = bias_of(t + 1);
-        const Tc* sK;
-        if constexpr (KV8) {
-            convert_kv8<D, BC, THREADS>(sWork, sKV + (it % STAGES) * 2 * Tr::TILE);
+        // The tiles the warps read: the stage's (as stored; DIRECT: FP8 bytes), or their
+        // conversion.
+        const unsigned char* stage = sKV + (it % STAGES) * 2 * Tr::TILE;
+        const Tc* sK = reinterpret_cast<const Tc*>(stage);
+        const Tc* sV = reinterpret_cast<const Tc*>(stage + Tr::TILE);
+        if constexpr (KV8 && !DIRECT) {
+            convert_kv8<D, BC, THREADS>(sWork, stage);
             __syncthreads();
             sK = sWork;
-        } else {
-            sK = reinterpret_cast<const Tc*>(sKV + (it % STAGES) * 2 * Tr::TILE);
+            sV = sWork + BC * D;
         }
         const int k0 = t * BC + KW * kg;  // this warp's first key
         float(*sh_bias)[BC] = sh_u.loop.bias;
         const int bt = STAGE_BIAS ? t % 2 : 0, bn = STAGE_BIAS ? (t + 1) % 2 : 0;
         if (has_rows && k0 < g.n_hi && k0 + KW > g.n_lo)
-            warp_tile<Tc, T, D, KW, MODS>(w, p, sQ, sK, sK + BC * D, q_off, k_off, v_off, k0,
-                                          row_lo, row_hi, diag, slope_log2, unit, bias_off, g.sk,
-                                          qscale, key_bias ? &sh_bias[bt][KW * kg] : nullptr);
+            warp_tile<Tc, T, D, KW, MODS, DIRECT>(
+                w, p, sQ, sK, sV, q_off, k_off, v_off, k0,
+                row_lo, row_hi, diag, slope_log2, unit, bias_off, g.sk, qscale,
+                key_bias ? &sh_bias[bt][KW * kg] : nullptr, KW * kg);
         put(tn + 1, next_blk);
         // Its buffer was last read by the compute of tile t - 1, before the barrier above.
         if (key_bias && tid < BC) sh_bias[bn][tid] = next_bias;
@@ -687,7 +832,8 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             for (int j = 0; j < DT; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int c = 8 * j + 2 * (lane % 4) + e;
+                    const int n = 2 * (lane % 4) + e;
+                    const int c = DIRECT ? direct_col<D>(j, n) : 8 * j + n;
                     if (c < p.d_out) store<T>(p, x, row_g, split, c, w.o[j][2 * hf + e] * inv);
                 }
             // A NaN l (a NaN score) keeps NaN in the lse, as O keeps it.
@@ -756,8 +902,11 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         for (int r = warp; r < ROWS; r += WARPS) {
             const PackedRow x = packed_row(p, m0, r, kvh, g.sq);
             if (!x.valid) continue;
-            for (int c = lane; c < p.d_out; c += 32)
-                store<T>(p, x, g.out_row0 + x.i, split, c, sO[r * D + c] * sh_inv[r]);
+            for (int c = lane; c < p.d_out; c += 32) {
+                // (sO is in the fragments' column order: column n of tile j at 8 j + n.)
+                const int at = DIRECT ? 8 * (c % DT) + c / DT : c;
+                store<T>(p, x, g.out_row0 + x.i, split, c, sO[r * D + at] * sh_inv[r]);
+            }
         }
         if (tid < ROWS) {
             const PackedRow x = packed_row(p, m0, tid, kvh, g.sq);
@@ -766,8 +915,9 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     }
     // Split calls with a fused merge (counters given): the group's last block merges the
     // splits (the ring is drained and its threads past the merge above). Not in the FP8-cache
-    // twins: their registers are full (ptxas spills), and the planner gives them the kernel.
-    if constexpr (!KV8)
+    // twins that convert through shared memory: their registers are full (ptxas spills), and
+    // the planner gives them the kernel.
+    if constexpr (!KV8 || DIRECT)
         if (p.split_sem && last_split(p, sh_u.last))
             combine_rows<T, D, ROWS, WARPS>(p, m0, kvh, b, g, reinterpret_cast<float*>(sKV));
 }
@@ -787,13 +937,15 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         decode::partial<T, D, RG, KG, BC, STAGES, true>(p);                                      \
     }
 
-// The FP8-cache twins of the table's instances (kernels/decode/decode_fp8.cu).
+// The FP8-cache twins of the table's instances (kernels/decode/decode_fp8.cu). (One block per SM
+// at least: without it ptxas holds the d 64 twins to 96 registers, and they spill.)
 #define FLASH_DECODE_KV8_INSTANCE(NAME, T, D, RG, KG, BC, STAGES, SMEM_BYTES)                    \
     static_assert(decode::Traits<T, D, RG, KG, BC, STAGES, true>::SMEM == SMEM_BYTES,            \
                   "src/cuda/instances.rs and the kernel disagree on shared memory");            \
-    extern "C" __global__ void __launch_bounds__(RG * KG * 32) NAME(const FlashParams p) {       \
+    extern "C" __global__ void __launch_bounds__(RG * KG * 32, 1) NAME(const FlashParams p) {    \
         decode::partial<T, D, RG, KG, BC, STAGES, false, true>(p);                               \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(RG * KG * 32) NAME##_mods(const FlashParams p) { \
+    extern "C" __global__ void __launch_bounds__(RG * KG * 32, 1)                                \
+        NAME##_mods(const FlashParams p) {                                                       \
         decode::partial<T, D, RG, KG, BC, STAGES, true, true>(p);                                \
     }

@@ -146,11 +146,15 @@ impl DecodeInstance {
         (self.rows() * self.d + self.stages * 2 * self.bc * self.d) * 2
     }
     /// The FP8-cache twin (`kernels/decode/decode_fp8.cu`): the Q tile, `stages` K and V tiles of
-    /// one-byte elements, and the f16 pair each tile is converted into. (A ring twice as deep,
-    /// as many bytes in flight as the 2-byte instance, measured no faster on an H200: the
-    /// conversion, not the bytes in flight, sets an FP8 block's pace.)
+    /// one-byte elements and, with more than one row tile, the f16 pair each tile is converted
+    /// into (one row tile converts in registers).
     pub const fn smem_kv8(&self) -> usize {
-        self.rows() * self.d * 2 + self.stages * 2 * self.bc * self.d + 2 * self.bc * self.d * 2
+        let work = if self.rg == 1 {
+            0
+        } else {
+            2 * self.bc * self.d * 2
+        };
+        self.rows() * self.d * 2 + self.stages * 2 * self.bc * self.d + work
     }
     pub fn suffix(&self) -> String {
         format!("d{}_{}", self.d, self.name())
