@@ -87,6 +87,9 @@ enum Kind {
     F32,
     F16,
     Bf16,
+    /// FP8 (e4m3), converted in registers as its rows are read (an FP8 cache streams one
+    /// byte per element, not four through an f32 copy).
+    E4m3,
     Other,
 }
 
@@ -100,6 +103,8 @@ fn kind<T: 'static>() -> Kind {
         Kind::F16
     } else if t == TypeId::of::<half::bf16>() {
         Kind::Bf16
+    } else if t == TypeId::of::<float8::F8E4M3>() {
+        Kind::E4m3
     } else {
         Kind::Other
     }

@@ -619,3 +619,123 @@ fn kernel_throughput() {
         }
     }
 }
+
+/// Every e4m3 code read in place by every instruction set's kernels converts exactly (NaN to
+/// NaN; zeros of either sign): with one key, the output is that key's V row. Head dims 256 (whole vectors) and 253
+/// (a partial vector of every width).
+#[test]
+fn fp8_rows_convert_exactly_on_every_isa() {
+    for d in [256usize, 253] {
+        let p = problem(1, 1, 1, 1, 1, d);
+        let v: Vec<float8::F8E4M3> = (0..d).map(|i| float8::F8E4M3::from_bits(i as u8)).collect();
+        let k = vec![float8::F8E4M3::from_f32(0.5); d];
+        let q = vec![0.25f32; d];
+        for isa in Isa::available() {
+            let (got, _) =
+                forward_with(isa, false, 1, 1, &p, None, &q, [&k, &v], &Extras::default());
+            for (x, (g, w)) in got.iter().zip(&v).enumerate() {
+                let w = w.to_f32();
+                // (Equal as values: the sum O = 0 + 1 · v turns -0 into +0.)
+                assert!(
+                    *g == w || (g.is_nan() && w.is_nan()),
+                    "d {d} {isa:?}: e4m3 {x:#04x} read as {g}, is {w}"
+                );
+            }
+        }
+    }
+}
+
+/// Decode over an FP8 cache, K and V read as stored, on every instruction set and split count,
+/// against attention in f64 over the dequantized values (odd lengths and head dims, GQA,
+/// causal with more keys than queries, subnormal and largest codes); reruns are bitwise equal.
+#[test]
+fn fp8_caches_match_f64_on_every_isa() {
+    for (b, sq, sk, d, h, hk) in [
+        (2, 1, 77, 40, 6, 2),
+        (1, 3, 301, 13, 4, 4),
+        (3, 2, 130, 128, 8, 1),
+    ] {
+        let p = problem(b, sq, sk, h, hk, d);
+        // Codes over the whole finite range (NaN codes, 0x7f and 0xff, skipped), their order
+        // differing between K and V and over the rows.
+        let code = |i: usize, salt: usize| {
+            let c = ((i * 37 + salt * 11) % 254) as u8;
+            float8::F8E4M3::from_bits(if c >= 0x7f { c + 1 } else { c })
+        };
+        let n = b * sk * hk * d;
+        let k: Vec<float8::F8E4M3> = (0..n).map(|i| code(i, 1)).collect();
+        let v: Vec<float8::F8E4M3> = (0..n).map(|i| code(i, 5)).collect();
+        // Queries small enough that the scores (up to 448² per term) stay in exp2's range.
+        let q: Vec<f32> = (0..b * sq * h * d)
+            .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 2e-5)
+            .collect();
+        let scale = p.score.scale as f64;
+        // out[b, i, h, :], causal from the bottom right: row i sees keys j <= i + sk - sq.
+        let mut want = vec![0f64; b * sq * h * d];
+        for bb in 0..b {
+            for i in 0..sq {
+                for hh in 0..h {
+                    let kh = hh / (h / hk);
+                    let qr = &q[((bb * sq + i) * h + hh) * d..][..d];
+                    let row = |t: &[float8::F8E4M3], j: usize| {
+                        t[((bb * sk + j) * hk + kh) * d..][..d]
+                            .iter()
+                            .map(|x| x.to_f32() as f64)
+                            .collect::<Vec<f64>>()
+                    };
+                    let seen = i + sk - sq + 1;
+                    let s: Vec<f64> = (0..seen)
+                        .map(|j| {
+                            let kr = row(&k, j);
+                            scale * qr.iter().zip(&kr).map(|(a, c)| *a as f64 * c).sum::<f64>()
+                        })
+                        .collect();
+                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let l: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                    let o = &mut want[((bb * sq + i) * h + hh) * d..][..d];
+                    for (j, sj) in s.iter().enumerate() {
+                        let w = (sj - m).exp() / l;
+                        for (o, x) in o.iter_mut().zip(row(&v, j)) {
+                            *o += w * x;
+                        }
+                    }
+                }
+            }
+        }
+        let top = want.iter().fold(1f64, |m, x| m.max(x.abs()));
+        for isa in Isa::available() {
+            for threads in [1, 3] {
+                let run = || {
+                    forward_with(
+                        isa,
+                        false,
+                        threads,
+                        1,
+                        &p,
+                        None,
+                        &q,
+                        [&k, &v],
+                        &Extras::default(),
+                    )
+                };
+                let (got, _) = run();
+                // NaN-propagating largest difference, relative to the largest output.
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(g, w)| ((*g as f64 - w) / top).abs())
+                    .fold(0f64, |m, e| if e > m || e.is_nan() { e } else { m });
+                assert!(
+                    err <= 1e-5,
+                    "({b}, {sq}, {sk}, {d}, {h}/{hk}) {isa:?} threads {threads}: error {err}"
+                );
+                let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&run().0),
+                    "{isa:?} threads {threads}: reruns"
+                );
+            }
+        }
+    }
+}

@@ -62,10 +62,29 @@ unsafe fn load<T: 'static>(p: *const T, m: __mmask16) -> __m512 {
             Kind::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
                 _mm256_maskz_loadu_epi16(m, p.cast()),
             ))),
+            Kind::E4m3 => e4m3(_mm_maskz_loadu_epi8(m, p.cast())),
             // `Avx512::reads` sends other types through the f32 conversion: never reached.
             Kind::Other => _mm512_setzero_ps(),
         }
     }
+}
+
+/// Sixteen e4m3 bytes as f32, exactly: the magnitude bits moved into an f16's exponent and
+/// mantissa (e4m3's exponent bias 7 against f16's 15: the f16 is the value times 2^-8,
+/// subnormals included), widened and scaled by 2^8; the NaN codes (all magnitude bits set)
+/// become NaN.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+fn e4m3(x: __m128i) -> __m512 {
+    let w = _mm256_cvtepu8_epi16(x);
+    let mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+    let h = _mm256_or_si256(
+        _mm256_slli_epi16::<7>(mag),
+        _mm256_slli_epi16::<8>(_mm256_and_si256(w, _mm256_set1_epi16(0x80))),
+    );
+    let f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0));
+    let nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+    _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(f32::NAN))
 }
 
 /// Lane `i` of the result is the sum of the lanes of `a[i]`: pairs summed within 128-bit
