@@ -11,11 +11,11 @@
 //! * **GQA packing**: the query rows of all heads of a KV head, and all `seq_q` rows
 //!   (`group · seq_q` rows), are folded into the online softmax together, so each K/V row is
 //!   loaded from memory once and then served from L1 to every row that needs it.
-//! * **Read as stored**: the AVX-512 and AVX2 kernels read f32, f16 and bf16 rows in place and
-//!   convert 16 (8) elements at a time in registers (bf16 products run on `vdpbf16ps` where the
-//!   CPU has it, with the probabilities rounded to bf16 for `P V`, as the GPU kernels do); the
-//!   portable kernels, and other cache types, convert each block of `BK` keys to f32 first, in
-//!   address order.
+//! * **Read as stored**: the AVX-512 and AVX2 kernels read f32, f16, bf16 and FP8 (e4m3) rows
+//!   in place and convert 16 (8) elements at a time in registers (bf16 products run on
+//!   `vdpbf16ps` where the CPU has it, with the probabilities rounded to bf16 for `P V`, as the
+//!   GPU kernels do); the portable kernels, and other cache types, convert each block of `BK`
+//!   keys to f32 first, in address order.
 //! * **Head-dim elements in SIMD lanes**: `q·k` is a register-blocked FMA (AVX-512: four rows ×
 //!   four keys; AVX2: eight accumulators, up to eight rows × one key, from query rows packed
 //!   per register block) over the head dim and one shared reduction tree (bf16 with eight rows
@@ -34,10 +34,11 @@
 //! in a fixed order, so results are bitwise identical from run to run.
 
 pub(super) mod plan;
+mod prefetch;
 mod run;
+mod scratch;
 
 use std::any::TypeId;
-use std::cell::RefCell;
 use std::ops::Range;
 
 use super::elem::{load_rows, Elem};
@@ -50,6 +51,9 @@ use super::SyncPtr;
 use crate::problem::{KeyRows, Problem, Strides};
 use crate::semantics::{alibi_bias, group_size, LOG2_E};
 use plan::{Item, Plan};
+use prefetch::Ahead;
+use prefetch::Pf;
+use scratch::{with_scratch, Scratch};
 
 /// Decode takes every call with at most this many query rows per sequence (speculative
 /// verification and chunked-prefill tails included), whatever the group: it reads K/V once
@@ -275,88 +279,6 @@ fn item_avx512<T: Elem, KV: Elem>(ctx: &Ctx<T, KV>, sc: &mut Scratch, item: Item
 #[target_feature(enable = "avx2,fma,f16c")]
 fn item_avx2<T: Elem, KV: Elem>(ctx: &Ctx<T, KV>, sc: &mut Scratch, item: Item) {
     run_item::<T, KV, Fused>(ctx, sc, item)
-}
-
-thread_local! {
-    /// Each thread's decode scratch; it only grows, and is separate from the prefill scratch so
-    /// alternating prefill and decode calls rebuild neither.
-    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch::new()) };
-}
-
-fn with_scratch(f: impl FnOnce(&mut Scratch)) {
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut s) => f(&mut s),
-        // Only if an item ever ran inside another on this thread; stay correct regardless.
-        Err(_) => f(&mut Scratch::new()),
-    })
-}
-
-/// Per-thread buffers of the partial pass.
-struct Scratch {
-    /// Query rows (as f32, and as bf16 bits for `vdpbf16ps`), `O`, `m`, `l` of every row of a
-    /// sequence, rows ordered `(kv head, query i, head within the group)`.
-    q: Vec<f32>,
-    qh: Vec<u16>,
-    /// The query rows of each KV head as the kernels read them, where they pack them.
-    qp: Vec<f32>,
-    o: Vec<f32>,
-    m: Vec<f32>,
-    l: Vec<f32>,
-    /// Per query index: the keys it sees; then the part of the current block it sees; the
-    /// latter per row.
-    range: Vec<(usize, usize)>,
-    cols: Vec<(usize, usize)>,
-    rcols: Vec<(usize, usize)>,
-    /// Scores, then probabilities, and corrections of every row against one block.
-    s: Vec<[f32; BK]>,
-    corr: Vec<f32>,
-    /// K and V blocks converted to f32 (`BK × kv_heads × d`), when the kernels cannot read
-    /// them in place.
-    k: Vec<f32>,
-    v: Vec<f32>,
-}
-
-impl Scratch {
-    const fn new() -> Self {
-        Self {
-            q: Vec::new(),
-            qh: Vec::new(),
-            qp: Vec::new(),
-            o: Vec::new(),
-            m: Vec::new(),
-            l: Vec::new(),
-            range: Vec::new(),
-            cols: Vec::new(),
-            rcols: Vec::new(),
-            s: Vec::new(),
-            corr: Vec::new(),
-            k: Vec::new(),
-            v: Vec::new(),
-        }
-    }
-
-    /// Room for `rows` query rows of `d` (`packed` elements packed), `sq` query indices and
-    /// blocks of `block` elements.
-    fn reserve(&mut self, rows: usize, packed: usize, sq: usize, block: usize, d: usize) {
-        fn grow<X: Copy>(v: &mut Vec<X>, n: usize, x: X) {
-            if v.len() < n {
-                v.resize(n, x);
-            }
-        }
-        grow(&mut self.q, rows * d, 0.0);
-        grow(&mut self.qh, rows * d.next_multiple_of(2), 0);
-        grow(&mut self.qp, packed, 0.0);
-        grow(&mut self.o, rows * d, 0.0);
-        grow(&mut self.m, rows, 0.0);
-        grow(&mut self.l, rows, 0.0);
-        grow(&mut self.range, sq, (0, 0));
-        grow(&mut self.cols, sq, (0, 0));
-        grow(&mut self.rcols, rows, (0, 0));
-        grow(&mut self.s, rows, [0.0; BK]);
-        grow(&mut self.corr, rows, 0.0);
-        grow(&mut self.k, block, 0.0);
-        grow(&mut self.v, block, 0.0);
-    }
 }
 
 /// One block of K or V rows for one KV head: key `c`'s row is `src[row(c)..row(c) + d]`.
@@ -712,134 +634,6 @@ fn row_lse(m: f32, l: f32) -> f32 {
     } else {
         (m + l.log2()) / LOG2_E
     }
-}
-
-/// What the prefetches ahead of a block read: the caches as stored, and where the item ends.
-struct Ahead<'a, T> {
-    k: &'a [T],
-    v: &'a [T],
-    keys: KeyRows<'a>,
-    /// The item's end.
-    hi: usize,
-    /// How many `(block, KV head)` steps ahead.
-    steps: usize,
-}
-
-impl<T> Ahead<'_, T> {
-    /// The step `self.steps` after block `j0`, KV head 0: its first key and KV head.
-    #[inline(always)]
-    fn first(&self, j0: usize, heads: usize) -> (usize, usize) {
-        (j0 + self.steps / heads * BK, self.steps % heads)
-    }
-
-    /// The K and V rows of the step at block `jb`, KV head `h`, to prefetch; then moves
-    /// `(jb, h)` on by one step.
-    #[inline(always)]
-    fn rows(&self, p: &Problem, at: &mut (usize, usize)) -> Pf {
-        let (jb, h) = *at;
-        *at = if h + 1 == p.kv_heads {
-            (jb + BK, 0)
-        } else {
-            (jb, h + 1)
-        };
-        let mut pf = Pf::NONE;
-        if self.steps == 0 || p.k.dim != 1 || p.v.dim != 1 {
-            return pf;
-        }
-        let (a, e) = (jb.min(self.hi), (jb + BK).min(self.hi));
-        let (kb, vb) = (self.k.as_ptr().cast::<u8>(), self.v.as_ptr().cast::<u8>());
-        let size = std::mem::size_of::<T>();
-        // Where every KV head of a key lies in one run of rows (the usual `(batch, keys, kv
-        // heads, d)` cache) and the block's keys are consecutive rows, the block's K (and V)
-        // rows of all heads are one range of memory: step `h` asks for the `h`-th part of that
-        // range, so the requests go out in address order. (Asking for the rows of head `h`
-        // instead touches every page of the range once per head, `kv_heads · d` elements
-        // apart; on the 2-core Zen 3 VM the 32/8-head caches streamed at 39-53% of the read
-        // bandwidth that way and at 72-76% in address order.)
-        let whole = |st: &Strides| st.head == p.head_dim && st.seq == p.kv_heads * p.head_dim;
-        let n = e - a;
-        let row_bytes = p.head_dim * size;
-        if n > 0 && whole(&p.k) && whole(&p.v) && self.keys.run(a, n) == n {
-            let (b, r) = self.keys.at(a);
-            let k0 = kb.wrapping_add((p.k.at(b, r, 0) + h * n * p.head_dim) * size);
-            let v0 = vb.wrapping_add((p.v.at(b, r, 0) + h * n * p.head_dim) * size);
-            for i in 0..n {
-                pf.rows[pf.n] = k0.wrapping_add(i * row_bytes);
-                pf.rows[pf.n + 1] = v0.wrapping_add(i * row_bytes);
-                pf.n += 2;
-            }
-            pf.bytes = row_bytes;
-            return pf;
-        }
-        for j in a..e {
-            let (b, r) = self.keys.at(j);
-            pf.rows[pf.n] = kb.wrapping_add(p.k.at(b, r, h) * size);
-            pf.rows[pf.n + 1] = vb.wrapping_add(p.v.at(b, r, h) * size);
-            pf.n += 2;
-        }
-        pf.bytes = p.head_dim * size;
-        pf
-    }
-}
-
-/// K and V rows to prefetch while a kernel runs, a few cache lines between its own loads, so
-/// that the requests reach memory at an even pace rather than in bursts that stall the core.
-pub(super) struct Pf {
-    rows: [*const u8; 2 * BK],
-    n: usize,
-    bytes: usize,
-    /// The next row.
-    next: usize,
-}
-
-impl Pf {
-    const NONE: Pf = Pf {
-        rows: [std::ptr::null(); 2 * BK],
-        n: 0,
-        bytes: 0,
-        next: 0,
-    };
-
-    /// Rows to prefetch.
-    #[inline(always)]
-    pub(super) fn rows(&self) -> usize {
-        self.n
-    }
-
-    /// Prefetches the next `count` rows into L2, every cache line of each.
-    #[inline(always)]
-    pub(super) fn fetch(&mut self, count: usize) {
-        let end = (self.next + count).min(self.n);
-        for &row in &self.rows[self.next..end] {
-            let mut off = 0;
-            while off < self.bytes {
-                prefetch_line(row.wrapping_add(off));
-                off += 64;
-            }
-        }
-        self.next = end;
-    }
-
-    /// Prefetches every row left.
-    #[inline(always)]
-    pub(super) fn fetch_all(&mut self) {
-        self.fetch(self.n);
-    }
-}
-
-/// Asks the CPU to start loading the cache line at `p` into L2 (T1: the L1 is too small for
-/// what is fetched ahead; T0 prefetches measured slower than none on the Zen 4 machine).
-#[inline(always)]
-fn prefetch_line(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        // SAFETY: a prefetch never faults and changes no program state, whatever the address;
-        // the pointer is only computed (wrapping), never dereferenced.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// Where one block of an item stands.

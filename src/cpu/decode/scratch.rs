@@ -1,0 +1,94 @@
+//! The per-thread buffers of the decode partial pass.
+
+use std::cell::RefCell;
+
+use super::BK;
+
+thread_local! {
+    /// Each thread's decode scratch; it only grows, and is separate from the prefill scratch so
+    /// alternating prefill and decode calls rebuild neither.
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch::new()) };
+}
+
+pub(super) fn with_scratch(f: impl FnOnce(&mut Scratch)) {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut s) => f(&mut s),
+        // Only if an item ever ran inside another on this thread; stay correct regardless.
+        Err(_) => f(&mut Scratch::new()),
+    })
+}
+
+/// Per-thread buffers of the partial pass.
+pub(super) struct Scratch {
+    /// Query rows (as f32, and as bf16 bits for `vdpbf16ps`), `O`, `m`, `l` of every row of a
+    /// sequence, rows ordered `(kv head, query i, head within the group)`.
+    pub(super) q: Vec<f32>,
+    pub(super) qh: Vec<u16>,
+    /// The query rows of each KV head as the kernels read them, where they pack them.
+    pub(super) qp: Vec<f32>,
+    pub(super) o: Vec<f32>,
+    pub(super) m: Vec<f32>,
+    pub(super) l: Vec<f32>,
+    /// Per query index: the keys it sees; then the part of the current block it sees; the
+    /// latter per row.
+    pub(super) range: Vec<(usize, usize)>,
+    pub(super) cols: Vec<(usize, usize)>,
+    pub(super) rcols: Vec<(usize, usize)>,
+    /// Scores, then probabilities, and corrections of every row against one block.
+    pub(super) s: Vec<[f32; BK]>,
+    pub(super) corr: Vec<f32>,
+    /// K and V blocks converted to f32 (`BK × kv_heads × d`), when the kernels cannot read
+    /// them in place.
+    pub(super) k: Vec<f32>,
+    pub(super) v: Vec<f32>,
+}
+
+impl Scratch {
+    pub(super) const fn new() -> Self {
+        Self {
+            q: Vec::new(),
+            qh: Vec::new(),
+            qp: Vec::new(),
+            o: Vec::new(),
+            m: Vec::new(),
+            l: Vec::new(),
+            range: Vec::new(),
+            cols: Vec::new(),
+            rcols: Vec::new(),
+            s: Vec::new(),
+            corr: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+        }
+    }
+
+    /// Room for `rows` query rows of `d` (`packed` elements packed), `sq` query indices and
+    /// blocks of `block` elements.
+    pub(super) fn reserve(
+        &mut self,
+        rows: usize,
+        packed: usize,
+        sq: usize,
+        block: usize,
+        d: usize,
+    ) {
+        fn grow<X: Copy>(v: &mut Vec<X>, n: usize, x: X) {
+            if v.len() < n {
+                v.resize(n, x);
+            }
+        }
+        grow(&mut self.q, rows * d, 0.0);
+        grow(&mut self.qh, rows * d.next_multiple_of(2), 0);
+        grow(&mut self.qp, packed, 0.0);
+        grow(&mut self.o, rows * d, 0.0);
+        grow(&mut self.m, rows, 0.0);
+        grow(&mut self.l, rows, 0.0);
+        grow(&mut self.range, sq, (0, 0));
+        grow(&mut self.cols, sq, (0, 0));
+        grow(&mut self.rcols, rows, (0, 0));
+        grow(&mut self.s, rows, [0.0; BK]);
+        grow(&mut self.corr, rows, 0.0);
+        grow(&mut self.k, block, 0.0);
+        grow(&mut self.v, block, 0.0);
+    }
+}
