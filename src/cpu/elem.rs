@@ -143,10 +143,28 @@ impl Elem for float8::F8E4M3 {
     }
 }
 
-/// [`Elem::load_f32`] for e4m3, 8 elements per step: the magnitude bits moved into an f16's
-/// exponent and mantissa (e4m3's exponent bias 7 against f16's 15: the f16 is the value times
-/// 2^-8, subnormals included), converted by F16C and scaled by 2^8, both exact; the two NaN
-/// codes (all magnitude bits set) become NaN.
+/// The eight e4m3 bytes in the low half of `x` as f32, exactly: the magnitude bits moved into
+/// an f16's exponent and mantissa (e4m3's exponent bias 7 against f16's 15: the f16 is the value
+/// times 2^-8, subnormals included), converted by F16C and scaled by 2^8, both exact; the two
+/// NaN codes (all magnitude bits set) become NaN. Shared by [`Elem::load_f32`] and the AVX2
+/// decode kernels, which read FP8 rows in place.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn e4m3x8(x: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let w = _mm_cvtepu8_epi16(x);
+    let mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+    let h = _mm_or_si128(
+        _mm_slli_epi16::<7>(mag),
+        _mm_slli_epi16::<8>(_mm_and_si128(w, _mm_set1_epi16(0x80))),
+    );
+    let f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0));
+    let nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
+    _mm256_blendv_ps(f, _mm256_set1_ps(f32::NAN), _mm256_castsi256_ps(nan))
+}
+
+/// [`Elem::load_f32`] for e4m3, 8 elements per step ([`e4m3x8`]).
 ///
 /// # Safety
 /// avx2 and f16c must be available.
@@ -155,21 +173,12 @@ impl Elem for float8::F8E4M3 {
 unsafe fn e4m3_load(dst: &mut [f32], src: &[float8::F8E4M3]) {
     use std::arch::x86_64::*;
     let n = dst.len().min(src.len());
-    let (mag, sign) = (_mm_set1_epi16(0x7f), _mm_set1_epi16(0x80));
-    let (scale, nan) = (_mm256_set1_ps(256.0), _mm256_set1_ps(f32::NAN));
     let mut i = 0;
     while i + 8 <= n {
         // SAFETY: elements `i .. i + 8` lie inside both slices (F8E4M3 is one byte).
         unsafe {
-            let x = _mm_cvtepu8_epi16(_mm_loadl_epi64(src.as_ptr().add(i).cast()));
-            let m = _mm_and_si128(x, mag);
-            let h = _mm_or_si128(
-                _mm_slli_epi16::<7>(m),
-                _mm_slli_epi16::<8>(_mm_and_si128(x, sign)),
-            );
-            let f = _mm256_mul_ps(_mm256_cvtph_ps(h), scale);
-            let is_nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(m, mag)));
-            _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_blendv_ps(f, nan, is_nan));
+            let x = _mm_loadl_epi64(src.as_ptr().add(i).cast());
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), e4m3x8(x));
         }
         i += 8;
     }

@@ -19,6 +19,7 @@
 use std::arch::x86_64::*;
 
 use super::super::{kind, Kind, Pf, Rows, BK};
+use crate::cpu::elem::e4m3x8;
 
 /// f32 lanes of a vector.
 const W: usize = 8;
@@ -44,24 +45,6 @@ fn widen<T: 'static>(h: __m128i) -> __m256 {
     }
 }
 
-/// The eight e4m3 bytes in the low half of `x` as f32, exactly: the magnitude bits moved into
-/// an f16's exponent and mantissa (e4m3's exponent bias 7 against f16's 15: the f16 is the value
-/// times 2^-8, subnormals included), converted by F16C and scaled by 2^8; the NaN codes (all
-/// magnitude bits set) become NaN.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn e4m3(x: __m128i) -> __m256 {
-    let w = _mm_cvtepu8_epi16(x);
-    let mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
-    let h = _mm_or_si128(
-        _mm_slli_epi16::<7>(mag),
-        _mm_slli_epi16::<8>(_mm_and_si128(w, _mm_set1_epi16(0x80))),
-    );
-    let f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0));
-    let nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)));
-    _mm256_blendv_ps(f, _mm256_set1_ps(f32::NAN), _mm256_castsi256_ps(nan))
-}
-
 /// Elements `p .. p + 8` of a row of `T` as f32.
 ///
 /// # Safety
@@ -74,7 +57,7 @@ unsafe fn load<T: 'static>(p: *const T) -> __m256 {
         match kind::<T>() {
             Kind::F32 => _mm256_loadu_ps(p.cast()),
             Kind::F16 | Kind::Bf16 => widen::<T>(_mm_loadu_si128(p.cast())),
-            Kind::E4m3 => e4m3(_mm_loadl_epi64(p.cast())),
+            Kind::E4m3 => e4m3x8(_mm_loadl_epi64(p.cast())),
             // `Fused::reads` sends other types through the f32 conversion: never reached.
             Kind::Other => _mm256_setzero_ps(),
         }
@@ -100,7 +83,7 @@ unsafe fn load_part<T: 'static>(p: *const T, n: usize) -> __m256 {
             Kind::E4m3 => {
                 let mut b = [0u8; W];
                 std::ptr::copy_nonoverlapping(p.cast::<u8>(), b.as_mut_ptr(), n);
-                e4m3(_mm_loadl_epi64(b.as_ptr().cast()))
+                e4m3x8(_mm_loadl_epi64(b.as_ptr().cast()))
             }
             Kind::Other => _mm256_setzero_ps(),
         }

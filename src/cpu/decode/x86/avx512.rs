@@ -69,10 +69,8 @@ unsafe fn load<T: 'static>(p: *const T, m: __mmask16) -> __m512 {
     }
 }
 
-/// Sixteen e4m3 bytes as f32, exactly: the magnitude bits moved into an f16's exponent and
-/// mantissa (e4m3's exponent bias 7 against f16's 15: the f16 is the value times 2^-8,
-/// subnormals included), widened and scaled by 2^8; the NaN codes (all magnitude bits set)
-/// become NaN.
+/// Sixteen e4m3 bytes as f32, exactly: `elem::e4m3x8`'s conversion (magnitude bits into an
+/// f16, widened, times 2^8, NaN codes to NaN) at AVX-512's width, the NaN lanes by a mask.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 fn e4m3(x: __m128i) -> __m512 {
