@@ -51,6 +51,16 @@ pub(crate) fn dtype_name(dtype: DType) -> Result<&'static str> {
     })
 }
 
+/// Whether `l`'s entry point is defined in its module's PTX, for the planners' tests: with the
+/// `cuda` feature, which builds the PTX (a CPU-only build has none to check against).
+#[cfg(test)]
+pub(crate) fn defined(l: &Launch) -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::runtime::defines(l.module, &l.function);
+    #[cfg(not(feature = "cuda"))]
+    return !l.function.is_empty();
+}
+
 /// One kernel launch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Launch {

@@ -326,6 +326,7 @@ mod tests {
                         let p = problem(d, dtype, o, 37, 141);
                         let pl = plan_with(&p, dtype, [0, 0], &portable(smem), &[]).unwrap();
                         let what = format!("{dtype:?} d {d} {o:?}: {pl:?}");
+                        assert_defined(&pl, &what);
                         let fast = dtype != DType::F32 && (d == 64 || d == 128);
                         assert_eq!(pl.mma.is_some(), fast, "{what}");
                         let mods = o.softcap.is_some() || o.alibi_slopes.is_some();
@@ -430,6 +431,18 @@ mod tests {
         }
     }
 
+    /// The plan's three launches are entry points of their modules.
+    fn assert_defined(pl: &BwdPlan, what: &str) {
+        for l in [&pl.dsum, &pl.dkdv, &pl.dq] {
+            let ok = crate::cuda::launch::defined(l);
+            assert!(
+                ok,
+                "no entry point {} in {:?}: {what}",
+                l.function, l.module
+            );
+        }
+    }
+
     /// On Hopper, f16/bf16 calls at head dims 64 and 128 take the sm_90a kernels (both modes:
     /// they use no atomics), with the `_mods` twins for softcap / ALiBi where they exist (d 64);
     /// d 128 with softcap / ALiBi, f32 and other head dims keep the portable plans. Grids cover
@@ -452,6 +465,7 @@ mod tests {
                     {
                         let pl = plan_with(&p, dtype, [0, 0], &H100, &[]).unwrap();
                         let what = format!("{dtype:?} d {d} {o:?}: {pl:?}");
+                        assert_defined(&pl, &what);
                         let hopper = dtype != DType::F32 && (d == 64 || (d == 128 && !mods));
                         assert_eq!(pl.sm90.is_some(), hopper, "{what}");
                         if !hopper {

@@ -534,6 +534,15 @@ mod tests {
         opts.problem(&q, &k, &k, None).unwrap()
     }
 
+    /// The plan's launches are entry points of their modules.
+    fn assert_defined(pl: &Plan, what: &str) {
+        use crate::cuda::launch::defined;
+        assert!(defined(&pl.partial), "{what}");
+        if let Merge::Kernel(l) = &pl.merge {
+            assert!(defined(l), "{what}");
+        }
+    }
+
     fn bf16(b: usize, sq: usize, sk: usize, h: usize, hk: usize, d: usize) -> Option<Plan> {
         let p = problem(
             b,
@@ -594,6 +603,7 @@ mod tests {
                 };
                 assert_eq!(pl.partial.module, module);
                 assert!(pl.partial.function.starts_with("flash_decode_bf16_kv8_"));
+                assert_defined(&pl, &format!("{caps:?}: {pl:?}"));
                 assert_eq!(pl.partial.smem, pl.instance.smem_kv8());
                 assert!(caps.fits(pl.partial.smem) && pl.pack[1..] == [false, false]);
                 // Those that convert through shared memory (more than one row tile) have no
@@ -677,6 +687,7 @@ mod tests {
                         assert_eq!(pl.merge == Merge::None, pl.splits == 1, "{what}");
                         let mods = o.softcap.is_some() || o.alibi_slopes.is_some();
                         assert_eq!(pl.partial.function.ends_with("_mods"), mods, "{what}");
+                        assert_defined(&pl, &what);
                     }
                 }
             }

@@ -418,6 +418,7 @@ mod tests {
                             "{what}"
                         );
                         assert!(pl.d_load >= d && pl.launch.threads > 0, "{what}");
+                        assert!(crate::cuda::launch::defined(&pl.launch), "{what}");
                         match pl.kernel {
                             Kernel::Mma(i) => {
                                 assert_ne!(dtype, DType::F32, "{what}");

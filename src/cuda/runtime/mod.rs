@@ -28,7 +28,7 @@ unsafe impl DeviceRepr for Params {}
 // SAFETY: as `Params` (the backward's C twin `BwdParams` is checked the same way).
 unsafe impl DeviceRepr for BwdParams {}
 
-/// The PTX text and candle's cache name of a module.
+/// candle's cache name and the PTX text of a module.
 fn ptx(m: Module) -> (&'static str, &'static str) {
     match m {
         Module::Bf16 => (
@@ -72,6 +72,14 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
             include_str!(concat!(env!("OUT_DIR"), "/tiles.ptx")),
         ),
     }
+}
+
+/// Whether module `m`'s PTX defines the kernel entry point `function`: the planners' tests
+/// check every launch they plan against it, so that a name no module defines fails without a
+/// GPU.
+#[cfg(test)]
+pub(crate) fn defines(m: Module, function: &str) -> bool {
+    ptx(m).1.contains(&format!(".entry {function}("))
 }
 
 /// What the planners need, read from the device once per process and device: some attributes
