@@ -5,10 +5,11 @@
 //! the virtual architecture `compute_80` (Ampere and later; the driver JIT-compiles it for the
 //! GPU at load time). Headers are grouped by pass under `kernels/common`, `kernels/forward` (and
 //! later `decode`, `backward`, `sm90`). Architecture-specific modules live in subfolders and are
-//! listed in `ARCH_MODULES` with their own `-gencode` target: today the Hopper forward
+//! listed in `ARCH_MODULES` with their own `-gencode` target: the Hopper forward
 //! `kernels/sm90/flash_sm90.cu` and backward `kernels/sm90/bwd_sm90.cu` (wgmma/TMA,
-//! `compute_90a`), picked at run time by compute capability in `src/cuda/plan.rs` and
-//! `src/cuda/backward/plan.rs`.
+//! `compute_90a`), picked at run time by compute capability in `src/cuda/forward/plan.rs` and
+//! `src/cuda/backward/plan.rs`, and the FP8-cache decode `kernels/decode/decode_fp8.cu`
+//! (`compute_89`, and `compute_80` for older GPUs).
 //!
 //! Two headers are generated into `$OUT_DIR` from the Rust sources, so Rust and CUDA cannot
 //! drift apart:

@@ -7,10 +7,14 @@ use candle::{bail, DType, Result};
 /// The PTX module a kernel lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Module {
-    /// The portable (compute_80) kernels of one dtype: forward, decode, backward.
+    /// The portable (compute_80) kernels of one dtype: forward and backward (f32: forward).
     Bf16,
     F16,
     F32,
+    /// The split-KV decode kernels of one dtype and their combine kernel (compute_80): a module
+    /// of their own, so that a call JIT-compiles only the kernels of its kind on first use.
+    DecodeBf16,
+    DecodeF16,
     /// The sm_90a forward kernels (kernels/sm90/flash_sm90.cu), f16 and bf16.
     Sm90,
     /// The sm_90a backward kernels (kernels/sm90/bwd_sm90.cu).
@@ -37,6 +41,15 @@ impl Module {
             DType::F16 => Self::F16,
             DType::F32 => Self::F32,
             dt => bail!("flash-attn: no CUDA kernel for dtype {dt:?}"),
+        })
+    }
+
+    /// The decode module of `dtype` (f16 or bf16).
+    pub fn decode_of(dtype: DType) -> Result<Self> {
+        Ok(match dtype {
+            DType::BF16 => Self::DecodeBf16,
+            DType::F16 => Self::DecodeF16,
+            dt => bail!("flash-attn: no CUDA decode kernel for dtype {dt:?}"),
         })
     }
 }

@@ -163,7 +163,7 @@ fn plan_with(
     let dn = dtype_name(dtype)?;
     let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0 || p.bias.is_some();
     let mods = if mods { "_mods" } else { "" };
-    let module = Module::of(dtype)?;
+    let module = Module::decode_of(dtype)?;
     let smem = |i: &DecodeInstance| if kv8 { i.smem_kv8() } else { i.smem() };
     let launch = |i: &DecodeInstance| Launch {
         module: match (kv8, caps.fp8) {

@@ -39,6 +39,14 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
             "candle_flash_f16",
             include_str!(concat!(env!("OUT_DIR"), "/flash_f16.ptx")),
         ),
+        Module::DecodeBf16 => (
+            "candle_flash_decode_bf16",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_decode_bf16.ptx")),
+        ),
+        Module::DecodeF16 => (
+            "candle_flash_decode_f16",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_decode_f16.ptx")),
+        ),
         Module::F32 => (
             "candle_flash_f32",
             include_str!(concat!(env!("OUT_DIR"), "/flash_f32.ptx")),
