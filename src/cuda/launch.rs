@@ -7,7 +7,7 @@ use candle::{bail, DType, Result};
 /// The PTX module a kernel lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Module {
-    /// The portable (compute_80) kernels of one dtype: forward and backward (f32: forward).
+    /// The portable (compute_80) kernels of one dtype: forward and backward.
     Bf16,
     F16,
     F32,
