@@ -89,28 +89,6 @@ fn score_bounds(
     Ok(out)
 }
 
-/// A naive yardstick's input in `dtype`: on the device under test, or on the host in a
-/// compute-sanitizer run (`Target::small`), so that only the kernels under test run on the GPU
-/// (the naive path's cuBLAS products write through the tensor copy engine, which initcheck does
-/// not count as writes).
-fn yardstick(t: &Target, x: &Tensor, dtype: DType) -> Result<Tensor> {
-    let x = x.to_dtype(dtype)?;
-    if t.small() {
-        Ok(x)
-    } else {
-        t.put(&x)
-    }
-}
-
-/// The naive yardstick's options, beside [`yardstick`]'s inputs.
-fn yardstick_op(t: &Target, opts: &FlashAttn) -> FlashAttn {
-    if t.small() {
-        opts.clone()
-    } else {
-        t.op(opts)
-    }
-}
-
 /// Checks an FP8 call's output and lse against the reference of the dequantized inputs: the
 /// output by the suite's rule with the naive path in the output's dtype as the yardstick, the
 /// lse within the suite's bound plus the unit roundoff of the compute dtype (the GPU's is the
@@ -209,13 +187,9 @@ fn dense(t: &Target) -> Result<()> {
                 _ => opts.clone(),
             };
             let (want, want_lse) = reference(&q_deq, &kq, &vq, &opts)?;
-            let low = |x: &Tensor| yardstick(t, x, qdt);
-            let naive = naive_attention(
-                &low(&q_deq)?,
-                &low(&kq)?,
-                &low(&vq)?,
-                &yardstick_op(t, &opts),
-            )?;
+            let y = t.yardstick();
+            let low = |x: &Tensor| y.put(&x.to_dtype(qdt)?);
+            let naive = naive_attention(&low(&q_deq)?, &low(&kq)?, &low(&vq)?, &y.op(&opts))?;
             let mut op = opts
                 .clone()
                 .k_descale(&table(b, hk, &kd, &t.dev)?)
@@ -237,8 +211,9 @@ fn dense(t: &Target) -> Result<()> {
         let (q8, qq) = quantize(&qx, &rows_q, hk, &vec![1.0; b * hk])?;
         let (k8, kq) = quantize(&kx, &rows_k, hk, &vec![1.0; b * hk])?;
         let (want, want_lse) = reference(&qq, &kq, &kq, &opts)?;
-        let low = |x: &Tensor| yardstick(t, x, DType::BF16);
-        let naive = naive_attention(&low(&qq)?, &low(&kq)?, &low(&kq)?, &yardstick_op(t, &opts))?;
+        let y = t.yardstick();
+        let low = |x: &Tensor| y.put(&x.to_dtype(DType::BF16)?);
+        let naive = naive_attention(&low(&qq)?, &low(&kq)?, &low(&kq)?, &y.op(&opts))?;
         let k8 = t.put(&k8)?;
         let (out, lse) = t.op(&opts).forward_with_lse(&t.put(&q8)?, &k8, &k8)?;
         let what = format!("dense without descales b {b} sq {sq} sk {sk} {h}/{hk} d {d}");
@@ -296,14 +271,15 @@ fn varlen(t: &Target) -> Result<()> {
             (q.clone(), q.to_dtype(DType::F64)?)
         };
         let (want, want_lse) = reference_varlen(&q_deq, &kq, &vq, &cu_q, &cu_k, &opts)?;
-        let low = |x: &Tensor| yardstick(t, x, DType::BF16);
+        let y = t.yardstick();
+        let low = |x: &Tensor| y.put(&x.to_dtype(DType::BF16)?);
         let naive = naive_varlen(
             &low(&q_deq)?,
             &low(&kq)?,
             &low(&vq)?,
             &cu_q,
             &cu_k,
-            &yardstick_op(t, &opts),
+            &y.op(&opts),
         )?;
         let mut op = opts
             .clone()

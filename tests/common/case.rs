@@ -251,13 +251,8 @@ pub fn check_forward(
     assert_eq!(out.dims(), q.dims(), "{what}: output shape");
     assert_eq!(out.dtype(), q.dtype(), "{what}: output dtype");
     assert_eq!(lse.dims(), &[b, h, sq], "{what}: lse shape");
-    let naive = if t.small() {
-        let cpu = Target::cpu();
-        let host = |x: &Tensor| cpu.put(x);
-        naive_attention(&host(q)?, &host(k)?, &host(v)?, &cpu.op(opts))?
-    } else {
-        naive_attention(q, k, v, &t.op(opts))?
-    };
+    let y = t.yardstick();
+    let naive = naive_attention(&y.put(q)?, &y.put(k)?, &y.put(v)?, &y.op(opts))?;
     assert_close(what, &out, &naive, &ref_out, true);
     check_lse(what, &lse, &ref_lse, q.dtype());
     Ok(out)
@@ -341,20 +336,15 @@ pub fn check_varlen(
         .forward_varlen_with_lse(q, k, v, &cq, &ck, r.max_q, r.max_k)?;
     assert_eq!(out.dims(), q.dims(), "{what}: output shape");
     assert_eq!(lse.dims(), &[h, total_q], "{what}: lse shape");
-    let naive = if t.small() {
-        let cpu = Target::cpu();
-        let host = |x: &Tensor| cpu.put(x);
-        super::naive_varlen(
-            &host(q)?,
-            &host(k)?,
-            &host(v)?,
-            &r.cu_q,
-            &r.cu_k,
-            &cpu.op(opts),
-        )?
-    } else {
-        super::naive_varlen(q, k, v, &r.cu_q, &r.cu_k, &t.op(opts))?
-    };
+    let y = t.yardstick();
+    let naive = super::naive_varlen(
+        &y.put(q)?,
+        &y.put(k)?,
+        &y.put(v)?,
+        &r.cu_q,
+        &r.cu_k,
+        &y.op(opts),
+    )?;
     assert_close(what, &out, &naive, &ref_out, true);
     check_lse(what, &lse, &ref_lse, q.dtype());
     Ok(out)

@@ -316,6 +316,18 @@ impl Target {
         self.is_cuda() && flag(SMALL)
     }
 
+    /// Where a naive yardstick runs: this target, or the host in a compute-sanitizer run
+    /// ([`small`](Self::small)), so that only the kernels under test run on the GPU there (the
+    /// naive path's cuBLAS products write through the tensor copy engine, which initcheck does
+    /// not count as writes).
+    pub fn yardstick(&self) -> Target {
+        if self.small() {
+            Target::cpu()
+        } else {
+            self.clone()
+        }
+    }
+
     /// `opts` for this target: the configuration's choices, and its tensors (ALiBi slopes, block
     /// table, prefix ranges) on the device. Every call of the op under test goes through this.
     pub fn op(&self, opts: &FlashAttn) -> FlashAttn {
