@@ -323,6 +323,22 @@ fn instances_header() -> String {
         )
         .unwrap();
     }
+    h.push_str("\n\n#define FLASH_SM90_FP8_INSTANCES");
+    for i in instances::SM90_FP8_INSTANCES {
+        write!(
+            h,
+            " \\\n    FLASH_SM90_FP8_INSTANCE(flash_fwd_sm90_e4m3_{}, {}, {}, {}, {}, {}, {}, {})",
+            i.suffix(),
+            i.d,
+            i.nwg,
+            i.bn,
+            i.stages,
+            i.pingpong,
+            i.persistent,
+            i.smem_fp8()
+        )
+        .unwrap();
+    }
     h.push('\n');
     h
 }

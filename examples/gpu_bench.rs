@@ -75,6 +75,10 @@ struct Args {
     /// With --backward: skip the timing through `out.backward()`.
     #[arg(long)]
     no_autograd: bool,
+    /// Forward, part 1: the dtypes of q, k and v (`bf16`, `f16`, `f8e4m3`: FP8 q, k and v
+    /// with a bf16 output, descales 1).
+    #[arg(long, value_delimiter = ',', default_value = "bf16,f16")]
+    dtype: Vec<String>,
     /// Forward, part 1: where q, k and v lie in memory. `bshd`: (batch, seq, heads, d), the
     /// layout candle-transformers' models pass; `bhsd`: (batch, heads, seq, d), PyTorch SDPA's,
     /// passed as `transpose(1, 2)` views, which the kernels read in place
@@ -213,18 +217,35 @@ fn main() -> Result<()> {
         "{:<6} {:>4} {:>6} {:>6} {:>4} {:>7} {:>10} {:>9}",
         "dtype", "d", "seq", "batch", "h", "causal", "ms", "TFLOP/s"
     );
-    for dtype in [DType::BF16, DType::F16] {
+    let dtypes = args
+        .dtype
+        .iter()
+        .map(|x| match x.trim().to_ascii_lowercase().as_str() {
+            "bf16" => Ok(DType::BF16),
+            "f16" => Ok(DType::F16),
+            "f8e4m3" | "e4m3" => Ok(DType::F8E4M3),
+            other => anyhow::bail!("--dtype {other:?}: expected bf16, f16 or f8e4m3"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for dtype in dtypes {
         for &d in &dims {
             for &s in &seqs {
                 for causal in [false, true] {
                     let (b, h) = ((TOKENS / s).max(1), HIDDEN / d);
+                    // FP8 operands are made on the host: candle has no CUDA cast to F8E4M3.
+                    let at = if dtype == DType::F8E4M3 {
+                        Device::Cpu
+                    } else {
+                        dev.clone()
+                    };
                     let operand = || -> candle::Result<Tensor> {
                         match args.layout {
-                            Layout::Bshd => {
-                                Tensor::randn(0f32, 1.0, (b, s, h, d), &dev)?.to_dtype(dtype)
-                            }
-                            Layout::Bhsd => Tensor::randn(0f32, 1.0, (b, h, s, d), &dev)?
+                            Layout::Bshd => Tensor::randn(0f32, 1.0, (b, s, h, d), &at)?
                                 .to_dtype(dtype)?
+                                .to_device(&dev),
+                            Layout::Bhsd => Tensor::randn(0f32, 1.0, (b, h, s, d), &at)?
+                                .to_dtype(dtype)?
+                                .to_device(&dev)?
                                 .transpose(1, 2),
                         }
                     };

@@ -135,3 +135,51 @@ E4M3_TO(e4m3_to_bf16, __nv_bfloat16)
     }
 TO_E4M3(f16_to_e4m3, __half)
 TO_E4M3(bf16_to_e4m3, __nv_bfloat16)
+
+// The sm_90a FP8 forward's V: e4m3 rows (batch, seq, heads, d) as Vt (batch, heads, d, keys),
+// each head's keys padded with zeros to `keys` (a multiple of 128) and, within each 32, in the
+// order of the P fragments the kernel builds (kernels/sm90/fwd_mainloop.cuh, pack_p): position
+// c of a 32-key step holds key fp8_v_key(c). 8-bit wgmma reads both operands K-major, so P V
+// needs V with its keys contiguous. One block per (128 keys, head, batch): the keys' rows
+// (16-byte chunks, d a multiple of 16 and at most 256, rows 16-byte aligned) into shared memory,
+// then D rows of 128 bytes out.
+__device__ __forceinline__ int fp8_v_key(int c) {
+    return (c & 16) | (((c >> 1) & 1) << 3) | (((c >> 2) & 3) << 1) | (c & 1);
+}
+
+extern "C" __global__ void e4m3_v_transpose(const uint8_t* __restrict__ src,
+                                            uint8_t* __restrict__ dst, int64_t seq,
+                                            int64_t heads, int64_t d, int64_t keys,
+                                            int64_t s_batch, int64_t s_seq, int64_t s_head) {
+    // 16 bytes of padding per key row: the column reads below then spread over the banks.
+    __shared__ __align__(16) uint8_t tile[128][256 + 16];
+    const int64_t k0 = (int64_t)blockIdx.x * 128;
+    const int64_t h = blockIdx.y, b = blockIdx.z;
+    const int chunks = (int)(d / 16);
+    for (int i = threadIdx.x; i < 128 * chunks; i += blockDim.x) {
+        const int r = i / chunks, c = i % chunks;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (k0 + r < seq)
+            x = *reinterpret_cast<const uint4*>(src + b * s_batch + (k0 + r) * s_seq +
+                                                h * s_head + c * 16);
+        *reinterpret_cast<uint4*>(&tile[r][c * 16]) = x;
+    }
+    __syncthreads();
+    uint8_t* out = dst + ((b * heads + h) * d) * keys + k0;
+    for (int i = threadIdx.x; i < (int)d * 8; i += blockDim.x) {
+        const int row = i / 8, seg = i % 8;  // 16 key positions of column `row`
+        uint32_t w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            uint32_t x = 0;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int pos = seg * 16 + j * 4 + e;
+                x |= (uint32_t)tile[(pos & ~31) | fp8_v_key(pos & 31)][row] << (8 * e);
+            }
+            w[j] = x;
+        }
+        *reinterpret_cast<uint4*>(out + (int64_t)row * keys + seg * 16) =
+            make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}

@@ -489,6 +489,155 @@ fn kvcache(t: &Target) -> Result<()> {
 }
 test_device!(kvcache, Decode);
 
+/// The bound on an FP8 prefill's error at each output element, from the f64 reference's
+/// probabilities (`(b, sq, h, d)` q and `(b, sk, hk, d)` k and v, dequantized; no mask or
+/// bottom-right causal). The sm_90a FP8 forward rounds P = 2^(s - m) to e4m3 for P V (as
+/// FlashAttention-3 does), with m a row's reference max, so the largest P is at least 1 and
+/// l = sum P >= 1 / p_max (p the exact probabilities): a normal e4m3 P is off by at most 2^-4
+/// of itself, a subnormal one (below 2^-6, which needs p < 2^-6 p_max) by at most 2^-10. Then
+/// |dO| <= 2^-4 sum p |v| + 2^-10 p_max sum_{p < 2^-6 p_max} |v|, doubled as the suite doubles
+/// its yardstick's error, plus the bf16 rounding of the output (2^-8 of it) and a floor.
+/// Also each element's expected error if the roundings are independent and uniform (rms: a
+/// relative one of at most 2^-4 has a standard deviation below 2^-4 / sqrt 3), which the
+/// output's RMS error must stay near: the worst case alone would let a wrong layout of P or V
+/// pass where attention is spread over many keys.
+fn fp8_prefill_bounds(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (b, sq, h, d) = q.dims4()?;
+    let (_, sk, hk, _) = k.dims4()?;
+    let (qv, kv, vv) = (values(q)?, values(k)?, values(v)?);
+    let sc = scale(d) as f64;
+    let mut out = vec![0f64; b * sq * h * d];
+    let mut rms = vec![0f64; b * sq * h * d];
+    for bi in 0..b {
+        for i in 0..sq {
+            for hi in 0..h {
+                let g = hi / (h / hk);
+                let qr = &qv[((bi * sq + i) * h + hi) * d..][..d];
+                let last = if causal {
+                    (i + sk).checked_sub(sq)
+                } else {
+                    Some(sk - 1)
+                };
+                let Some(last) = last.map(|l| l.min(sk - 1)) else {
+                    continue;
+                };
+                let row = |j: usize| &kv[((bi * sk + j) * hk + g) * d..][..d];
+                let s: Vec<f64> = (0..=last)
+                    .map(|j| sc * qr.iter().zip(row(j)).map(|(a, b)| a * b).sum::<f64>())
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let l: f64 = e.iter().sum();
+                let p: Vec<f64> = e.iter().map(|x| x / l).collect();
+                let p_max = p.iter().copied().fold(0f64, f64::max);
+                for c in 0..d {
+                    let vat = |j: usize| vv[((bi * sk + j) * hk + g) * d + c].abs();
+                    let normal: f64 = (0..=last).map(|j| p[j] * vat(j)).sum();
+                    let small: f64 = (0..=last).filter(|&j| p[j] < p_max / 64.0).map(vat).sum();
+                    let o = ((bi * sq + i) * h + hi) * d + c;
+                    out[o] = 2.0 * (normal / 16.0 + small * p_max / 1024.0);
+                    let var: f64 = (0..=last).map(|j| (p[j] * vat(j)).powi(2)).sum();
+                    rms[o] = (var / 3.0).sqrt() / 16.0 + small * p_max / 1024.0;
+                }
+            }
+        }
+    }
+    Ok((out, rms))
+}
+
+/// All-FP8 prefill calls (the sm_90a FP8 forward on Hopper; elsewhere, and on the CPU, the
+/// dequantized path): odd lengths either side of the 128-row and 128-key tiles, more queries
+/// than keys, GQA and MHA, causal and not, head dims 64 to 128, with descales; against the f64
+/// reference of the dequantized inputs within [`fp8_prefill_bounds`] (the naive yardstick's
+/// rule does not apply: the kernel rounds P to e4m3, the yardstick does not), NaN-propagating;
+/// reruns bitwise equal.
+fn prefill(t: &Target) -> Result<()> {
+    let cpu = Device::Cpu;
+    let shapes = [
+        (2, 200, 333, 8, 2, 128, true),
+        (1, 129, 127, 4, 4, 128, false),
+        (1, 1000, 1000, 6, 3, 64, true),
+        (2, 300, 257, 4, 1, 112, false),
+        (1, 64, 1, 2, 1, 128, true),
+    ];
+    for (n, &(b, sq, sk, h, hk, d, causal)) in shapes.iter().enumerate() {
+        let seed = 700 + 10 * n as u64;
+        let (qx, kx, vx) = (
+            randn(&[b, sq, h, d], DType::F32, seed, &cpu)?,
+            randn(&[b, sk, hk, d], DType::F32, seed + 1, &cpu)?,
+            randn(&[b, sk, hk, d], DType::F32, seed + 2, &cpu)?,
+        );
+        let (qd, kd, vd) = (descales(b, hk, 4), descales(b, hk, 5), descales(b, hk, 6));
+        let rows_q: Vec<usize> = (0..b * sq).map(|r| r / sq).collect();
+        let rows_k: Vec<usize> = (0..b * sk).map(|r| r / sk).collect();
+        let (q8, qq) = quantize(&qx, &rows_q, hk, &qd)?;
+        let (k8, kq) = quantize(&kx, &rows_k, hk, &kd)?;
+        let (v8, vq) = quantize(&vx, &rows_k, hk, &vd)?;
+        let opts = match causal {
+            true => FlashAttn::new(scale(d)).causal(),
+            false => FlashAttn::new(scale(d)),
+        };
+        let (want, want_lse) = reference(&qq, &kq, &vq, &opts)?;
+        let (bounds, rms) = fp8_prefill_bounds(&qq, &kq, &vq, causal)?;
+        let op = opts
+            .clone()
+            .q_descale(&table(b, hk, &qd, &t.dev)?)
+            .k_descale(&table(b, hk, &kd, &t.dev)?)
+            .v_descale(&table(b, hk, &vd, &t.dev)?);
+        let (q8, k8, v8) = (t.put(&q8)?, t.put(&k8)?, t.put(&v8)?);
+        t.poison(&out_and_lse_bytes(DType::BF16, b * sq, h, d))?;
+        let (out, lse) = t.op(&op).forward_with_lse(&q8, &k8, &v8)?;
+        let what = format!("prefill b {b} sq {sq} sk {sk} {h}/{hk} d {d} causal {causal}");
+        assert_eq!(out.dtype(), DType::BF16, "{what}: output dtype");
+        let got = values(&out)?;
+        for (i, ((&a, &r), &bound)) in got.iter().zip(&want).zip(&bounds).enumerate() {
+            let tol = bound + r.abs() / 256.0 + 1e-3;
+            assert!(
+                (r.is_finite() && (a - r).abs() <= tol) || (a.is_nan() && r.is_nan()),
+                "{what}: out[{i}] = {a}, reference {r}, bound {tol:.3e}"
+            );
+        }
+        // The RMS error against the expected one (with the output's bf16 rounding, RMS 2^-9 of
+        // it), within a factor of two.
+        let mean = |x: &mut dyn Iterator<Item = f64>| {
+            let (s, n) = x.fold((0f64, 0usize), |(s, n), e| (s + e, n + 1));
+            s / n.max(1) as f64
+        };
+        let err = mean(&mut got.iter().zip(&want).map(|(a, r)| (a - r).powi(2))).sqrt();
+        let expect = mean(
+            &mut rms
+                .iter()
+                .zip(&want)
+                .map(|(e, r)| e * e + (r / 512.0).powi(2)),
+        )
+        .sqrt();
+        assert!(
+            err <= 2.0 * expect + 1e-5,
+            "{what}: RMS error {err:.3e}, expected about {expect:.3e}"
+        );
+        // The lse takes unrounded P: the suite's bound plus the compute dtype's roundoff of
+        // the scores.
+        let cu_k: Vec<usize> = (0..=b).map(|i| i * sk).collect();
+        let sb = score_bounds(&qq, &kq, &rows_q, &cu_k, scale(d) as f64, Some(sq))?;
+        for (i, ((&a, &r), &bound)) in values(&lse)?.iter().zip(&want_lse).zip(&sb).enumerate() {
+            let ok = match r.is_finite() {
+                true => (a - r).abs() <= 1e-4 * r.abs().max(1.0) + 1e-3 + REL_FLOOR_BF16 * bound,
+                false => a == r,
+            };
+            assert!(ok, "{what}: lse[{i}] = {a}, reference {r}");
+        }
+        let (again, _) = t.op(&op).forward_with_lse(&q8, &k8, &v8)?;
+        assert_bitwise_eq(&format!("{what}: rerun"), &out, &again);
+    }
+    Ok(())
+}
+test_device!(prefill, Decode);
+
 /// compute-sanitizer's subset of the FP8 calls: every test above (their shapes are small:
 /// head dims 64 to 256, contiguous and paged caches, appends), run with
 /// `CANDLE_FLASH_TEST_SMALL=1`, which keeps the naive yardsticks on the host.
@@ -496,6 +645,7 @@ test_device!(kvcache, Decode);
 fn sanitizer_fp8_calls(t: &Target) -> Result<()> {
     dense(t)?;
     varlen(t)?;
+    prefill(t)?;
     kvcache(t)
 }
 test_cuda!(sanitizer_fp8_calls, Decode);

@@ -28,20 +28,23 @@ namespace sm90 {
 
 // MODS: softcap / ALiBi (and a bias and block mask with them); BLOCKS: a bias or block mask with
 // the plain arithmetic. Both walk the block mask's key-tile lists (LIST).
+// FP8 instances (T e4m3, TO bf16) take plain arithmetic only, with V transposed (see Traits).
 template <typename T, int D, int NWG, int BN, int STAGES, bool PINGPONG, bool PERSIST, bool MODS,
-          bool BLOCKS>
+          bool BLOCKS, typename TO = T>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMap* tq,
                                                const TmaMap* tk, const TmaMap* tv,
                                                const TmaMap* to, int o_mode,
                                                int* tile_counter, int group) {
     constexpr bool LIST = MODS || BLOCKS;
-    using Tr = Traits<T, D, NWG, BN, STAGES, PERSIST, LIST>;
+    using Tr = Traits<T, D, NWG, BN, STAGES, PERSIST, LIST, TO>;
     constexpr int QB = Tr::QB, BM = Tr::BM;
     // How this instance writes O (O_STORE_*): the launch's o_mode on persistent instances only.
     const int o_store = PERSIST ? o_mode : O_STORE_THREADS;
     // Whole swizzle atoms: 64-column chunks, and 8-row groups so every K/V chunk (BN rows of
     // 128 bytes) starts 1024-byte aligned; P V steps through the keys 16 at a time.
     static_assert(D % 64 == 0 && BN % 16 == 0, "whole swizzle atoms");
+    static_assert(!Tr::FP8 || (D % 128 == 0 && BN % 128 == 0 && !LIST),
+                  "FP8: 128-byte rows of Q, K and transposed V; plain arithmetic");
     static_assert(!(Tr::O_IN_Q && PERSIST), "O staged in Q: the next tile's Q would overwrite it");
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -80,8 +83,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
     const int wt = tid % 128;      // thread in the warpgroup
     const int ww = wt / 32;        // warp in the warpgroup
     const int row_base = 64 * wg + 16 * ww + lane / 4;  // this thread's rows: +0 and +8
-    const float unit = MODS ? 1.f : p.scale_log2;
-    const Epilogue<Tr> epilogue{p, sm, order, to, o_store, wg, wt, lane, row_base, unit};
+    const Epilogue<Tr> epilogue{p, sm, order, to, o_store, wg, wt, lane, row_base};
     int kv_it = 0, n_tile = 0;
     // Ping-pong turns alternate strictly across all tiles of the block: warpgroup 0 goes first,
     // and takes the last warpgroup's final arrival after the last tile.
@@ -103,6 +105,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
         const auto kt = key_tiles<LIST>(p, g, b, h, g.m0 / BM, BN);
         const int diag_t = g.m0 + row_base + g.sk - g.sq;
         const float slope_log2 = MODS && p.alibi ? p.alibi[g.slope_idx] * LOG2E_F : 0.f;
+        // The scores' base-2 factor and the output's: FP8 calls fold in the descales of the
+        // tile's (sequence, K/V head), q's times k's and v's (FlashParams::qk_descale, v_descale).
+        float unit = MODS ? 1.f : p.scale_log2, vscale = 1.f;
+        if constexpr (Tr::FP8) {
+            const int64_t bk = (int64_t)b * (p.heads / p.kv_group) + h / p.kv_group;
+            if (p.qk_descale) unit *= p.qk_descale[bk];
+            if (p.v_descale) vscale = p.v_descale[bk];
+        }
 
         float acc_o[D / 2];
         float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
@@ -116,10 +126,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
         const Mainloop<Tr, PINGPONG, MODS, LIST> mainloop{p,      sm,         g,    lane,   wg,
                                                     diag_t, slope_log2, unit, q_base, b, h};
         float acc_s[BN / 2];       // S, then P in f32
-        uint32_t pa[BN / 16][4];   // P in T, wgmma A fragments
+        uint32_t pa[BN / Tr::PK][4];  // P in T, wgmma A fragments
         float alpha[2];            // O's rescale factors, per row
         mainloop.run(acc_o, row_m, row_l, acc_s, pa, alpha, kt, kv_it, qi);
-        epilogue.store(n_tile, tile, h, b, g, acc_o, row_m, row_l);
+        epilogue.store(n_tile, tile, h, b, g, acc_o, row_m, row_l, unit, vscale);
         ++n_tile;
     }
     epilogue.drain();
@@ -143,4 +153,18 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const TmaMa
              const __grid_constant__ TmaMap to, int o_mode, int* tile_counter, int group) {    \
         sm90::flash_fwd_sm90<T, D, NWG, BN, STAGES, PP, PERSIST, MODS, BLOCKS>(                \
             p, &tq, &tk, &tv, &to, o_mode, tile_counter, group);                               \
+    }
+
+// FP8 entry points: e4m3 Q, K and V (V transposed, see Traits), bf16 output, plain arithmetic.
+#define FLASH_SM90_FP8_INSTANCE(NAME, D, NWG, BN, STAGES, PP, PERSIST, SMEM_BYTES)              \
+    static_assert(sm90::Traits<__nv_fp8_e4m3, D, NWG, BN, STAGES, PERSIST, false,               \
+                               __nv_bfloat16>::SMEM == SMEM_BYTES,                              \
+                  "src/cuda/instances.rs and the sm_90a FP8 forward disagree on shared memory"); \
+    extern "C" __global__ void __launch_bounds__(128 * (NWG + 1), 1)                           \
+        NAME(const FlashParams p, const __grid_constant__ TmaMap tq,                           \
+             const __grid_constant__ TmaMap tk, const __grid_constant__ TmaMap tv,             \
+             const __grid_constant__ TmaMap to, int o_mode, int* tile_counter, int group) {    \
+        sm90::flash_fwd_sm90<__nv_fp8_e4m3, D, NWG, BN, STAGES, PP, PERSIST, false, false,     \
+                             __nv_bfloat16>(p, &tq, &tk, &tv, &to, o_mode, tile_counter,      \
+                                            group);                                            \
     }

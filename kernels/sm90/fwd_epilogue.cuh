@@ -19,8 +19,8 @@ namespace sm90 {
 
 template <class Tr>
 struct Epilogue {
-    using T = typename Tr::T;
-    static constexpr int D = Tr::D, BM = Tr::BM, CH = Tr::CH, DT = D / 8;
+    using T = typename Tr::TO;  // the output's element
+    static constexpr int D = Tr::D, BM = Tr::BM, CH = Tr::OCH, DT = D / 8;
     static constexpr bool PERSIST = Tr::PERSIST;
 
     const FlashParams& p;
@@ -31,7 +31,6 @@ struct Epilogue {
     int wg, wt;    // consumer warpgroup, thread in it
     int lane;
     int row_base;  // this thread's first row in the block (the other is 8 further)
-    float unit;    // base-2 logit per unit of the row maxima
 
     // Chunk c of the staged rows: in sO, or (O_IN_Q) in this warpgroup's rows of Q.
     __device__ __forceinline__ T* o_chunk(int c) const {
@@ -44,11 +43,13 @@ struct Epilogue {
     }
 
     // The block's n-th tile (index `tile`, geometry h, b, g as the consumer had it): O from
-    // acc_o, row maxima row_m and partial sums row_l. PERSIST: releases the tile's slot of the
-    // ring.
+    // acc_o, row maxima row_m and partial sums row_l, `unit` the base-2 logit per unit of the
+    // row maxima and `vscale` a factor of O (FP8's v descale). PERSIST: releases the tile's slot
+    // of the ring.
     __device__ __forceinline__ void store(int n_tile, int tile, int& h, int& b, BlockGeom& g,
                                           const float (&acc_o)[D / 2], const float (&row_m)[2],
-                                          const float (&row_l)[2]) const {
+                                          const float (&row_l)[2], float unit,
+                                          float vscale) const {
         // This warpgroup's stores of the previous tile have read its staged rows.
         if (o_store != O_STORE_THREADS && wt == 0) bulk_wait_read();
         named_sync(EPI_BAR + wg, 128);
@@ -63,7 +64,7 @@ struct Epilogue {
             l += __shfl_xor_sync(0xffffffff, l, 1);
             l += __shfl_xor_sync(0xffffffff, l, 2);
             const RowEnd end = row_end(row_m[hf] * unit, l, p.sinks, h);
-            const float inv = end.inv;
+            const float inv = end.inv * vscale;
             const int r = row_base + hf * 8;  // row in the block
             if (lane % 4 == 0 && r < g.rows) p.lse[g.lse0 + r] = end.lse2 * LN2_F;
             const int rl = r - 64 * wg;

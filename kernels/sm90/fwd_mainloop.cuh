@@ -42,6 +42,8 @@ struct Mainloop {
     static constexpr int D = Tr::D, BN = Tr::BN, BM = Tr::BM, NWG = Tr::NWG;
     static constexpr int STAGES = Tr::STAGES;
     static constexpr int NT = BN / 8, DT = D / 8;
+    static constexpr bool FP8 = Tr::FP8;
+    static constexpr int PK = Tr::PK;  // keys per P V step
     // Lazy rescaling (see softmax) and P kept in its registers until its P V GEMM has been
     // waited for (pin_regs), so that the softmax overlaps that GEMM. On an H100: +2-10% at
     // d 256, 1.00-1.04x at d 128 seq 8192 and within the noise at 2048, and 0-6% slower at d 64,
@@ -64,23 +66,36 @@ struct Mainloop {
     // below 256 KB), so no per-step descriptor stays live across the key loop.
     __device__ __forceinline__ void issue_s(float* acc_s, int s) const {
         const uint64_t dq = make_desc(opaque(q_base), 16, 1024);
-        const uint64_t dk = make_desc(saddr(sm.sK) + s * BN * D * 2, 16, 1024);
+        const uint64_t dk = make_desc(saddr(sm.sK) + s * Tr::KV_BYTES, 16, 1024);
+        // k steps of 32 bytes (16 elements of 2 bytes, 32 of e4m3), four to a 128-byte chunk.
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
+        for (int kk = 0; kk < D * Tr::ES / 32; ++kk) {
             const uint64_t da = dq + (uint64_t)(((kk / 4) * BM * 128 + (kk % 4) * 32) >> 4);
             const uint64_t db = dk + (uint64_t)(((kk / 4) * BN * 128 + (kk % 4) * 32) >> 4);
             mma_ss<T, BN>(acc_s, da, db, kk > 0);
         }
     }
-    // Issue O += P V of the tile in stage s, over its first nk 16-key steps (a varlen tail
+    // Issue O += P V of the tile in stage s, over its first nk PK-key steps (a varlen tail
     // tile's last step ends its keys: the V rows after it are not read, see the producer).
+    // f16/bf16: V as stored, MN-major (64-column chunks BN * 128 bytes apart). FP8: V
+    // transposed, K-major (D rows of 128-key chunks, D * 128 bytes apart), its keys permuted
+    // within each 32 as pack_p places P's.
     __device__ __forceinline__ void issue_pv(float* acc_o, const uint32_t (*pa)[4], int s,
                                              int nk) const {
-        const uint64_t dv = make_desc(saddr(sm.sV) + s * BN * D * 2, BN * 128, 1024);
+        if constexpr (FP8) {
+            const uint64_t dv = make_desc(saddr(sm.sV) + s * Tr::KV_BYTES, 16, 1024);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const uint64_t db = dv + (uint64_t)((kk * 16 * 128) >> 4);
-            if (kk < nk) mma_rs<T, D>(acc_o, pa[kk], db, 1);
+            for (int kk = 0; kk < BN / PK; ++kk) {
+                const uint64_t db = dv + (uint64_t)(((kk / 4) * D * 128 + (kk % 4) * 32) >> 4);
+                if (kk < nk) mma_rs<T, D>(acc_o, pa[kk], db, 1);
+            }
+        } else {
+            const uint64_t dv = make_desc(saddr(sm.sV) + s * Tr::KV_BYTES, BN * 128, 1024);
+#pragma unroll
+            for (int kk = 0; kk < BN / PK; ++kk) {
+                const uint64_t db = dv + (uint64_t)((kk * 16 * 128) >> 4);
+                if (kk < nk) mma_rs<T, D>(acc_o, pa[kk], db, 1);
+            }
         }
     }
     // The masks of the tile at key k0 (this thread's first column `col`): hidden scores become
@@ -245,14 +260,30 @@ struct Mainloop {
         if constexpr (LAZY) return __any_sync(0xffffffff, moved) != 0;
         return true;
     }
-    // P (f32, the S accumulator layout) as wgmma A fragments in T, one per 16-key step.
+    // P (f32, the S accumulator layout) as wgmma A fragments in T, one per PK-key step.
+    // f16/bf16: the accumulator layout of 16 keys is the A fragment's. e4m3: a thread's 8-bit A
+    // fragment holds k columns 4t..4t+3 and 16+4t..16+4t+3 of its rows, its S accumulators keys
+    // 2t, 2t+1, 8+2t, 9+2t (and 16 further): they go in that order, so A column c holds key
+    // (c & 16) | 8 ((c >> 1) & 1) | 2 ((c >> 2) & 3) | (c & 1) of the step, which is where the
+    // host's transposition puts V's rows (fp8_v_key in kernels/pack.cu).
     __device__ __forceinline__ void pack_p(const float* acc_s, uint32_t (*pa)[4]) const {
+        if constexpr (FP8) {
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pa[kk][0] = flash::Mma<T>::pack(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
-            pa[kk][1] = flash::Mma<T>::pack(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
-            pa[kk][2] = flash::Mma<T>::pack(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
-            pa[kk][3] = flash::Mma<T>::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+            for (int kk = 0; kk < BN / PK; ++kk) {
+                const float* x = acc_s + 16 * kk;
+                pa[kk][0] = pack_e4m3x4(x[0], x[1], x[4], x[5]);
+                pa[kk][1] = pack_e4m3x4(x[2], x[3], x[6], x[7]);
+                pa[kk][2] = pack_e4m3x4(x[8], x[9], x[12], x[13]);
+                pa[kk][3] = pack_e4m3x4(x[10], x[11], x[14], x[15]);
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                pa[kk][0] = flash::Mma<T>::pack(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
+                pa[kk][1] = flash::Mma<T>::pack(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
+                pa[kk][2] = flash::Mma<T>::pack(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
+                pa[kk][3] = flash::Mma<T>::pack(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+            }
         }
     }
     // Ping-pong: warpgroups take turns issuing their GEMMs (named barrier PP_BAR + w lets
@@ -273,7 +304,7 @@ struct Mainloop {
     // (declared here, they got new ones each tile, and ptxas a different allocation).
     __device__ __forceinline__ void run(float (&acc_o)[D / 2], float (&row_m)[2],
                                         float (&row_l)[2], float (&acc_s)[BN / 2],
-                                        uint32_t (&pa)[BN / 16][4], float (&alpha)[2],
+                                        uint32_t (&pa)[BN / PK][4], float (&alpha)[2],
                                         const KeyTiles<LIST>& kt, int& kv_it, int qi) const {
         if (kt.end > kt.begin) {
             // A key-padding bias, on the tiles whose entries ask for it: tile 0's values staged,
@@ -323,7 +354,7 @@ struct Mainloop {
                 wg_fence();
                 issue_s(acc_s, s);
                 wg_commit();
-                issue_pv(acc_o, pa, sp, BN / 16);
+                issue_pv(acc_o, pa, sp, BN / PK);
                 wg_commit();
                 turn_end();
                 wg_wait<1>();
@@ -395,12 +426,12 @@ struct Mainloop {
             {
                 const int it = kv_it + kt.end - 1 - kt.begin, sp = it % STAGES;
                 const int valid = g.sk - kt.tile(kt.entry(kt.end - 1)) * BN;
-                const int nk = p.cu_k && valid < BN ? (valid + 15) / 16 : BN / 16;
+                const int nk = p.cu_k && valid < BN ? (valid + PK - 1) / PK : BN / PK;
                 mbar_wait(sm.full_v(sp), (uint32_t)((it / STAGES) & 1));
                 turn_begin();
                 wg_fence();
                 // Whole tiles (every dense call) take the unguarded issue.
-                if (nk == BN / 16) issue_pv(acc_o, pa, sp, BN / 16);
+                if (nk == BN / PK) issue_pv(acc_o, pa, sp, BN / PK);
                 else issue_pv(acc_o, pa, sp, nk);
                 wg_commit();
                 turn_end();

@@ -23,7 +23,7 @@ namespace sm90 {
 template <class Tr, bool LIST>
 struct Producer {
     using T = typename Tr::T;
-    static constexpr int D = Tr::D, BN = Tr::BN, BM = Tr::BM, CH = Tr::CH;
+    static constexpr int D = Tr::D, BN = Tr::BN, BM = Tr::BM, CH = Tr::CH, CW = Tr::CW;
     static constexpr int STAGES = Tr::STAGES, QB = Tr::QB, SLOTS = Tr::TILE_SLOTS;
     static constexpr bool PERSIST = Tr::PERSIST;
 
@@ -54,7 +54,7 @@ struct Producer {
         const int q_row = (int)(g.q_row0 + g.m0);
 #pragma unroll
         for (int c = 0; c < CH; ++c)
-            tma_load_4d(saddr(sm.sQ + qi * BM * D + c * BM * 64), tq, sm.full_q(qi), c * 64, h,
+            tma_load_4d(saddr(sm.sQ + qi * BM * D + c * BM * CW), tq, sm.full_q(qi), c * CW, h,
                         q_row, qb);
     }
     // PERSIST: the next tile with query rows and its geometry into slot n of the tile ring, then
@@ -82,13 +82,24 @@ struct Producer {
         mbar_expect_tx(sm.full_k(s), Tr::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < CH; ++c)
-            tma_load_4d(saddr(sm.sK + s * BN * D + c * BN * 64), tk, sm.full_k(s), c * 64, kvh,
+            tma_load_4d(saddr(sm.sK + s * BN * D + c * BN * CW), tk, sm.full_k(s), c * CW, kvh,
                         k_row, kb);
     }
     __device__ __forceinline__ void load_v(const BlockGeom& g, int kvh, int kb, int t, int it) {
         const int s = it % STAGES;
         const int k_row = (int)(g.k_row0 + (int64_t)t * BN);
         if (it >= STAGES) mbar_wait(sm.empty_v(s), ((it / STAGES) & 1) ^ 1);
+        if constexpr (Tr::FP8) {
+            // V transposed (dense calls only): the map is (key, column, K/V head, batch) over
+            // keys padded with zeros to whole tiles, box (128 keys, D, 1, 1); chunk c holds keys
+            // c * 128 of the tile, D rows of 128 bytes.
+            mbar_expect_tx(sm.full_v(s), Tr::KV_BYTES);
+#pragma unroll
+            for (int c = 0; c < BN / 128; ++c)
+                tma_load_4d(saddr(sm.sV + s * BN * D + c * D * 128), tv, sm.full_v(s),
+                            t * BN + c * 128, 0, kvh, kb);
+            return;
+        }
         // Varlen: a tile past the sequence's end also holds the next sequence's first rows. P is
         // exactly 0 there, but 0 * NaN is NaN: so such a V tile lands on bar_tail, the rows of
         // the last 16-row step the P V product reads (it stops there, see the consumers) are

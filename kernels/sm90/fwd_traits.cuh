@@ -25,27 +25,39 @@ constexpr int O_STORE_THREADS = 0;
 constexpr int O_STORE_TMA = 1;
 constexpr int O_STORE_TMA_PACKED = 2;
 
+// T: the element of Q, K and V (f16, bf16, or e4m3 for FP8 instances); TO: the output's (T,
+// or bf16 for e4m3).
 template <typename T_, int D_, int NWG_, int BN_, int STAGES_, bool PERSIST_ = false,
-          bool LIST_ = false>
+          bool LIST_ = false, typename TO_ = T_>
 struct Traits {
     using T = T_;
+    using TO = TO_;
     static constexpr int D = D_, NWG = NWG_, BN = BN_, STAGES = STAGES_;
     static constexpr bool PERSIST = PERSIST_;
+    // FP8 (e4m3) instances: one byte per element, k32 products, and V transposed in global
+    // memory (8-bit wgmma reads both operands K-major): its tiles are D rows of BN keys.
+    static constexpr bool FP8 = sizeof(T) == 1;
+    static constexpr int ES = (int)sizeof(T);
     static constexpr int BM = 64 * NWG;
     static constexpr int THREADS = 128 * (NWG + 1);
-    static constexpr int CH = D / 64;  // 64-column chunks
-    static constexpr int Q_BYTES = BM * D * 2;  // one Q tile
+    static constexpr int CW = 128 / ES;  // columns of one 128-byte swizzled row
+    static constexpr int CH = D / CW;    // chunks of a Q or K row
+    static constexpr int OCH = D / 64;   // 64-column chunks of an output row (TO is 2 bytes)
+    // Keys per P V step (k16 for 2-byte elements, k32 for e4m3) and the A fragments of P.
+    static constexpr int PK = 32 / ES;
+    static constexpr int Q_BYTES = BM * D * ES;  // one Q tile
     // Persistent instances double-buffer Q: the producer loads the next tile's Q while the
     // consumers still run the key loop of this one.
     static constexpr int QB = PERSIST ? 2 : 1;
-    static constexpr int KV_BYTES = BN * D * 2;  // one K (or V) tile
+    static constexpr int KV_BYTES = BN * D * ES;  // one K (or V) tile
     // Output staging. d 256 has no room for a tile of its own (Q 64 KB + two stages of 80-key
     // K and V 160 KB), nor d 128 with 176-key tiles (Q 32 KB + K and V 176 KB): each warpgroup
     // stages its rows of O in its own rows of Q, which only its own S GEMMs read and which are
     // complete by then. The next tile's Q would overwrite them, so such instances are not
     // persistent.
-    static constexpr bool O_IN_Q = D > 128 || BN > 128;
-    static constexpr int O_BYTES = O_IN_Q ? 0 : BM * D * 2;
+    // (FP8 Q tiles are half the size of the output's.)
+    static constexpr bool O_IN_Q = !FP8 && (D > 128 || BN > 128);
+    static constexpr int O_BYTES = O_IN_Q ? 0 : BM * D * (int)sizeof(TO);
     // LIST instances: a bias without a row dimension (key padding) is staged per key tile in
     // shared memory, BN f32 per buffer and consumer warpgroup; two buffers (one tile's values
     // land while the previous tile's are read), one at d 256, where two do not fit.
@@ -75,11 +87,12 @@ struct Traits {
 template <class Tr>
 struct FwdSmem {
     using T = typename Tr::T;
+    using TO = typename Tr::TO;
     static constexpr int STAGES = Tr::STAGES, QB = Tr::QB;
     T* sQ;
     T* sK;
-    T* sV;
-    T* sO;
+    T* sV;  // FP8: V transposed, D rows of BN keys per stage
+    TO* sO;
     float* sBias;  // the consumers' key-bias buffers (Traits::BIAS_BYTES)
     uint64_t* bars;
     uint32_t bar_tail;  // a varlen tail's V lands here first
@@ -94,7 +107,7 @@ struct FwdSmem {
         sQ = reinterpret_cast<T*>(base);
         sK = reinterpret_cast<T*>(base + QS);
         sV = reinterpret_cast<T*>(base + QS + STAGES * Tr::KV_BYTES);
-        sO = reinterpret_cast<T*>(base + QS + 2 * STAGES * Tr::KV_BYTES);
+        sO = reinterpret_cast<TO*>(base + QS + 2 * STAGES * Tr::KV_BYTES);
         sBias = reinterpret_cast<float*>(base + QS + 2 * STAGES * Tr::KV_BYTES + Tr::O_BYTES);
         bars = reinterpret_cast<uint64_t*>(base + QS + 2 * STAGES * Tr::KV_BYTES + Tr::O_BYTES +
                                            Tr::BIAS_BYTES);

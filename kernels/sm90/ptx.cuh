@@ -5,6 +5,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #include "sm90/wgmma.cuh"
@@ -183,10 +184,38 @@ struct IsBf16<__nv_bfloat16> {
     static constexpr bool value = true;
 };
 
+// e4m3 operands (FP8): one byte per element, k32 steps, both operands K-major.
+template <typename T>
+struct IsE4m3 {
+    static constexpr bool value = false;
+};
+template <>
+struct IsE4m3<__nv_fp8_e4m3> {
+    static constexpr bool value = true;
+};
+
+// Four f32 values as e4m3 bytes (saturating, round to nearest even), `a` in the lowest byte:
+// the k order of an 8-bit wgmma A fragment register.
+__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+    uint32_t r;
+    // cvt's first source lands in the upper byte of the pair.
+    asm("{\n.reg .b16 l, h;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 l, %2, %1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 h, %4, %3;\n"
+        "mov.b32 %0, {l, h};\n"
+        "}\n"
+        : "=r"(r)
+        : "f"(a), "f"(b), "f"(c), "f"(d));
+    return r;
+}
+
 // d (m64nN f32) += or = A B, A and B from shared-memory descriptors (both K-major).
 template <typename T, int N>
 __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int scale_d) {
-    if constexpr (IsBf16<T>::value) {
+    if constexpr (IsE4m3<T>::value) {
+        static_assert(N == 128, "e4m3 S tiles of 128 keys");
+        wgmma_ss_e4m3_n128(d, a, b, scale_d);
+    } else if constexpr (IsBf16<T>::value) {
         if constexpr (N == 64) wgmma_ss_bf16_n64(d, a, b, scale_d);
         else if constexpr (N == 80) wgmma_ss_bf16_n80(d, a, b, scale_d);
         else if constexpr (N == 176) wgmma_ss_bf16_n176(d, a, b, scale_d);
@@ -198,10 +227,15 @@ __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int sca
         else wgmma_ss_f16_n128(d, a, b, scale_d);
     }
 }
-// d (m64nN f32) += or = A B, A from registers (wgmma A fragments), B MN-major in shared memory.
+// d (m64nN f32) += or = A B, A from registers (wgmma A fragments), B in shared memory:
+// MN-major for f16/bf16, K-major for e4m3.
 template <typename T, int N>
 __device__ __forceinline__ void mma_rs(float* d, const uint32_t* a, uint64_t b, int scale_d) {
-    if constexpr (IsBf16<T>::value) {
+    if constexpr (IsE4m3<T>::value) {
+        static_assert(N == 128 || N == 256, "e4m3 heads of 128 or 256");
+        if constexpr (N == 128) wgmma_rs_e4m3_n128(d, a, b, scale_d);
+        else wgmma_rs_e4m3_n256(d, a, b, scale_d);
+    } else if constexpr (IsBf16<T>::value) {
         if constexpr (N == 64) wgmma_rs_bf16_n64(d, a, b, scale_d);
         else if constexpr (N == 128) wgmma_rs_bf16_n128(d, a, b, scale_d);
         else wgmma_rs_bf16_n256(d, a, b, scale_d);

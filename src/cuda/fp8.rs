@@ -146,3 +146,58 @@ pub(crate) fn to_e4m3(x: &Tensor, descale: Option<&Tensor>) -> Result<Tensor> {
         false,
     ))
 }
+
+/// Keys per tile of the transposed V (the FP8 forward's key tile and its 128-byte rows).
+pub(crate) const VT_KEYS: usize = 128;
+
+/// The e4m3 V of `p` at `ptr` (element (0, 0, 0, 0); strides `s`, rows 16-byte aligned, head
+/// dim a multiple of 16) as
+/// the sm_90a FP8 forward reads it: contiguous `(batch, kv_heads, head_dim, keys)`, each head's
+/// keys padded with zeros to a multiple of [`VT_KEYS`] and permuted within each 32
+/// (`e4m3_v_transpose` in kernels/pack.cu). Returns the buffer and its key count.
+pub(crate) fn v_transposed(
+    dev: &candle::cuda_backend::CudaDevice,
+    ptr: u64,
+    s: &crate::problem::Strides,
+    p: &crate::problem::Problem,
+) -> Result<(candle::cuda_backend::cudarc::driver::CudaSlice<u8>, usize)> {
+    let d = p.head_dim;
+    if !d.is_multiple_of(16) || d > 256 || s.dim != 1 {
+        bail!("flash-attn: the FP8 forward transposes V of head dims up to 256 in 16-byte rows")
+    }
+    let keys = p.max_seq_k.max(1).next_multiple_of(VT_KEYS);
+    let stream = dev.cuda_stream();
+    // SAFETY: the kernel writes every element: each (batch, head, 128 keys) block all d rows
+    // of its 128 bytes.
+    let mut out = unsafe { dev.alloc::<u8>(p.batch * p.kv_heads * d * keys)? };
+    let (dst, g) = out.device_ptr_mut(&stream);
+    let src = ptr;
+    let l = Launch {
+        module: Module::Pack,
+        function: "e4m3_v_transpose".into(),
+        grid: ((keys / VT_KEYS) as u32, p.kv_heads as u32, p.batch as u32),
+        threads: THREADS as u32,
+        smem: 0,
+    };
+    let dims = [p.max_seq_k, p.kv_heads, d, keys].map(|x| x as i64);
+    let strides = [s.batch, s.seq, s.head].map(|x| x as i64);
+    // Reads the p.max_seq_k rows of every (batch, head) through the strides (inside the
+    // storage: the caller checked the bounds), writes every element of `out`.
+    launch(
+        dev,
+        &l,
+        &[
+            Arg::Ptr(&src),
+            Arg::Ptr(&dst),
+            Arg::I64(&dims[0]),
+            Arg::I64(&dims[1]),
+            Arg::I64(&dims[2]),
+            Arg::I64(&dims[3]),
+            Arg::I64(&strides[0]),
+            Arg::I64(&strides[1]),
+            Arg::I64(&strides[2]),
+        ],
+    )?;
+    drop(g);
+    Ok((out, keys))
+}

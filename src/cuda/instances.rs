@@ -303,6 +303,22 @@ impl Sm90Instance {
     }
 }
 
+impl Sm90Instance {
+    /// The FP8 (e4m3) instance's dynamic shared memory: one-byte Q, K and V tiles (V
+    /// transposed), a bf16 output staging tile of its own (a Q tile is half its size), the
+    /// mbarriers (`Traits` with `FP8` in kernels/sm90/fwd_traits.cuh, which the generated entry
+    /// points check against this).
+    pub const fn smem_fp8(&self) -> usize {
+        let qb = self.q_buffers();
+        let slots = if self.persistent { 3 } else { 0 };
+        1024 + qb * self.rows() * self.d
+            + self.rows() * self.d * 2
+            + 2 * self.stages * self.bn * self.d
+            + 8 * (4 * self.stages + 1 + 2 * qb + 2 * slots)
+            + 80 * slots
+    }
+}
+
 /// Instance kinds: the plain kernel, `_mods` and `_blocks`.
 const PLAIN: (bool, bool) = (false, false);
 const MODS: (bool, bool) = (true, false);
@@ -351,3 +367,10 @@ pub const SM90_INSTANCES: [Sm90Instance; 12] = [
     sm90(256, 2, 80, false, MODS),
     sm90(256, 2, 80, false, BLOCKS),
 ];
+
+/// The sm_90a FP8 forward instances (e4m3 Q, K and V, bf16 output; `flash_fwd_sm90_e4m3_*`):
+/// plain arithmetic over dense calls, whose V the launch transposes first (8-bit wgmma reads
+/// both operands K-major). d 128: two warpgroups of 64 rows and 128-key tiles, as the bf16
+/// default. (d 256 at 128-key tiles needs more registers than a consumer warpgroup has:
+/// ptxas spilled and serialised its wgmma.)
+pub const SM90_FP8_INSTANCES: [Sm90Instance; 1] = [sm90(128, 2, 128, false, PLAIN)];

@@ -61,6 +61,21 @@ pub(crate) fn kv8_decode(
     Ok(decode::plan::plan_kv8(p, dtype, &caps, &residency)?.is_some())
 }
 
+/// Whether the FP8 call `p` (e4m3 q, k and v, validated) runs on the sm_90a FP8 forward, which
+/// reads the operands as stored (see `forward::plan::plan_fp8`). Elsewhere the caller
+/// dequantizes.
+#[cfg(feature = "cuda")]
+pub(crate) fn fp8_forward(
+    p: &crate::problem::Problem,
+    dev: &candle::CudaDevice,
+) -> candle::Result<bool> {
+    let caps = runtime::caps(&dev.cuda_stream(), p.kernels.portable)?;
+    if forward::plan::check_device(p, &caps).is_err() {
+        return Ok(false);
+    }
+    Ok(forward::plan::plan_fp8(p, &caps)?.is_some())
+}
+
 /// The forward pass of `p` on the GPU: the decode plan where the problem is decode-shaped,
 /// else the prefill plan. Returns (out, lse).
 #[cfg(feature = "cuda")]
@@ -80,6 +95,13 @@ pub(crate) fn forward(
     let caps = runtime::caps(&dev.cuda_stream(), p.kernels.portable)?;
     let qkv = [q, k, v];
     let residency = |l: &launch::Launch| runtime::residency(&dev, l);
+    if dtype == DType::F8E4M3 {
+        // Only calls that `fp8_forward` accepted come here with FP8 q.
+        let Some(plan) = forward::plan::plan_fp8(p, &caps)? else {
+            candle::bail!("flash-attn: no CUDA kernel reads FP8 q, k and v for this call")
+        };
+        return forward::launch::run_fp8(p, &plan, &dev, qkv);
+    }
     if k.dtype() == DType::F8E4M3 && v.dtype() == DType::F8E4M3 {
         // Only calls that `kv8_decode` accepted come here with FP8 K and V.
         let Some(plan) = decode::plan::plan_kv8(p, dtype, &caps, &residency)? else {

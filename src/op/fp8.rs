@@ -289,9 +289,21 @@ impl Lowered {
             candle::Device::Cpu => crate::cpu::kv8_decode(p),
             _ => false,
         };
-        // There, 16-bit queries go in as they are and the CUDA kernels apply the descales (one
-        // (sequence, kv head) per block): no op is added to the call.
-        if native && q.device().is_cuda() && q.dtype() != DType::F8E4M3 {
+        // All-FP8 calls that are not decode-shaped run the sm_90a FP8 forward on Hopper, which
+        // reads all three as stored.
+        #[cfg(feature = "cuda")]
+        let native_all = match q.device() {
+            candle::Device::Cuda(dev) if !native && kind == Fp8::All => {
+                crate::cuda::fp8_forward(p, dev)?
+            }
+            _ => false,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let native_all = false;
+        // There, 16-bit queries (or FP8 ones, native_all) go in as they are and the CUDA
+        // kernels apply the descales (one (sequence, kv head) per block): no op is added to the
+        // call.
+        if (native && q.device().is_cuda() && q.dtype() != DType::F8E4M3) || native_all {
             let mut inner = op.clone();
             (inner.q_descale, inner.k_descale, inner.v_descale) = (None, None, None);
             return Ok(Some(Self {

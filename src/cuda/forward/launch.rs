@@ -107,3 +107,66 @@ fn output_map(p: &Problem, o: u64, store: OStore, bf16: bool) -> Result<TmaMap> 
     };
     tma_map(o, &s, bf16, [d, p.heads, rows, batches], 64)
 }
+
+/// Runs the sm_90a FP8 forward `plan` (from `plan_fp8`) for `p` on e4m3 q, k and v: V
+/// transposed first (kernels/pack.cu), the descales of [`Problem::kv8_descales`] applied by the
+/// kernel; returns the bf16 output and the lse storages.
+pub(crate) fn run_fp8(
+    p: &Problem,
+    plan: &Plan,
+    dev: &CudaDevice,
+    qkv: [&CudaStorage; 3],
+) -> Result<(CudaStorage, CudaStorage)> {
+    use crate::cuda::runtime::call::DevF32;
+    use crate::cuda::runtime::tma::{tma_map_e4m3, tma_map_vt};
+    let (Kernel::Sm90(i), Some((group, _))) = (plan.kernel, plan.sm90) else {
+        candle::bail!("flash-attn: an FP8 forward plan without its sm_90a instance")
+    };
+    let stream = dev.cuda_stream();
+    let mut call = ForwardCall::<half::bf16>::new(dev, p, qkv, None, [false; 3], plan.d_load, 0)?;
+    let mut params = call.params(p, &stream, plan.d_load)?;
+    let [qk, vd] = match &p.kv8_descales {
+        None => [None, None],
+        Some([qk, vd]) => [
+            DevF32::new("k_descale", qk.as_ref())?,
+            DevF32::new("v_descale", vd.as_ref())?,
+        ],
+    };
+    params.qk_descale = qk.as_ref().map_or(Ok(0), |d| d.ptr(&stream))?;
+    params.v_descale = vd.as_ref().map_or(Ok(0), |d| d.ptr(&stream))?;
+    let (vt, keys) = crate::cuda::fp8::v_transposed(dev, call.v.ptr, &call.v.s, p)?;
+    let vt_ptr = vt.device_ptr(&stream).0;
+    let (q_rows, k_rows) = p.storage_rows();
+    let (q_batches, k_batches) = p.storage_batches();
+    let d = plan.d_load;
+    let maps = [
+        tma_map_e4m3(
+            call.q.ptr,
+            &call.q.s,
+            [d, p.heads, q_rows, q_batches],
+            i.rows(),
+        )?,
+        tma_map_e4m3(
+            call.k.ptr,
+            &call.k.s,
+            [d, p.kv_heads, k_rows, k_batches],
+            i.bn,
+        )?,
+        tma_map_vt(vt_ptr, [keys, d, p.kv_heads, p.batch], i.d)?,
+    ];
+    let (mode, group, counter) = (OStore::Threads as i32, to_i32(group, "tile group")?, 0u64);
+    let args = [
+        Arg::Params(&params),
+        Arg::Map(&maps[0]),
+        Arg::Map(&maps[1]),
+        Arg::Map(&maps[2]),
+        Arg::Map(&TmaMap::NONE),
+        Arg::I32(&mode),
+        Arg::Ptr(&counter),
+        Arg::I32(&group),
+    ];
+    launch(dev, &plan.launch, &args)?;
+    // The transposed V and the descales stay alive until the launch is queued.
+    drop((vt, qk, vd));
+    Ok(call.finish(dev))
+}

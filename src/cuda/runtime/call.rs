@@ -228,8 +228,8 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
         scratch_f32: usize,
     ) -> Result<Self> {
         let stream = dev.cuda_stream();
-        let q = q.as_cuda_slice::<T>()?;
-        // K and V in T, or e4m3 (FP8 caches, for the decode kernels, read in place).
+        // Operands in T, or e4m3, read in place: K and V of FP8 caches (the decode kernels) and
+        // all three of an FP8 call (the sm_90a FP8 forward, whose output is T).
         let kv = |s: &CudaStorage| -> Result<(u64, usize, usize)> {
             Ok(match s.dtype() {
                 DType::F8E4M3 => {
@@ -242,8 +242,8 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
                 }
             })
         };
-        let (k, v) = (kv(k)?, kv(v)?);
-        p.check_bounds(q.len(), k.1, v.1)?;
+        let (q, k, v) = (kv(q)?, kv(k)?, kv(v)?);
+        p.check_bounds(q.1, k.1, v.1)?;
         if p.has_alibi != alibi.is_some() {
             bail!("flash-attn: ALiBi slopes do not match the validated problem")
         }
@@ -264,7 +264,7 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
         let mut op = |(base, _, esize): (u64, usize, usize), s: Strides, e: Extent, pack: bool| {
             if esize != std::mem::size_of::<T>() {
                 if pack {
-                    bail!("flash-attn: FP8 K and V are read in place, never packed")
+                    bail!("flash-attn: FP8 operands are read in place, never packed")
                 }
                 return Ok(Operand {
                     ptr: base + (s.offset * esize) as u64,
@@ -273,9 +273,8 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
             }
             operand::<T>(dev, &stream, base, s, e, d, d_load, pack, &mut scratch)
         };
-        let qb = (q.device_ptr(&stream).0, q.len(), std::mem::size_of::<T>());
         let (qo, ko, vo) = (
-            op(qb, p.q, qe, pack[0])?,
+            op(q, p.q, qe, pack[0])?,
             op(k, p.k, ke, pack[1])?,
             op(v, p.v, ke, pack[2])?,
         );
