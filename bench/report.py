@@ -52,6 +52,7 @@ SCHEMAS = {
                       "ref_gbps",
     "cpu-fp8-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,"
                       "ref_gbps",
+    "gpu-fp8-prefill": "impl,dtype,mask,batch,seq,heads,kv_heads,head_dim,ms,tflops",
     "fp8-accuracy": "inputs,method,heads,kv_heads,head_dim,batch,seq_q,seq_k,rmse,rel_rmse,"
                     "max_abs",
 }
@@ -757,6 +758,42 @@ def fp8_decode_section(where, page, readme):
                           f"({provenance(drows, device)})\n")
 
 
+FP8_PREFILL_NOTE = ("The forward with q, k and v all FP8 (e4m3, descales 1, bf16 output) beside "
+                    "bf16 inputs, same shapes, same run (`examples/gpu_bench.rs --dtype "
+                    "bf16,f8e4m3`). On Hopper, head dims 112 and 128 run an e4m3 wgmma kernel "
+                    "(`SM90_FP8_INSTANCES` in src/cuda/instances.rs); other head dims and GPUs "
+                    "convert to bf16 per call.")
+
+
+def fp8_prefill_section(page, readme):
+    """The page's section (and the README's line) of the all-FP8 forward beside bf16."""
+    rows = read("gpu-fp8-prefill")
+    page.append("## GPU forward from FP8 inputs\n")
+    if not rows:
+        page.append(no_results("gpu-fp8-prefill"))
+        return
+    page.append(FP8_PREFILL_NOTE + "\n")
+    for device, drows in by_device(rows):
+        shape = lambda r: (r["head_dim"], r["seq"], r["batch"], r["heads"], r["mask"])
+        bf16 = {shape(r): r for r in drows if r["dtype"] == "bf16"}
+        head = ["d", "seq", "batch", "heads", "mask", "bf16 ms", "FP8 ms", "bf16 / FP8",
+                "FP8 TFLOP/s"]
+        body, ups = [], {}
+        for r in sorted((r for r in drows if r["dtype"] == "f8e4m3"), key=shape):
+            b = bf16.get(shape(r))
+            up = b["ms"] / r["ms"] if b else None
+            if up:
+                ups.setdefault(r["head_dim"], []).append(up)
+            body.append([str(r["head_dim"]), str(r["seq"]), str(r["batch"]), str(r["heads"]),
+                         r["mask"], fnum(b["ms"]) if b else "", fnum(r["ms"]),
+                         fratio(up) if up else "", fnum(r["tflops"])])
+        page.append(f"{provenance(drows, device)}\n\n" + table(head, body, ["r"] * 9) + "\n")
+        if ups:
+            spans = ", ".join(f"d {d}: {span(v)}" for d, v in sorted(ups.items()))
+            readme.append(f"**GPU forward from FP8 inputs**: bf16 time / FP8 time, {spans} "
+                          f"({provenance(drows, device)})\n")
+
+
 def no_results(name):
     return f"No results yet (bench/results/{name}.csv).\n"
 
@@ -866,6 +903,7 @@ def build(plots):
                           f"without, the largest over the shapes: {worst} "
                           f"({provenance(drows, device)})\n")
 
+    fp8_prefill_section(page, readme)
     for where in ("GPU", "CPU"):
         fp8_decode_section(where, page, readme)
 
