@@ -13,7 +13,7 @@
 mod common;
 
 use candle::{DType, Device, Result, Tensor};
-use candle_flash::{naive_attention, FlashAttn};
+use candle_flash::{naive_attention, FlashAttn, PlanOverride};
 use common::*;
 
 /// Distinct descales per (sequence, K/V head), so that a swapped or missing one shows.
@@ -584,55 +584,73 @@ fn prefill(t: &Target) -> Result<()> {
         };
         let (want, want_lse) = reference(&qq, &kq, &vq, &opts)?;
         let (bounds, rms) = fp8_prefill_bounds(&qq, &kq, &vq, causal)?;
-        let op = opts
-            .clone()
-            .q_descale(&table(b, hk, &qd, &t.dev)?)
-            .k_descale(&table(b, hk, &kd, &t.dev)?)
-            .v_descale(&table(b, hk, &vd, &t.dev)?);
-        let (q8, k8, v8) = (t.put(&q8)?, t.put(&k8)?, t.put(&v8)?);
-        t.poison(&out_and_lse_bytes(DType::BF16, b * sq, h, d))?;
-        let (out, lse) = t.op(&op).forward_with_lse(&q8, &k8, &v8)?;
-        let what = format!("prefill b {b} sq {sq} sk {sk} {h}/{hk} d {d} causal {causal}");
-        assert_eq!(out.dtype(), DType::BF16, "{what}: output dtype");
-        let got = values(&out)?;
-        for (i, ((&a, &r), &bound)) in got.iter().zip(&want).zip(&bounds).enumerate() {
-            let tol = bound + r.abs() / 256.0 + 1e-3;
-            assert!(
-                (r.is_finite() && (a - r).abs() <= tol) || (a.is_nan() && r.is_nan()),
-                "{what}: out[{i}] = {a}, reference {r}, bound {tol:.3e}"
-            );
-        }
-        // The RMS error against the expected one (with the output's bf16 rounding, RMS 2^-9 of
-        // it), within a factor of two.
-        let mean = |x: &mut dyn Iterator<Item = f64>| {
-            let (s, n) = x.fold((0f64, 0usize), |(s, n), e| (s + e, n + 1));
-            s / n.max(1) as f64
+        // On a GPU, each sm_90a FP8 variant (one tile per block, persistent) runs every case
+        // (elsewhere the override changes nothing).
+        let variants: &[Option<&str>] = match t.dev.is_cuda() {
+            true => &[Some("wg2"), Some("wg2p")],
+            false => &[None],
         };
-        let err = mean(&mut got.iter().zip(&want).map(|(a, r)| (a - r).powi(2))).sqrt();
-        let expect = mean(
-            &mut rms
-                .iter()
-                .zip(&want)
-                .map(|(e, r)| e * e + (r / 512.0).powi(2)),
-        )
-        .sqrt();
-        assert!(
-            err <= 2.0 * expect + 1e-5,
-            "{what}: RMS error {err:.3e}, expected about {expect:.3e}"
-        );
-        // The lse takes unrounded P: the suite's bound plus the compute dtype's roundoff of
-        // the scores.
-        let cu_k: Vec<usize> = (0..=b).map(|i| i * sk).collect();
-        let sb = score_bounds(&qq, &kq, &rows_q, &cu_k, scale(d) as f64, Some(sq))?;
-        for (i, ((&a, &r), &bound)) in values(&lse)?.iter().zip(&want_lse).zip(&sb).enumerate() {
-            let ok = match r.is_finite() {
-                true => (a - r).abs() <= 1e-4 * r.abs().max(1.0) + 1e-3 + REL_FLOOR_BF16 * bound,
-                false => a == r,
+        for &variant in variants {
+            let mut op = opts
+                .clone()
+                .q_descale(&table(b, hk, &qd, &t.dev)?)
+                .k_descale(&table(b, hk, &kd, &t.dev)?)
+                .v_descale(&table(b, hk, &vd, &t.dev)?);
+            if let Some(v) = variant {
+                op = op.plan_override(PlanOverride {
+                    sm90_variant: Some(v.into()),
+                    ..Default::default()
+                });
+            }
+            let (q8, k8, v8) = (t.put(&q8)?, t.put(&k8)?, t.put(&v8)?);
+            t.poison(&out_and_lse_bytes(DType::BF16, b * sq, h, d))?;
+            let (out, lse) = t.op(&op).forward_with_lse(&q8, &k8, &v8)?;
+            let what =
+                format!("prefill b {b} sq {sq} sk {sk} {h}/{hk} d {d} causal {causal} {variant:?}");
+            assert_eq!(out.dtype(), DType::BF16, "{what}: output dtype");
+            let got = values(&out)?;
+            for (i, ((&a, &r), &bound)) in got.iter().zip(&want).zip(&bounds).enumerate() {
+                let tol = bound + r.abs() / 256.0 + 1e-3;
+                assert!(
+                    (r.is_finite() && (a - r).abs() <= tol) || (a.is_nan() && r.is_nan()),
+                    "{what}: out[{i}] = {a}, reference {r}, bound {tol:.3e}"
+                );
+            }
+            // The RMS error against the expected one (with the output's bf16 rounding, RMS 2^-9 of
+            // it), within a factor of two.
+            let mean = |x: &mut dyn Iterator<Item = f64>| {
+                let (s, n) = x.fold((0f64, 0usize), |(s, n), e| (s + e, n + 1));
+                s / n.max(1) as f64
             };
-            assert!(ok, "{what}: lse[{i}] = {a}, reference {r}");
+            let err = mean(&mut got.iter().zip(&want).map(|(a, r)| (a - r).powi(2))).sqrt();
+            let expect = mean(
+                &mut rms
+                    .iter()
+                    .zip(&want)
+                    .map(|(e, r)| e * e + (r / 512.0).powi(2)),
+            )
+            .sqrt();
+            assert!(
+                err <= 2.0 * expect + 1e-5,
+                "{what}: RMS error {err:.3e}, expected about {expect:.3e}"
+            );
+            // The lse takes unrounded P: the suite's bound plus the compute dtype's roundoff of
+            // the scores.
+            let cu_k: Vec<usize> = (0..=b).map(|i| i * sk).collect();
+            let sb = score_bounds(&qq, &kq, &rows_q, &cu_k, scale(d) as f64, Some(sq))?;
+            for (i, ((&a, &r), &bound)) in values(&lse)?.iter().zip(&want_lse).zip(&sb).enumerate()
+            {
+                let ok = match r.is_finite() {
+                    true => {
+                        (a - r).abs() <= 1e-4 * r.abs().max(1.0) + 1e-3 + REL_FLOOR_BF16 * bound
+                    }
+                    false => a == r,
+                };
+                assert!(ok, "{what}: lse[{i}] = {a}, reference {r}");
+            }
+            let (again, _) = t.op(&op).forward_with_lse(&q8, &k8, &v8)?;
+            assert_bitwise_eq(&format!("{what}: rerun"), &out, &again);
         }
-        let (again, _) = t.op(&op).forward_with_lse(&q8, &k8, &v8)?;
-        assert_bitwise_eq(&format!("{what}: rerun"), &out, &again);
     }
     Ok(())
 }

@@ -371,6 +371,9 @@ pub const SM90_INSTANCES: [Sm90Instance; 12] = [
 /// The sm_90a FP8 forward instances (e4m3 Q, K and V, bf16 output; `flash_fwd_sm90_e4m3_*`):
 /// plain arithmetic over dense calls, whose V the launch transposes first (8-bit wgmma reads
 /// both operands K-major). d 128: two warpgroups of 64 rows and 128-key tiles, as the bf16
-/// default. (d 256 at 128-key tiles needs more registers than a consumer warpgroup has:
-/// ptxas spilled and serialised its wgmma.)
-pub const SM90_FP8_INSTANCES: [Sm90Instance; 1] = [sm90(128, 2, 128, false, PLAIN)];
+/// default, one tile per block and persistent (`wg2p`). (d 256 at 128-key tiles needs more
+/// registers than a consumer warpgroup has: ptxas spilled and serialised its wgmma.)
+pub const SM90_FP8_INSTANCES: [Sm90Instance; 2] = [
+    sm90(128, 2, 128, false, PLAIN),
+    sm90(128, 2, 128, true, PLAIN),
+];

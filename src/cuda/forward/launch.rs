@@ -154,7 +154,13 @@ pub(crate) fn run_fp8(
         )?,
         tma_map_vt(vt_ptr, [keys, d, p.kv_heads, p.batch], i.d)?,
     ];
-    let (mode, group, counter) = (OStore::Threads as i32, to_i32(group, "tile group")?, 0u64);
+    // The persistent scheduler's tile counter, zeroed on the stream for this call.
+    let counter = match i.persistent {
+        true => Some(dev.alloc_zeros::<i32>(1)?),
+        false => None,
+    };
+    let counter_ptr = counter.as_ref().map_or(0, |c| c.device_ptr(&stream).0);
+    let (mode, group) = (OStore::Threads as i32, to_i32(group, "tile group")?);
     let args = [
         Arg::Params(&params),
         Arg::Map(&maps[0]),
@@ -162,11 +168,11 @@ pub(crate) fn run_fp8(
         Arg::Map(&maps[2]),
         Arg::Map(&TmaMap::NONE),
         Arg::I32(&mode),
-        Arg::Ptr(&counter),
+        Arg::Ptr(&counter_ptr),
         Arg::I32(&group),
     ];
     launch(dev, &plan.launch, &args)?;
-    // The transposed V and the descales stay alive until the launch is queued.
-    drop((vt, qk, vd));
+    // The transposed V, the descales and the counter stay alive until the launch is queued.
+    drop((vt, qk, vd, counter));
     Ok(call.finish(dev))
 }

@@ -197,6 +197,7 @@ pub(crate) fn plan_fp8(p: &Problem, caps: &DeviceCaps) -> Result<Option<Plan>> {
     else {
         return Ok(None);
     };
+    let i = fp8_variant(p, i, caps);
     let (q_batch, k_batch) = p.storage_batches();
     let (q_rows, k_rows) = p.storage_rows();
     let in_place = |s: &crate::problem::Strides, batch: usize, rows: usize, heads: usize| {
@@ -217,26 +218,47 @@ pub(crate) fn plan_fp8(p: &Problem, caps: &DeviceCaps) -> Result<Option<Plan>> {
     if p.heads > 65535 || p.batch > 65535 {
         return Ok(None);
     }
-    let q_tiles = p.max_seq_q.div_ceil(i.rows());
+    let grid = match i.persistent {
+        true => sm90_persistent_grid(p, caps, i)?,
+        false => (
+            to_u32(p.max_seq_q.div_ceil(i.rows()), "query tiles")?,
+            p.heads as u32,
+            p.batch as u32,
+        ),
+    };
     Ok(Some(Plan {
         kernel: Kernel::Sm90(i),
         launch: Launch {
             module: Module::Sm90,
             function: format!("flash_fwd_sm90_e4m3_{}", i.suffix()),
-            grid: (
-                to_u32(q_tiles, "query tiles")?,
-                p.heads as u32,
-                p.batch as u32,
-            ),
+            grid,
             threads: i.threads() as u32,
             smem: i.smem_fp8(),
         },
         d_load: d,
         dv_splits: 1,
         pack: [false; 3],
-        // One tile per block: the threads store O.
+        // The threads store O (also in the persistent instance: no bf16 output map).
         sm90: Some((sm90_tile_group(p, d, SM90_L2_KV_BYTES), OStore::Threads)),
     }))
+}
+
+/// The FP8 instance of `i`'s width that runs `p`: the variant
+/// [`PlanOverride::sm90_variant`](crate::PlanOverride) names where FP8 has it, else the one
+/// the bf16 forward's rule ([`sm90_variant_for`]) takes where FP8 has it (the persistent
+/// `wg2p` for causal-shaped masks and short unmasked calls: the same tiles, whose per-tile
+/// work the 8-bit GEMMs shorten, so a short last wave and the tiles' prologues weigh more),
+/// else `i`.
+fn fp8_variant(p: &Problem, i: Sm90Instance, caps: &DeviceCaps) -> Sm90Instance {
+    let want = match &p.kernels.overrides.sm90_variant {
+        Some(v) => v.clone(),
+        None => sm90_variant_for(p, i, caps).variant(),
+    };
+    SM90_FP8_INSTANCES
+        .iter()
+        .find(|j| j.d == i.d && j.variant() == want && caps.fits(j.smem_fp8()))
+        .copied()
+        .unwrap_or(i)
 }
 
 /// The compute capability and sequence lengths the kernels take.
@@ -481,11 +503,30 @@ mod tests {
                     let want = caps.hopper && plain && d % 16 == 0 && (112..=128).contains(&d);
                     assert_eq!(pl.is_some(), want, "d {d} option {n} on {caps:?}");
                     if let Some(pl) = pl {
-                        assert_eq!(pl.launch.function, "flash_fwd_sm90_e4m3_d128_wg2");
+                        // No mask and causal (517 keys): the persistent variant, one block per
+                        // tile up to the SMs; a window: one block per tile.
+                        let (name, grid) = match n {
+                            0 | 1 => ("wg2p", (3 * 4 * 2, 1, 1)),
+                            _ => ("wg2", (3, 4, 2)),
+                        };
+                        let f = format!("flash_fwd_sm90_e4m3_d128_{name}");
+                        assert_eq!(pl.launch.function, f, "option {n}");
                         assert!(crate::cuda::launch::defined(&pl.launch));
                         assert!(caps.fits(pl.launch.smem), "{pl:?}");
-                        assert_eq!(pl.launch.grid, (3, 4, 2), "{pl:?}");
+                        assert_eq!(pl.launch.grid, grid, "{pl:?}");
                         assert_eq!(pl.pack, [false; 3]);
+                        // An override names either variant.
+                        for v in ["wg2", "wg2p"] {
+                            let o = opts.clone().plan_override(crate::PlanOverride {
+                                sm90_variant: Some(v.into()),
+                                ..Default::default()
+                            });
+                            let p = problem(d, DType::F32, &o, 300, 517);
+                            let pl = plan_fp8(&p, &caps).unwrap().unwrap();
+                            let f = format!("flash_fwd_sm90_e4m3_d128_{v}");
+                            assert_eq!(pl.launch.function, f);
+                            assert!(crate::cuda::launch::defined(&pl.launch));
+                        }
                     }
                 }
             }
