@@ -760,9 +760,10 @@ def fp8_decode_section(where, page, readme):
 
 FP8_PREFILL_NOTE = ("The forward with q, k and v all FP8 (e4m3, descales 1, bf16 output) beside "
                     "bf16 inputs, same shapes, same run (`examples/gpu_bench.rs --dtype "
-                    "bf16,f8e4m3`). On Hopper, head dims 112 and 128 run an e4m3 wgmma kernel "
-                    "(`SM90_FP8_INSTANCES` in src/cuda/instances.rs); other head dims and GPUs "
-                    "convert to bf16 per call.")
+                    "bf16,f8e4m3`). On Hopper, head dims that are multiples of 16 up to 128 run an "
+                    "e4m3 wgmma kernel (`SM90_FP8_INSTANCES` in src/cuda/instances.rs; d 64 "
+                    "zero-padded in its d 128 tiles); other head dims and GPUs convert to bf16 "
+                    "per call.")
 
 
 def fp8_prefill_section(page, readme):

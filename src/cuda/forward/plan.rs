@@ -188,12 +188,12 @@ pub(crate) fn plan_fp8(p: &Problem, caps: &DeviceCaps) -> Result<Option<Plan>> {
     if !caps.hopper || !plain || !dense || extras || !d.is_multiple_of(16) {
         return Ok(None);
     }
-    // A head dim padded to the instance's by at most an eighth: e4m3's speed-up over bf16
-    // (1.2-1.35x at d 128 from seq 8192) outweighs that padding, not d 64's twofold one (a d 64
-    // call in the d 128 kernel took 1.17x the time of bf16's d 64 kernel); those convert.
+    // Narrower heads run zero-padded in the d 128 tiles: at d 64 that took 0.38-0.7x the time
+    // of converting the inputs to bf16 for the bf16 kernel up to 8192 keys, 1.08x at 16384
+    // without a mask (H200).
     let Some(&i) = SM90_FP8_INSTANCES
         .iter()
-        .find(|i| i.d >= d && d * 8 >= i.d * 7 && caps.fits(i.smem_fp8()))
+        .find(|i| i.d >= d && caps.fits(i.smem_fp8()))
     else {
         return Ok(None);
     };
@@ -244,15 +244,15 @@ pub(crate) fn plan_fp8(p: &Problem, caps: &DeviceCaps) -> Result<Option<Plan>> {
 }
 
 /// The FP8 instance of `i`'s width that runs `p`: the variant
-/// [`PlanOverride::sm90_variant`](crate::PlanOverride) names where FP8 has it, else the one
-/// the bf16 forward's rule ([`sm90_variant_for`]) takes where FP8 has it (the persistent
-/// `wg2p` for causal-shaped masks and short unmasked calls: the same tiles, whose per-tile
-/// work the 8-bit GEMMs shorten, so a short last wave and the tiles' prologues weigh more),
-/// else `i`.
+/// [`PlanOverride::sm90_variant`](crate::PlanOverride) names where FP8 has it; else, for
+/// causal-shaped masks and unmasked calls below [`FP8_PERSISTENT_MAX_KEYS`] keys, the persistent
+/// `wg2p`; else `i` (one tile per block).
 fn fp8_variant(p: &Problem, i: Sm90Instance, caps: &DeviceCaps) -> Sm90Instance {
+    let (left, _) = p.window.as_i64();
     let want = match &p.kernels.overrides.sm90_variant {
         Some(v) => v.clone(),
-        None => sm90_variant_for(p, i, caps).variant(),
+        None if left < 0 && p.max_seq_k < FP8_PERSISTENT_MAX_KEYS => "wg2p".into(),
+        None => return i,
     };
     SM90_FP8_INSTANCES
         .iter()
@@ -260,6 +260,11 @@ fn fp8_variant(p: &Problem, i: Sm90Instance, caps: &DeviceCaps) -> Sm90Instance 
         .copied()
         .unwrap_or(i)
 }
+
+/// The FP8 forward takes its persistent variant below this many keys: there the tiles are few
+/// per (batch, head) and the scheduler's refills win (d 128 on an H200: 1.03-1.16x at 512 and
+/// 2048 keys, causal or not); from 8192 on one tile per block ran 1.00-1.08x faster.
+const FP8_PERSISTENT_MAX_KEYS: usize = 8192;
 
 /// The compute capability and sequence lengths the kernels take.
 pub(crate) fn check_device(p: &Problem, caps: &DeviceCaps) -> Result<()> {
@@ -490,8 +495,8 @@ mod tests {
     }
 
     /// FP8 calls take the sm_90a FP8 forward on Hopper where it covers them (dense, plain
-    /// arithmetic, head dims that are multiples of 16 from 112 to 128 (the d 128 instance
-    /// padded by at most an eighth), any mask), nowhere else.
+    /// arithmetic, head dims that are multiples of 16 up to 128, any mask), nowhere else; the
+    /// persistent variant below 8192 keys without a window.
     #[test]
     fn fp8_calls_take_the_fp8_forward_where_it_covers_them() {
         for caps in CAPS {
@@ -500,7 +505,7 @@ mod tests {
                     let p = problem(d, DType::F32, opts, 300, 517);
                     let pl = plan_fp8(&p, &caps).unwrap();
                     let plain = n < 3;
-                    let want = caps.hopper && plain && d % 16 == 0 && (112..=128).contains(&d);
+                    let want = caps.hopper && plain && d % 16 == 0 && d <= 128;
                     assert_eq!(pl.is_some(), want, "d {d} option {n} on {caps:?}");
                     if let Some(pl) = pl {
                         // No mask and causal (517 keys): the persistent variant, one block per
@@ -515,6 +520,10 @@ mod tests {
                         assert!(caps.fits(pl.launch.smem), "{pl:?}");
                         assert_eq!(pl.launch.grid, grid, "{pl:?}");
                         assert_eq!(pl.pack, [false; 3]);
+                        // From 8192 keys: one tile per block.
+                        let long = plan_fp8(&problem(d, DType::F32, opts, 300, 8192), &caps);
+                        let f = long.unwrap().unwrap().launch.function;
+                        assert_eq!(f, "flash_fwd_sm90_e4m3_d128_wg2", "option {n}");
                         // An override names either variant.
                         for v in ["wg2", "wg2p"] {
                             let o = opts.clone().plan_override(crate::PlanOverride {
