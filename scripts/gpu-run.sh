@@ -31,6 +31,10 @@ mkdir -p "$LOG"
 # unpacked with Python's lzma (the machine has no xz).
 LD_LIBRARY_PATH=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))'):${LD_LIBRARY_PATH:-}
 export LD_LIBRARY_PATH
+# The driver's JIT of the PTX modules (about a minute each on a fresh machine) is kept in its
+# compute cache, so each module compiles once for all the binaries of a run (and of later runs
+# on a machine still held), given room for every module's code.
+export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 for f in "$G"/*.xz; do
     [ -e "$f" ] || continue
     python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$f" "${f%.xz}" && rm -f "$f"
