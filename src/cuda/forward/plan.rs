@@ -188,9 +188,9 @@ pub(crate) fn plan_fp8(p: &Problem, caps: &DeviceCaps) -> Result<Option<Plan>> {
     if !caps.hopper || !plain || !dense || extras || !d.is_multiple_of(16) {
         return Ok(None);
     }
-    // Narrower heads run zero-padded in the d 128 tiles: at d 64 that took 0.38-0.7x the time
-    // of converting the inputs to bf16 for the bf16 kernel up to 8192 keys, 1.08x at 16384
-    // without a mask (H200).
+    // Narrower heads run zero-padded in the d 128 tiles: at d 64 that took 0.34-0.97x the time
+    // of converting the inputs to bf16 for the bf16 kernel up to 8192 keys, and at 16384 0.91x
+    // causal, 1.08x without a mask (H200).
     let Some(&i) = SM90_FP8_INSTANCES
         .iter()
         .find(|i| i.d >= d && caps.fits(i.smem_fp8()))
