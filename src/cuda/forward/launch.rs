@@ -2,11 +2,12 @@
 //! block mask's tile lists where the call has them), and for the Hopper kernels the tensor maps
 //! of q, k, v and the output, the persistent scheduler's counter and the store mode.
 
-use candle::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr};
+use candle::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use candle::cuda_backend::{CudaDType, CudaDevice};
 use candle::{CudaStorage, DType, Result, Tensor};
 
 use super::plan::{Kernel, OStore, Plan};
+use crate::cuda::instances::Sm90Instance;
 use crate::cuda::launch::to_i32;
 use crate::cuda::runtime::call::ForwardCall;
 use crate::cuda::runtime::extras;
@@ -61,11 +62,7 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
                 )?,
             ];
             let o_map = output_map(p, params.o, store, bf16)?;
-            // The persistent scheduler's tile counter, zeroed on the stream for this call.
-            let counter = match i.persistent {
-                true => Some(dev.alloc_zeros::<i32>(1)?),
-                false => None,
-            };
+            let counter = tile_counter(dev, i)?;
             let counter_ptr = counter.as_ref().map_or(0, |c| c.device_ptr(&stream).0);
             let (mode, group) = (store as i32, to_i32(group, "tile group")?);
             let args = [
@@ -154,11 +151,7 @@ pub(crate) fn run_fp8(
         )?,
         tma_map_vt(vt_ptr, [keys, d, p.kv_heads, p.batch], i.d)?,
     ];
-    // The persistent scheduler's tile counter, zeroed on the stream for this call.
-    let counter = match i.persistent {
-        true => Some(dev.alloc_zeros::<i32>(1)?),
-        false => None,
-    };
+    let counter = tile_counter(dev, i)?;
     let counter_ptr = counter.as_ref().map_or(0, |c| c.device_ptr(&stream).0);
     let (mode, group) = (OStore::Threads as i32, to_i32(group, "tile group")?);
     let args = [
@@ -175,4 +168,13 @@ pub(crate) fn run_fp8(
     // The transposed V, the descales and the counter stay alive until the launch is queued.
     drop((vt, qk, vd, counter));
     Ok(call.finish(dev))
+}
+
+/// The persistent scheduler's tile counter of instance `i` (none for one tile per block), zeroed
+/// on the stream for this call.
+fn tile_counter(dev: &CudaDevice, i: Sm90Instance) -> Result<Option<CudaSlice<i32>>> {
+    Ok(match i.persistent {
+        true => Some(dev.alloc_zeros::<i32>(1)?),
+        false => None,
+    })
 }

@@ -218,14 +218,7 @@ pub(crate) fn plan_fp8(p: &Problem, caps: &DeviceCaps) -> Result<Option<Plan>> {
     if p.heads > 65535 || p.batch > 65535 {
         return Ok(None);
     }
-    let grid = match i.persistent {
-        true => sm90_persistent_grid(p, caps, i)?,
-        false => (
-            to_u32(p.max_seq_q.div_ceil(i.rows()), "query tiles")?,
-            p.heads as u32,
-            p.batch as u32,
-        ),
-    };
+    let grid = sm90_grid(p, caps, i)?;
     Ok(Some(Plan {
         kernel: Kernel::Sm90(i),
         launch: Launch {
@@ -324,6 +317,19 @@ fn pick_kernel(p: &Problem, dtype: DType, caps: &DeviceCaps, kind: (bool, bool))
         Some(k) => Ok(k),
         None if d <= ROWWISE_MAX_D => Ok(Kernel::Rowwise),
         None => bail!("flash-attn: head_dim {d} is unsupported by the CUDA kernels"),
+    }
+}
+
+/// The grid of sm_90a instance `i`: persistent, one block per SM (at most one per tile), else
+/// one block per query tile (query tiles fastest).
+fn sm90_grid(p: &Problem, caps: &DeviceCaps, i: Sm90Instance) -> Result<(u32, u32, u32)> {
+    match i.persistent {
+        true => sm90_persistent_grid(p, caps, i),
+        false => Ok((
+            to_u32(p.max_seq_q.div_ceil(i.rows()), "query tiles")?,
+            p.heads as u32,
+            p.batch as u32,
+        )),
     }
 }
 
@@ -436,14 +442,7 @@ fn override_sm90(
     else {
         return Ok(());
     };
-    let grid = match j.persistent {
-        true => sm90_persistent_grid(p, caps, j)?,
-        false => (
-            to_u32(p.max_seq_q.div_ceil(j.rows()), "query tiles")?,
-            p.heads as u32,
-            p.batch as u32,
-        ),
-    };
+    let grid = sm90_grid(p, caps, j)?;
     let dn = plan.launch.function.split('_').nth(3).unwrap_or("bf16");
     plan.launch.function = format!("flash_fwd_sm90_{dn}_{}", j.suffix());
     plan.kernel = Kernel::Sm90(j);
