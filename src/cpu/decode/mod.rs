@@ -12,16 +12,22 @@
 //!   (`group · seq_q` rows), are folded into the online softmax together, so each K/V row is
 //!   loaded from memory once and then served from L1 to every row that needs it.
 //! * **Read as stored**: the AVX-512 and AVX2 kernels read f32, f16, bf16 and FP8 (e4m3) rows
-//!   in place and convert 16 (8) elements at a time in registers (bf16 products run on
-//!   `vdpbf16ps` where the CPU has it, with the probabilities rounded to bf16 for `P V`, as the
-//!   GPU kernels do); the portable kernels, and other cache types, convert each block of `BK`
-//!   keys to f32 first, in address order.
+//!   in place and convert 16 (8) elements at a time in registers (bf16 `q·k` runs on
+//!   `vdpbf16ps` where the CPU has it, or on the AMX tile unit where the process may use it,
+//!   and the probabilities are then rounded to bf16 for `P V`, as the GPU kernels do); the
+//!   portable kernels, and other cache types, convert each block of `BK` keys to f32 first, in
+//!   address order.
 //! * **Head-dim elements in SIMD lanes**: `q·k` is a register-blocked FMA (AVX-512: four rows ×
 //!   four keys; AVX2: eight accumulators, up to eight rows × one key, from query rows packed
 //!   per register block) over the head dim and one shared reduction tree (bf16 with eight rows
 //!   or more on AVX-512: the block transposed to keys in lanes, no reduction); `P V` adds
 //!   `p · V[j]` to rows of `O` held in registers, with no reduction at all. The online softmax
 //!   runs on several rows at once, their statistics in lanes.
+//! * **bf16 `q·k` on AMX** (`x86/amx.rs`): a whole block of 16 keys, one stride apart, against
+//!   up to 16 query rows is four `TDPBF16PS` at d = 128, `Sᵀ = K Qᵀ` with K loaded as it lies
+//!   and the query rows packed into tiles once per item; the tiles take head dims that are a
+//!   multiple of 32 up to 192, and other blocks (an item's last, partial one, a paged block
+//!   that crosses pages) run on `vdpbf16ps`.
 //! * **Blocks of `BK` keys**, one KV head after the other; while the scores of a KV head run,
 //!   the rows [`PREFETCH_BYTES`] ahead are prefetched into L2 a row at a time between the
 //!   kernel's own loads (the kernels read several rows at once, which the hardware prefetchers
@@ -114,6 +120,16 @@ fn kind<T: 'static>() -> Kind {
     }
 }
 
+/// Whether bf16 `q·k` runs on a tile unit: none, the AMX hardware, or (tests) its software
+/// model, which runs the same tiling on any machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TileUse {
+    Off,
+    Amx,
+    #[cfg(test)]
+    Model,
+}
+
 /// Everything a work item reads, shared by all of them.
 struct Ctx<'a, T, KV = T> {
     p: &'a Problem,
@@ -124,6 +140,8 @@ struct Ctx<'a, T, KV = T> {
     plan: &'a Plan,
     /// bf16 `q·k` with `vdpbf16ps` (AVX-512 BF16 present and bf16 inputs).
     bf16_dot: bool,
+    /// bf16 `q·k` on the tile unit, for the blocks it takes (see `x86::tile_scores`).
+    tiles: TileUse,
     /// Outputs and log-sum-exp, written by an item when its sequence has one split, else by the
     /// combine.
     out: SyncPtr<T>,
@@ -150,6 +168,7 @@ pub(crate) fn forward<T: Elem, KV: Elem>(
     forward_with(
         Isa::detect(),
         true,
+        TileUse::Amx,
         rayon::current_num_threads(),
         plan::MIN_TASK_BYTES,
         p,
@@ -169,12 +188,14 @@ fn has_avx512_decode() -> bool {
 }
 
 /// [`forward`] with a chosen instruction set (the caller checked that the CPU has it), whether
-/// bf16 products may use `vdpbf16ps` (where the CPU has it), and the thread count and smallest
-/// task the plan is made for (tests split small caches many ways with a small one).
+/// bf16 products may use `vdpbf16ps` (where the CPU has it) and a tile unit (where the process
+/// may use AMX, or the model), and the thread count and smallest task the plan is made for
+/// (tests split small caches many ways with a small one).
 #[allow(clippy::too_many_arguments)]
 fn forward_with<T: Elem, KV: Elem>(
     isa: Isa,
     bf16_dot: bool,
+    tiles: TileUse,
     threads: usize,
     min_task: usize,
     p: &Problem,
@@ -211,6 +232,21 @@ fn forward_with<T: Elem, KV: Elem>(
         let _ = bf16_dot;
         false
     };
+    // The tiles take the AVX-512 BF16 calls whose head dim is whole tile steps, few enough that
+    // the query tiles of a KV head stay loaded (`x86::MAX_Q_TILES`).
+    #[cfg(target_arch = "x86_64")]
+    let tiles = match tiles {
+        _ if !bf16_dot || !d.is_multiple_of(x86::TILE_D) || d / x86::TILE_D > x86::MAX_Q_TILES => {
+            TileUse::Off
+        }
+        TileUse::Amx if !super::dispatch::amx_usable() => TileUse::Off,
+        t => t,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let tiles = {
+        let _ = tiles;
+        TileUse::Off
+    };
     let key_bytes = 2 * p.kv_heads * d * std::mem::size_of::<KV>();
     let plan = Plan::new(p, threads, key_bytes, min_task);
     let mut po = vec![0f32; plan.part_rows * d];
@@ -224,6 +260,7 @@ fn forward_with<T: Elem, KV: Elem>(
         v,
         plan: &plan,
         bf16_dot,
+        tiles,
         out: SyncPtr(out.as_mut_ptr()),
         lse: SyncPtr(lse.as_mut_ptr()),
         po: SyncPtr(po.as_mut_ptr()),
@@ -236,6 +273,8 @@ fn forward_with<T: Elem, KV: Elem>(
     // pool's as they come (`run`); a single task runs here, without waking the pool.
     let task = |range: &Range<usize>| {
         with_scratch(|sc| {
+            #[cfg(target_arch = "x86_64")]
+            x86::tiles_on(tiles, true);
             for &item in &plan.items[range.clone()] {
                 match isa {
                     #[cfg(target_arch = "x86_64")]
@@ -247,6 +286,8 @@ fn forward_with<T: Elem, KV: Elem>(
                     Isa::Portable => run_item::<T, KV, Portable>(&ctx, sc, item),
                 }
             }
+            #[cfg(target_arch = "x86_64")]
+            x86::tiles_on(tiles, false);
         })
     };
     if plan.tasks.len() == 1 {
@@ -422,6 +463,29 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
             }
             h[d..].fill(0);
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if ctx.tiles != TileUse::Off {
+        let (dq, tq) = (d.next_multiple_of(2), &mut sc.tq);
+        tq.row_chunks = gr.div_ceil(x86::TILE_ROWS);
+        tq.tiles = d / x86::TILE_D;
+        let per = tq.tiles * x86::TILE_WORDS;
+        let len = p.kv_heads * tq.row_chunks * per;
+        if tq.q.len() < len {
+            tq.q.resize(len, 0);
+        }
+        for kvh in 0..p.kv_heads {
+            for rc in 0..tq.row_chunks {
+                let (r, n) = (
+                    kvh * gr + rc * x86::TILE_ROWS,
+                    (gr - rc * x86::TILE_ROWS).min(x86::TILE_ROWS),
+                );
+                let at = (kvh * tq.row_chunks + rc) * per;
+                x86::pack_q(&sc.qh[r * dq..], dq, n, d, &mut tq.q[at..at + per]);
+            }
+        }
+        // New rows: none of them is in the tile registers yet.
+        tq.loaded = None;
     }
     sc.o[..rows * d].fill(0.0);
     // Each row sees one interval of keys, prefix ranges or not (`SeqMask::row_range`).
@@ -671,6 +735,20 @@ fn block<T: Elem, KV: Elem, U: Elem, K: Ops>(
     for kvh in 0..p.kv_heads {
         let r0 = kvh * gr;
         let mut pf = ahead.rows(p, &mut step);
+        #[cfg(target_arch = "x86_64")]
+        if x86::tile_scores(
+            ctx.tiles,
+            &mut sc.tq,
+            kvh,
+            gr,
+            d,
+            &k.at(kvh),
+            0..n,
+            &mut sc.s[r0..r0 + gr],
+            &mut pf,
+        ) {
+            continue;
+        }
         let q = if K::PACKS_Q {
             let n = K::q_len(gr, d);
             &sc.qp[kvh * n..(kvh + 1) * n]

@@ -41,6 +41,21 @@ pub(super) struct Scratch {
     /// them in place.
     pub(super) k: Vec<f32>,
     pub(super) v: Vec<f32>,
+    /// The query rows in the tile unit's layout, where `q·k` runs on tiles.
+    pub(super) tq: TileQ,
+}
+
+/// The query rows of an item packed for the tile unit, and which of them its registers hold.
+pub(super) struct TileQ {
+    /// Per (KV head, chunk of 16 rows): its `B` tiles, one per 32 head-dim elements.
+    pub(super) q: Vec<u32>,
+    /// Row chunks per KV head, and tiles per chunk.
+    pub(super) row_chunks: usize,
+    pub(super) tiles: usize,
+    /// The (KV head, row chunk) whose tiles are loaded.
+    pub(super) loaded: Option<(usize, usize)>,
+    /// A block's transposed scores (keys × query rows), as the tile unit stores them.
+    pub(super) st: [[f32; BK]; BK],
 }
 
 impl Scratch {
@@ -59,6 +74,13 @@ impl Scratch {
             corr: Vec::new(),
             k: Vec::new(),
             v: Vec::new(),
+            tq: TileQ {
+                q: Vec::new(),
+                row_chunks: 0,
+                tiles: 0,
+                loaded: None,
+                st: [[0.0; BK]; BK],
+            },
         }
     }
 

@@ -315,16 +315,38 @@ fn check_isas<T: Elem + candle::WithDType>(
             .fold(0f32, |m, e| if e > m || e.is_nan() { e } else { m })
     };
     let none = Extras::default();
+    // bf16 `q·k` on the vector units, the AMX tiles and their software model (which the
+    // calls that the tiles do not take run as the first).
+    let uses = [
+        (true, TileUse::Off),
+        (false, TileUse::Off),
+        (true, TileUse::Amx),
+        (true, TileUse::Model),
+    ];
     for isa in Isa::available() {
-        for dot in [true, false] {
-            let (one, lse_one) = forward_with(isa, dot, 1, 1, p, slopes, &qv, [&kv, &vv], &none);
+        for (dot, tiles) in uses {
+            let (one, lse_one) =
+                forward_with(isa, dot, tiles, 1, 1, p, slopes, &qv, [&kv, &vv], &none);
             for threads in [1, 2, 3, 5, 16, 64] {
-                let run = || forward_with(isa, dot, threads, 1, p, slopes, &qv, [&kv, &vv], &none);
+                let run = || {
+                    forward_with(
+                        isa,
+                        dot,
+                        tiles,
+                        threads,
+                        1,
+                        p,
+                        slopes,
+                        &qv,
+                        [&kv, &vv],
+                        &none,
+                    )
+                };
                 let (got, lse) = run();
                 let err = max_err(&got, want);
                 assert!(
                     err <= tol,
-                    "{what} {isa:?} dot {dot} threads {threads}: max error {err}"
+                    "{what} {isa:?} dot {dot} {tiles:?} threads {threads}: max error {err}"
                 );
                 // The same plan twice: the same bits.
                 let (again, lse_again) = run();
@@ -335,7 +357,7 @@ fn check_isas<T: Elem + candle::WithDType>(
                             .iter()
                             .zip(&lse_again)
                             .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what} {isa:?} dot {dot} threads {threads}: not bitwise stable"
+                    "{what} {isa:?} dot {dot} {tiles:?} threads {threads}: not bitwise stable"
                 );
                 // Other splits: the same up to the rounding of the merge, which can move an
                 // output across one rounding step of the dtype.
@@ -350,12 +372,12 @@ fn check_isas<T: Elem + candle::WithDType>(
                     .unwrap_or(1.0);
                 assert!(
                     split_err <= tol / 4.0 + 2.0 * step * top,
-                    "{what} {isa:?} dot {dot} threads {threads}: {split_err} from one split"
+                    "{what} {isa:?} dot {dot} {tiles:?} threads {threads}: {split_err} from one split"
                 );
                 for (a, b) in lse.iter().zip(&lse_one) {
                     assert!(
                         (a - b).abs() <= 1e-4 * b.abs().max(1.0) || a == b,
-                        "{what} {isa:?} dot {dot} threads {threads}: lse {a} vs {b}"
+                        "{what} {isa:?} dot {dot} {tiles:?} threads {threads}: lse {a} vs {b}"
                     );
                 }
             }
@@ -440,6 +462,7 @@ fn check_nan<T: Elem + candle::WithDType>(
             let (got, _) = forward_with(
                 isa,
                 true,
+                TileUse::Off,
                 threads,
                 1,
                 p,
@@ -587,6 +610,7 @@ fn kernel_throughput() {
                     std::hint::black_box(forward_with(
                         Isa::detect(),
                         true,
+                        TileUse::Amx,
                         threads,
                         plan::MIN_TASK_BYTES,
                         &p,
@@ -631,8 +655,18 @@ fn fp8_rows_convert_exactly_on_every_isa() {
         let k = vec![float8::F8E4M3::from_f32(0.5); d];
         let q = vec![0.25f32; d];
         for isa in Isa::available() {
-            let (got, _) =
-                forward_with(isa, false, 1, 1, &p, None, &q, [&k, &v], &Extras::default());
+            let (got, _) = forward_with(
+                isa,
+                false,
+                TileUse::Off,
+                1,
+                1,
+                &p,
+                None,
+                &q,
+                [&k, &v],
+                &Extras::default(),
+            );
             for (x, (g, w)) in got.iter().zip(&v).enumerate() {
                 let w = w.to_f32();
                 // (Equal as values: the sum O = 0 + 1 · v turns -0 into +0.)
@@ -709,6 +743,7 @@ fn fp8_caches_match_f64_on_every_isa() {
                     forward_with(
                         isa,
                         false,
+                        TileUse::Off,
                         threads,
                         1,
                         &p,

@@ -2,10 +2,15 @@
 //! AVX-512 and 8 with AVX2, several query rows sharing every K and V load. The bounds the
 //! unsafe kernels rely on are checked here, once per block and KV head.
 
+mod amx;
 mod avx2;
 mod avx512;
 
-use super::{kind, Kind, Ops, Pf, Rows, BK};
+pub(super) use amx::{pack_q, MAX_Q_TILES, TILE_D, TILE_ROWS, TILE_WORDS};
+
+use super::scratch::TileQ;
+use super::{kind, Kind, Ops, Pf, Rows, TileUse, BK};
+use crate::cpu::bf16::amx::{Amx, Tiles};
 use crate::cpu::elem::Elem;
 use crate::cpu::kernel::{Avx512, Fused};
 
@@ -66,6 +71,117 @@ fn check_softmax(n: usize, cols: &[(usize, usize)], m: usize, l: usize, corr: us
             && cols[..n].iter().all(|&(c0, c1)| c0 <= c1 && c1 <= BK),
         "decode: softmax rows out of bounds"
     );
+}
+
+/// Loads the tile configuration (`on`) or releases it, on this thread, for the tile unit `u`.
+pub(super) fn tiles_on(u: TileUse, on: bool) {
+    fn go<T: Tiles>(on: bool) {
+        // SAFETY: a `TileUse` other than `Off` is only chosen where the tile unit may be used
+        // (`forward_with`: AMX present and granted to the process, or the software model).
+        unsafe {
+            if on {
+                T::configure()
+            } else {
+                T::release()
+            }
+        }
+    }
+    match u {
+        TileUse::Off => {}
+        TileUse::Amx => go::<Amx>(on),
+        #[cfg(test)]
+        TileUse::Model => go::<crate::cpu::bf16::amx::Soft>(on),
+    }
+}
+
+/// [`Ops::scores`] of bf16 rows on the tile unit `u` (configured by [`tiles_on`], the query
+/// rows of the item packed into `tq`): all `rows` query rows of KV head `kvh` against a whole
+/// block whose 16 K rows lie one stride apart. Returns `false`, having done nothing, for any
+/// other block (a partial one, or rows not one stride apart), which the caller then runs on the
+/// vector kernels.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn tile_scores<T: 'static>(
+    u: TileUse,
+    tq: &mut TileQ,
+    kvh: usize,
+    rows: usize,
+    d: usize,
+    k: &Rows<T>,
+    keys: std::ops::Range<usize>,
+    s: &mut [[f32; BK]],
+    pf: &mut Pf,
+) -> bool {
+    type Run = fn(
+        Option<&[u32]>,
+        usize,
+        *const u8,
+        usize,
+        usize,
+        &mut [[f32; BK]; BK],
+        &mut [[f32; BK]],
+        &mut Pf,
+    );
+    let run: Run = match u {
+        TileUse::Off => return false,
+        TileUse::Amx => run::<Amx>,
+        #[cfg(test)]
+        TileUse::Model => run::<crate::cpu::bf16::amx::Soft>,
+    };
+    if kind::<T>() != Kind::Bf16 || keys != (0..BK) || rows == 0 {
+        return false;
+    }
+    let stride = k.row(1).wrapping_sub(k.row(0));
+    if (2..BK).any(|c| k.row(c) != k.row(0).wrapping_add(c.wrapping_mul(stride))) {
+        return false;
+    }
+    let chunks = d / TILE_D;
+    check_rows(k, &keys, d);
+    assert!(
+        d.is_multiple_of(TILE_D)
+            && (1..=MAX_Q_TILES).contains(&chunks)
+            && chunks == tq.tiles
+            && rows.div_ceil(TILE_ROWS) == tq.row_chunks
+            && tq.q.len() >= (kvh + 1) * tq.row_chunks * chunks * TILE_WORDS
+            && s.len() >= rows,
+        "decode: tile operands out of bounds"
+    );
+    let kp = k.src.as_ptr().wrapping_add(k.row(0)).cast::<u8>();
+    let stride = stride.wrapping_mul(std::mem::size_of::<T>());
+    for rc in 0..tq.row_chunks {
+        let n = (rows - rc * TILE_ROWS).min(TILE_ROWS);
+        let at = (kvh * tq.row_chunks + rc) * chunks * TILE_WORDS;
+        let s = &mut s[rc * TILE_ROWS..rc * TILE_ROWS + n];
+        let load = (tq.loaded != Some((kvh, rc))).then(|| &tq.q[at..at + chunks * TILE_WORDS]);
+        run(load, chunks, kp, stride, n, &mut tq.st, s, pf);
+        tq.loaded = Some((kvh, rc));
+    }
+    true
+}
+
+/// One chunk of query rows of [`tile_scores`] on the tile unit `U`, loading their tiles first
+/// where `load` has them.
+#[allow(clippy::too_many_arguments)]
+fn run<U: Tiles>(
+    load: Option<&[u32]>,
+    chunks: usize,
+    kp: *const u8,
+    stride: usize,
+    n: usize,
+    st: &mut [[f32; BK]; BK],
+    s: &mut [[f32; BK]],
+    pf: &mut Pf,
+) {
+    // SAFETY: configured (`tiles_on`, where the item began); `chunks` tiles of the
+    // packed rows in `load` (checked above); the 16 K rows at `kp`, `stride` bytes apart,
+    // hold `d = 32 · chunks` elements each in bounds (`check_rows` on every key of the
+    // block, whose rows are those addresses); avx512f with the tile unit.
+    unsafe {
+        if let Some(q) = load {
+            amx::load_q::<U>(q, chunks);
+        }
+        amx::scores::<U>(chunks, kp, stride, n, st, s, pf)
+    }
 }
 
 impl Ops for Avx512 {
@@ -146,11 +262,11 @@ impl Ops for Avx512 {
         check_pv(o.len(), rows, d, corr.map(<[f32]>::len), p.len(), &cols);
         check_rows(v, &cols, d);
         if dot && kind::<T>() == Kind::Bf16 {
-            // SAFETY: as in `scores`.
-            unsafe { avx512::pv_bf16(o, rows, d, corr, p, v, cols) }
-        } else {
             // SAFETY: avx512f/bw/vl detected as above; the bounds were checked just above.
-            unsafe { avx512::pv(o, rows, d, corr, p, v, cols) }
+            unsafe { avx512::pv::<T, true>(o, rows, d, corr, p, v, cols) }
+        } else {
+            // SAFETY: as above.
+            unsafe { avx512::pv::<T, false>(o, rows, d, corr, p, v, cols) }
         }
     }
 }

@@ -13,7 +13,10 @@
 //!   their chunk iterations.
 //! * `P V` ([`pv`]): `o[t] = o[t] · corr[t] + Σ_c p[t][c] V[c]` with the output rows held in
 //!   up to 16 accumulators (rows × 16-lane chunks of the head dim), each V chunk loaded and
-//!   converted once per key for all rows of the register block.
+//!   converted once per key for all rows of the register block. bf16 caches with `vdpbf16ps`
+//!   round `p` to bf16 and run the same f32 FMAs: the products are exact either way, and
+//!   Sapphire Rapids retires one 32-product `vdpbf16ps` per two cycles but two 16-product FMAs
+//!   per cycle, so the FMAs do the same sums in half the time.
 
 use std::arch::x86_64::*;
 
@@ -272,13 +275,14 @@ pub(super) unsafe fn scores_bf16<T: 'static>(
 }
 
 /// For the `rows` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c p[t][c] V[c]` over
-/// `c` in `cols`, in register blocks of 8, 4, 2 or 1 rows.
+/// `c` in `cols`, in register blocks of 8, 4, 2 or 1 rows; with `R`, each `p` rounded to bf16
+/// first (the bf16 products' semantics, see [`pv_rows`]).
 ///
 /// # Safety
 /// avx512f/bw/vl and fma must be available; `o` holds `rows` rows of `d`, `corr` and `p` at
 /// least `rows` entries; `cols.end <= BK` and every V row of `cols` has `d` elements in bounds.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-pub(super) unsafe fn pv<T: 'static>(
+pub(super) unsafe fn pv<T: 'static, const R: bool>(
     o: &mut [f32],
     rows: usize,
     d: usize,
@@ -298,23 +302,25 @@ pub(super) unsafe fn pv<T: 'static>(
         // (`rows - t` at least that many), the rest as for this function.
         t += unsafe {
             match rows - t {
-                1 => pv_rows::<T, 1, 8>(op, d, cr, pr, v, cols.clone()),
-                2 | 3 => pv_rows::<T, 2, 8>(op, d, cr, pr, v, cols.clone()),
-                4..=7 => pv_rows::<T, 4, 4>(op, d, cr, pr, v, cols.clone()),
-                _ => pv_rows::<T, 8, 2>(op, d, cr, pr, v, cols.clone()),
+                1 => pv_rows::<T, 1, 8, R>(op, d, cr, pr, v, cols.clone()),
+                2 | 3 => pv_rows::<T, 2, 8, R>(op, d, cr, pr, v, cols.clone()),
+                4..=7 => pv_rows::<T, 4, 4, R>(op, d, cr, pr, v, cols.clone()),
+                _ => pv_rows::<T, 8, 2, R>(op, d, cr, pr, v, cols.clone()),
             }
         };
     }
 }
 
 /// [`pv`] for `RB` rows, `CB` chunks of 16 head-dim elements per pass (`RB · CB` accumulators);
-/// returns `RB`.
+/// returns `RB`. With `R` the probabilities are rounded to bf16 (nearest even) before their
+/// products, which are then exact in f32: the same sums as `vdpbf16ps` of bf16 `P` and V, on
+/// f32 FMAs, which retire twice the multiply-adds per cycle of `vdpbf16ps` on Sapphire Rapids.
 ///
 /// # Safety
 /// As for [`pv`], with `RB` rows at `o`, in `corr` and in `p`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize>(
+unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize, const R: bool>(
     o: *mut f32,
     d: usize,
     corr: Option<&[f32]>,
@@ -323,6 +329,15 @@ unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize>(
     cols: std::ops::Range<usize>,
 ) -> usize {
     let vp = v.src.as_ptr();
+    let mut pr = [[0f32; BK]; RB];
+    for (t, pr) in pr.iter_mut().enumerate() {
+        // SAFETY: `p[t]` and `pr` hold BK = 16 floats.
+        unsafe {
+            let x = _mm512_loadu_ps(p[t].as_ptr());
+            let x = if R { round_bf16(x) } else { x };
+            _mm512_storeu_ps(pr.as_mut_ptr(), x);
+        }
+    }
     let mut x0 = 0;
     while x0 < d {
         let mut m = [0 as __mmask16; CB];
@@ -350,7 +365,7 @@ unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize>(
                 *vv = unsafe { load(row.wrapping_add(j * W), m[j]) };
             }
             for (t, acc) in acc.iter_mut().enumerate() {
-                let pb = _mm512_set1_ps(p[t][c]);
+                let pb = _mm512_set1_ps(pr[t][c]);
                 for (acc, vv) in acc.iter_mut().zip(&vv) {
                     *acc = _mm512_fmadd_ps(pb, *vv, *acc);
                 }
@@ -367,146 +382,17 @@ unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize>(
     RB
 }
 
-/// [`pv`] for bf16 V with `vdpbf16ps`: the probabilities of each pair of keys rounded to bf16
-/// (as the GPU kernels' tensor-core `P V` does), each instruction adding
-/// `p[c] V[c][x] + p[c+1] V[c+1][x]` for 16 `x` in f32. The two V rows of a pair are
-/// interleaved in registers (a quadword permute puts each row's `x` in the order the 16-bit
-/// unpacks pair them in, so the accumulators hold `x` in natural order); a key of the pair
-/// outside `cols` reads as zero, never from memory.
-///
-/// # Safety
-/// avx512f/bw/vl and avx512bf16 must be available; `T` is bf16; otherwise as for [`pv`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(super) unsafe fn pv_bf16<T: 'static>(
-    o: &mut [f32],
-    rows: usize,
-    d: usize,
-    corr: Option<&[f32]>,
-    p: &[[f32; BK]],
-    v: &Rows<T>,
-    cols: std::ops::Range<usize>,
-) {
-    let mut t = 0;
-    while t < rows {
-        let (op, cr, pr) = (
-            o.as_mut_ptr().wrapping_add(t * d),
-            corr.map(|c| &c[t..]),
-            &p[t..],
-        );
-        // SAFETY (each call): as in `pv`.
-        t += unsafe {
-            match rows - t {
-                1 => pv_bf16_rows::<T, 1, 4>(op, d, cr, pr, v, cols.clone()),
-                2 | 3 => pv_bf16_rows::<T, 2, 4>(op, d, cr, pr, v, cols.clone()),
-                4..=7 => pv_bf16_rows::<T, 4, 2>(op, d, cr, pr, v, cols.clone()),
-                _ => pv_bf16_rows::<T, 8, 1>(op, d, cr, pr, v, cols.clone()),
-            }
-        };
-    }
-}
-
-/// [`pv_bf16`] for `RB` rows, `CB` chunks of 32 head-dim elements per pass (two accumulators
-/// each: `x` 0-15 and 16-31 of the chunk); returns `RB`.
-///
-/// # Safety
-/// As for [`pv_bf16`], with `RB` rows at `o`, in `corr` and in `p`.
+/// `x` rounded to the nearest bf16 (ties to even), as f32; NaN stays NaN. In integer
+/// arithmetic, so that it needs no AVX-512 BF16.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn pv_bf16_rows<T: 'static, const RB: usize, const CB: usize>(
-    o: *mut f32,
-    d: usize,
-    corr: Option<&[f32]>,
-    p: &[[f32; BK]],
-    v: &Rows<T>,
-    cols: std::ops::Range<usize>,
-) -> usize {
-    // Dword k of row t: (p[t][2k], p[t][2k + 1]) as bf16 (round to nearest even). Keys outside
-    // `cols` have p = 0 exactly (the softmax set them so).
-    let mut pp = [[0u32; BK / 2]; RB];
-    for (t, pp) in pp.iter_mut().enumerate() {
-        // SAFETY: `p[t]` holds BK = 16 floats, `pp` 8 dwords.
-        unsafe {
-            let h = _mm512_cvtneps_pbh(_mm512_loadu_ps(p[t].as_ptr()));
-            _mm256_storeu_si256(
-                pp.as_mut_ptr().cast(),
-                std::mem::transmute::<__m256bh, __m256i>(h),
-            );
-        }
-    }
-    let vp = v.src.as_ptr().cast::<i16>();
-    // Quadword order that makes unpacklo/unpackhi_epi16 of two rows yield the pairs of
-    // x = 0..16 and x = 16..32 in order.
-    let order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
-    let first = cols.start & !1;
-    let mut x0 = 0;
-    while x0 < d {
-        let mut m = [0 as __mmask32; CB];
-        for (j, m) in m.iter_mut().enumerate() {
-            *m = mask32(x0 + j * 2 * W, d);
-        }
-        // accs[t][j] holds x0 + 32j + 0..16 and the next 16 of row t.
-        let mut accs = [[[_mm512_setzero_ps(); 2]; CB]; RB];
-        for (t, accs) in accs.iter_mut().enumerate() {
-            let c = _mm512_set1_ps(corr.map_or(1.0, |c| c[t]));
-            for (j, a) in accs.iter_mut().enumerate() {
-                for (h, a) in a.iter_mut().enumerate() {
-                    let x = x0 + j * 2 * W + h * W;
-                    // SAFETY: lanes below `d` of row t of `o` (caller).
-                    let ot =
-                        unsafe { _mm512_maskz_loadu_ps(mask16(x, d), o.wrapping_add(t * d + x)) };
-                    *a = if corr.is_some() {
-                        _mm512_mul_ps(ot, c)
-                    } else {
-                        ot
-                    };
-                }
-            }
-        }
-        let mut c = first;
-        while c < cols.end {
-            let mut pair = [[_mm512_setzero_si512(); 2]; CB];
-            for (j, pair) in pair.iter_mut().enumerate() {
-                let x = x0 + j * 2 * W;
-                let row = |key: usize| -> __m512i {
-                    if cols.contains(&key) {
-                        // SAFETY: lanes below `d` of a V row of `cols`, in bounds (caller).
-                        let r = unsafe {
-                            _mm512_maskz_loadu_epi16(m[j], vp.wrapping_add(v.row(key) + x))
-                        };
-                        _mm512_permutexvar_epi64(order, r)
-                    } else {
-                        _mm512_setzero_si512()
-                    }
-                };
-                let (a, b) = (row(c), row(c + 1));
-                *pair = [_mm512_unpacklo_epi16(a, b), _mm512_unpackhi_epi16(a, b)];
-            }
-            for (t, accs) in accs.iter_mut().enumerate() {
-                let pb = _mm512_set1_epi32(pp[t][c / 2] as i32);
-                // SAFETY: 512-bit vectors of 32 bf16 lanes.
-                let pb: __m512bh = unsafe { std::mem::transmute(pb) };
-                for (a, pair) in accs.iter_mut().zip(&pair) {
-                    for (a, vv) in a.iter_mut().zip(pair) {
-                        // SAFETY: as above.
-                        let vv: __m512bh = unsafe { std::mem::transmute(*vv) };
-                        *a = _mm512_dpbf16_ps(*a, pb, vv);
-                    }
-                }
-            }
-            c += 2;
-        }
-        for (t, accs) in accs.iter().enumerate() {
-            for (j, a) in accs.iter().enumerate() {
-                for (h, a) in a.iter().enumerate() {
-                    let x = x0 + j * 2 * W + h * W;
-                    // SAFETY: as for the load.
-                    unsafe { _mm512_mask_storeu_ps(o.wrapping_add(t * d + x), mask16(x, d), *a) };
-                }
-            }
-        }
-        x0 += CB * 2 * W;
-    }
-    RB
+#[target_feature(enable = "avx512f")]
+fn round_bf16(x: __m512) -> __m512 {
+    let b = _mm512_castps_si512(x);
+    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+    let r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    let r = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(-0x1_0000)));
+    // Rounding up the low half of a NaN's payload could carry into Inf: keep NaN as it is.
+    _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x), r, x)
 }
 
 /// `2^x` lane-wise, the polynomial of `crate::cpu::exp2` in vector form: relative error below
@@ -643,7 +529,7 @@ pub(super) unsafe fn softmax_rows(
 /// 64-bit interleaves within 128-bit blocks, then two rounds of block shuffles: 64 shuffles).
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn transpose16(r: &[__m512i; 16]) -> [__m512i; 16] {
+pub(super) fn transpose16(r: &[__m512i; 16]) -> [__m512i; 16] {
     // s1[2k] block L: r[2k][4L], r[2k+1][4L], r[2k][4L+1], r[2k+1][4L+1]; s1[2k+1]: lanes +2, +3.
     let mut s1 = [_mm512_setzero_si512(); 16];
     for k in 0..8 {

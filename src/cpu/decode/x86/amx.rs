@@ -1,0 +1,144 @@
+//! `q·k` of bf16 caches on the AMX tile unit: a block's scores are computed transposed,
+//! `Sᵀ = K Qᵀ`, so that its 16 K rows are the `A` tile exactly as they lie in the cache (one
+//! `TILELOADD` per 32 head-dim elements, at the cache's row stride) and only the query rows, which
+//! every block of an item reuses, are brought into the `B` layout, once per item ([`pack_q`]).
+//! The `B` tiles of a KV head stay in the tile registers while its blocks run; the 16 × 16 `C`
+//! tile (keys × query rows) is stored and transposed into the rows of scores that the softmax
+//! and `P V` kernels read.
+//!
+//! Each `TDPBF16PS` multiplies 16 keys by 16 query rows over 32 head-dim elements (8192
+//! products) in the time `vdpbf16ps` takes for a few hundred: `q·k` of a bf16 block then costs
+//! little more than loading its K rows, whatever the number of query rows up to 16.
+
+use std::arch::x86_64::*;
+
+use super::super::{Pf, BK};
+use super::avx512::transpose16;
+use crate::cpu::bf16::amx::Tiles;
+
+const _: () = assert!(BK == 16, "a block of keys is the 16 rows of one tile");
+
+/// Query rows per `B` tile (its 16 columns of bf16 pairs).
+pub(in crate::cpu::decode) const TILE_ROWS: usize = 16;
+/// Head-dim elements per tile step: 32 bf16 (64 bytes) per tile row.
+pub(in crate::cpu::decode) const TILE_D: usize = 32;
+/// `B` tiles that can stay loaded: tile 0 holds the scores and tile 1 the K rows, tiles 2..8
+/// the query chunks, so head dims up to 6 · 32 = 192 keep their query rows in the tile unit.
+pub(in crate::cpu::decode) const MAX_Q_TILES: usize = 6;
+/// u32 words of one packed `B` tile: 16 pair rows × 16 columns.
+pub(in crate::cpu::decode) const TILE_WORDS: usize = 256;
+
+/// Packs query rows `q[t]` (`t < rows <= 16`, bf16 bits, `dq` apart, even `d` elements each)
+/// into the `B` layout of `d / 32` tiles in `out`: word `(c, i, t)` (tile `c`, pair row `i`,
+/// column `t`) holds elements `32c + 2i` and `32c + 2i + 1` of row `t`; columns `rows..16` are 0.
+pub(in crate::cpu::decode) fn pack_q(q: &[u16], dq: usize, rows: usize, d: usize, out: &mut [u32]) {
+    let chunks = d / TILE_D;
+    let out = &mut out[..chunks * TILE_WORDS];
+    out.fill(0);
+    for t in 0..rows {
+        let row = &q[t * dq..t * dq + d];
+        for (e, pair) in row.chunks_exact(2).enumerate() {
+            let (c, i) = (e / (TILE_D / 2), e % (TILE_D / 2));
+            out[c * TILE_WORDS + i * TILE_ROWS + t] = pair[0] as u32 | (pair[1] as u32) << 16;
+        }
+    }
+}
+
+/// Loads the `chunks` packed query tiles at `q` into tiles 2, 3, ...
+///
+/// # Safety
+/// Configured; `chunks <= MAX_Q_TILES`; `q` holds `chunks` tiles of [`TILE_WORDS`].
+#[inline(always)]
+pub(in crate::cpu::decode) unsafe fn load_q<T: Tiles>(q: &[u32], chunks: usize) {
+    let p = q.as_ptr().cast::<u8>();
+    let at = |c: usize| p.wrapping_add(c * TILE_WORDS * 4);
+    // SAFETY (each load): tile `c < chunks` of 1 KiB lies inside `q` (caller); configured.
+    unsafe {
+        match chunks {
+            6 => {
+                T::load::<7>(at(5), 64);
+                T::load::<6>(at(4), 64);
+                T::load::<5>(at(3), 64);
+                T::load::<4>(at(2), 64);
+                T::load::<3>(at(1), 64);
+                T::load::<2>(at(0), 64);
+            }
+            5 => {
+                T::load::<6>(at(4), 64);
+                T::load::<5>(at(3), 64);
+                T::load::<4>(at(2), 64);
+                T::load::<3>(at(1), 64);
+                T::load::<2>(at(0), 64);
+            }
+            4 => {
+                T::load::<5>(at(3), 64);
+                T::load::<4>(at(2), 64);
+                T::load::<3>(at(1), 64);
+                T::load::<2>(at(0), 64);
+            }
+            3 => {
+                T::load::<4>(at(2), 64);
+                T::load::<3>(at(1), 64);
+                T::load::<2>(at(0), 64);
+            }
+            2 => {
+                T::load::<3>(at(1), 64);
+                T::load::<2>(at(0), 64);
+            }
+            _ => T::load::<2>(at(0), 64),
+        }
+    }
+}
+
+/// `s[t][c] = q[t] · K[c]` for the `rows <= 16` query rows whose tiles are loaded (tiles 2..,
+/// [`load_q`]) and the 16 keys whose rows start at `k`, `stride` bytes apart, `chunks · 32`
+/// bf16 each; `st` receives the transposed scores on the way. Prefetches `pf` between the steps.
+///
+/// # Safety
+/// Configured, the query tiles of these rows loaded; avx512f; `1 <= chunks <= MAX_Q_TILES`;
+/// the 16 rows of `chunks · 64` bytes at `k`, `stride` apart, are readable; `s` holds `rows`
+/// rows.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(in crate::cpu::decode) unsafe fn scores<T: Tiles>(
+    chunks: usize,
+    k: *const u8,
+    stride: usize,
+    rows: usize,
+    st: &mut [[f32; BK]; BK],
+    s: &mut [[f32; BK]],
+    pf: &mut Pf,
+) {
+    let per = pf.rows().div_ceil(chunks);
+    // SAFETY: the caller's: configured, tiles 2 .. 2 + chunks loaded, the K rows readable.
+    unsafe {
+        T::zero::<0>();
+        macro_rules! step {
+            ($c:literal, $t:literal) => {
+                if $c < chunks {
+                    T::load::<1>(k.wrapping_add($c * 64), stride);
+                    T::dp::<0, 1, $t>();
+                    pf.fetch(per);
+                }
+            };
+        }
+        step!(0, 2);
+        step!(1, 3);
+        step!(2, 4);
+        step!(3, 5);
+        step!(4, 6);
+        step!(5, 7);
+        T::store::<0>(st.as_mut_ptr().cast(), 64);
+    }
+    pf.fetch_all();
+    // Row c of `st` is key c's scores over the query rows; transpose to rows of keys.
+    let r: [__m512i; 16] = std::array::from_fn(|c| {
+        // SAFETY: a row of `st` holds 16 floats.
+        unsafe { _mm512_loadu_si512(st[c].as_ptr().cast()) }
+    });
+    let t = transpose16(&r);
+    for (s, t) in s[..rows].iter_mut().zip(&t) {
+        // SAFETY: a score row holds 16 floats.
+        unsafe { _mm512_storeu_si512(s.as_mut_ptr().cast(), *t) };
+    }
+}
