@@ -732,9 +732,11 @@ fn block<T: Elem, KV: Elem, U: Elem, K: Ops>(
     let (group, sq, n) = (blk.group, blk.sq, blk.n);
     let gr = group * sq;
     let mut step = ahead.first(blk.j0, p.kv_heads);
+    sc.pf.clear();
     for kvh in 0..p.kv_heads {
         let r0 = kvh * gr;
         let mut pf = ahead.rows(p, &mut step);
+        sc.pf.push(pf.split());
         #[cfg(target_arch = "x86_64")]
         if x86::tile_scores(
             ctx.tiles,
@@ -845,10 +847,12 @@ fn block<T: Elem, KV: Elem, U: Elem, K: Ops>(
                     &sc.s[t0..t1],
                     &vr,
                     c.0..c.1,
+                    &mut sc.pf[kvh],
                 );
             }
             i = e;
         }
+        sc.pf[kvh].fetch_all();
     }
 }
 
@@ -966,7 +970,8 @@ trait Ops: Kernel + Sized {
         }
     }
     /// For the `rows` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c p[t][c] V[c]`
-    /// over `c` in `cols` (no scaling without `corr`; `p` rounded to bf16 when `dot`).
+    /// over `c` in `cols` (no scaling without `corr`; `p` rounded to bf16 when `dot`);
+    /// prefetches `pf` on the way.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn pv<T: Elem>(
@@ -978,8 +983,10 @@ trait Ops: Kernel + Sized {
         p: &[[f32; BK]],
         v: &Rows<T>,
         cols: Range<usize>,
+        pf: &mut Pf,
     ) {
         let _ = dot;
+        pf.fetch_all();
         portable_pv::<T, Self>(o, rows, d, corr, p, v, cols)
     }
 }

@@ -75,6 +75,7 @@ impl<T> Ahead<'_, T> {
 
 /// K and V rows to prefetch while a kernel runs, a few cache lines between its own loads, so
 /// that the requests reach memory at an even pace rather than in bursts that stall the core.
+#[derive(Clone, Copy)]
 pub(super) struct Pf {
     rows: [*const u8; 2 * BK],
     n: usize,
@@ -109,6 +110,19 @@ impl Pf {
             }
         }
         self.next = end;
+    }
+
+    /// Splits off the second half of the rows left, for a later kernel to prefetch: the
+    /// requests of a step then spread over both of its products rather than crowd into the
+    /// first (a core has few line-fill buffers; a burst of prefetches stalls it while the
+    /// other product would leave them idle).
+    #[inline(always)]
+    pub(super) fn split(&mut self) -> Pf {
+        let mid = self.next + (self.n - self.next) / 2;
+        let mut later = *self;
+        later.next = mid;
+        self.n = mid;
+        later
     }
 
     /// Prefetches every row left.

@@ -2,6 +2,7 @@
 
 use std::cell::RefCell;
 
+use super::prefetch::Pf;
 use super::BK;
 
 thread_local! {
@@ -43,6 +44,8 @@ pub(super) struct Scratch {
     pub(super) v: Vec<f32>,
     /// The query rows in the tile unit's layout, where `q·k` runs on tiles.
     pub(super) tq: TileQ,
+    /// Per KV head: the prefetches its `P V` issues.
+    pub(super) pf: Vec<Pf>,
 }
 
 /// The query rows of an item packed for the tile unit, and which of them its registers hold.
@@ -81,6 +84,7 @@ impl Scratch {
                 loaded: None,
                 st: [[0.0; BK]; BK],
             },
+            pf: Vec::new(),
         }
     }
 

@@ -255,6 +255,7 @@ impl Ops for Avx512 {
         p: &[[f32; BK]],
         v: &Rows<T>,
         cols: std::ops::Range<usize>,
+        pf: &mut Pf,
     ) {
         if rows == 0 || cols.is_empty() {
             return;
@@ -263,10 +264,10 @@ impl Ops for Avx512 {
         check_rows(v, &cols, d);
         if dot && kind::<T>() == Kind::Bf16 {
             // SAFETY: avx512f/bw/vl detected as above; the bounds were checked just above.
-            unsafe { avx512::pv::<T, true>(o, rows, d, corr, p, v, cols) }
+            unsafe { avx512::pv::<T, true>(o, rows, d, corr, p, v, cols, pf) }
         } else {
             // SAFETY: as above.
-            unsafe { avx512::pv::<T, false>(o, rows, d, corr, p, v, cols) }
+            unsafe { avx512::pv::<T, false>(o, rows, d, corr, p, v, cols, pf) }
         }
     }
 }
@@ -339,7 +340,9 @@ impl Ops for Fused {
         p: &[[f32; BK]],
         v: &Rows<T>,
         cols: std::ops::Range<usize>,
+        pf: &mut Pf,
     ) {
+        pf.fetch_all();
         if rows == 0 || cols.is_empty() {
             return;
         }

@@ -276,12 +276,14 @@ pub(super) unsafe fn scores_bf16<T: 'static>(
 
 /// For the `rows` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c p[t][c] V[c]` over
 /// `c` in `cols`, in register blocks of 8, 4, 2 or 1 rows; with `R`, each `p` rounded to bf16
-/// first (the bf16 products' semantics, see [`pv_rows`]).
+/// first (the bf16 products' semantics, see [`pv_rows`]). Prefetches the rows of `pf` a few
+/// at a time between the keys.
 ///
 /// # Safety
 /// avx512f/bw/vl and fma must be available; `o` holds `rows` rows of `d`, `corr` and `p` at
 /// least `rows` entries; `cols.end <= BK` and every V row of `cols` has `d` elements in bounds.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn pv<T: 'static, const R: bool>(
     o: &mut [f32],
     rows: usize,
@@ -290,7 +292,12 @@ pub(super) unsafe fn pv<T: 'static, const R: bool>(
     p: &[[f32; BK]],
     v: &Rows<T>,
     cols: std::ops::Range<usize>,
+    pf: &mut Pf,
 ) {
+    // The prefetches, spread over the key iterations of the passes (at most 8 rows × 2
+    // chunks per pass, see below).
+    let iters = rows.div_ceil(8) * d.div_ceil(2 * W) * cols.len();
+    let per = pf.rows().div_ceil(iters.max(1));
     let mut t = 0;
     while t < rows {
         let (op, cr, pr) = (
@@ -302,13 +309,14 @@ pub(super) unsafe fn pv<T: 'static, const R: bool>(
         // (`rows - t` at least that many), the rest as for this function.
         t += unsafe {
             match rows - t {
-                1 => pv_rows::<T, 1, 8, R>(op, d, cr, pr, v, cols.clone()),
-                2 | 3 => pv_rows::<T, 2, 8, R>(op, d, cr, pr, v, cols.clone()),
-                4..=7 => pv_rows::<T, 4, 4, R>(op, d, cr, pr, v, cols.clone()),
-                _ => pv_rows::<T, 8, 2, R>(op, d, cr, pr, v, cols.clone()),
+                1 => pv_rows::<T, 1, 8, R>(op, d, cr, pr, v, cols.clone(), pf, per),
+                2 | 3 => pv_rows::<T, 2, 8, R>(op, d, cr, pr, v, cols.clone(), pf, per),
+                4..=7 => pv_rows::<T, 4, 4, R>(op, d, cr, pr, v, cols.clone(), pf, per),
+                _ => pv_rows::<T, 8, 2, R>(op, d, cr, pr, v, cols.clone(), pf, per),
             }
         };
     }
+    pf.fetch_all();
 }
 
 /// [`pv`] for `RB` rows, `CB` chunks of 16 head-dim elements per pass (`RB · CB` accumulators);
@@ -320,6 +328,7 @@ pub(super) unsafe fn pv<T: 'static, const R: bool>(
 /// As for [`pv`], with `RB` rows at `o`, in `corr` and in `p`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize, const R: bool>(
     o: *mut f32,
     d: usize,
@@ -327,6 +336,8 @@ unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize, const R: bool>(
     p: &[[f32; BK]],
     v: &Rows<T>,
     cols: std::ops::Range<usize>,
+    pf: &mut Pf,
+    per: usize,
 ) -> usize {
     let vp = v.src.as_ptr();
     let mut pr = [[0f32; BK]; RB];
@@ -358,6 +369,7 @@ unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize, const R: bool>(
             }
         }
         for c in cols.clone() {
+            pf.fetch(per);
             let row = vp.wrapping_add(v.row(c) + x0);
             let mut vv = [_mm512_setzero_ps(); CB];
             for (j, vv) in vv.iter_mut().enumerate() {
