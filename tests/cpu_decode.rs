@@ -94,6 +94,70 @@ fn seq_q_and_gqa_groups_match_reference() {
     }
 }
 
+/// bf16 caches whose whole 16-key blocks take `q·k` on the AMX tiles where the CPU has them
+/// (head dims that are multiples of 32 up to 192; 256 stays on the vector kernels): lengths
+/// below, at and past one block, and ragged ones, GQA groups 1 to 16 with `seq_q` up to 3
+/// (16 to 48 rows per KV head: query tiles shared by several KV heads, and split into chunks of
+/// 16 rows), one and two threads. Each also runs on a head-major cache (the `(b, kv, kv heads,
+/// d)` view of `(b, kv heads, kv, d)` storage, its rows one head-dim apart) and on a cache
+/// narrowed out of a longer one: bitwise equal to the contiguous run.
+#[test]
+fn bf16_tile_blocks_match_reference() {
+    let dev = Device::Cpu;
+    let dtype = DType::BF16;
+    // (heads, kv heads): groups 1, 2, 3, 4, 5, 7, 8, 16.
+    let heads = [
+        (1, 1),
+        (2, 1),
+        (3, 1),
+        (32, 8),
+        (10, 2),
+        (7, 1),
+        (8, 1),
+        (16, 1),
+    ];
+    let lengths = [1, 15, 16, 17, 33, 1000, 1013];
+    let dims = [128, 64, 32, 192, 96, 256];
+    let mut n = 0;
+    for (h, hk) in heads {
+        for sq in [1, 2, 3] {
+            let sk = lengths[n % lengths.len()];
+            let d = dims[n % dims.len()];
+            let b = 1 + n % 3;
+            let threads = 1 + n % 2;
+            n += 1;
+            let seed = 5000 + n as u64;
+            let q = randn(&[b, sq, h, d], dtype, seed, &dev).unwrap();
+            let k = randn(&[b, sk, hk, d], dtype, seed + 1, &dev).unwrap();
+            let v = randn(&[b, sk, hk, d], dtype, seed + 2, &dev).unwrap();
+            let opts = FlashAttn::new(scale(d)).causal();
+            let what = format!("{h}/{hk} b {b} sq {sq} sk {sk} d {d} threads {threads}");
+            let out = check_dense(&what, threads, &q, &k, &v, &opts);
+            let head_major = |t: &Tensor| t.transpose(1, 2).unwrap().contiguous().unwrap();
+            let (kh, vh) = (
+                head_major(&k).transpose(1, 2).unwrap(),
+                head_major(&v).transpose(1, 2).unwrap(),
+            );
+            let got = pool(threads)
+                .install(|| opts.forward(&q, &kh, &vh))
+                .unwrap();
+            assert_bitwise_eq(&format!("{what} head-major"), &out, &got);
+            // The same rows at an offset inside a longer cache.
+            let wide = |t: &Tensor| {
+                let pad = randn(&[b, 5, hk, d], dtype, seed + 3, &dev).unwrap();
+                Tensor::cat(&[&pad, t, &pad], 1)
+                    .unwrap()
+                    .narrow(1, 5, sk)
+                    .unwrap()
+            };
+            let got = pool(threads)
+                .install(|| opts.forward(&q, &wide(&k), &wide(&v)))
+                .unwrap();
+            assert_bitwise_eq(&format!("{what} narrowed"), &out, &got);
+        }
+    }
+}
+
 /// The same problem in pools of 1 to 16 threads (one to dozens of splits per sequence): every
 /// result matches the reference, all agree with the single-split one far inside the
 /// tolerance, and each repeats bit for bit.

@@ -468,20 +468,21 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
     if ctx.tiles != TileUse::Off {
         let (dq, tq) = (d.next_multiple_of(2), &mut sc.tq);
         tq.row_chunks = gr.div_ceil(x86::TILE_ROWS);
+        // Few rows per KV head share a set of tiles: fewer tile loads per block.
+        tq.heads = (x86::TILE_ROWS / gr).max(1);
         tq.tiles = d / x86::TILE_D;
         let per = tq.tiles * x86::TILE_WORDS;
-        let len = p.kv_heads * tq.row_chunks * per;
-        if tq.q.len() < len {
-            tq.q.resize(len, 0);
+        let sets = p.kv_heads.div_ceil(tq.heads) * tq.row_chunks;
+        if tq.q.len() < sets * per {
+            tq.q.resize(sets * per, 0);
         }
+        tq.q[..sets * per].fill(0);
         for kvh in 0..p.kv_heads {
             for rc in 0..tq.row_chunks {
-                let (r, n) = (
-                    kvh * gr + rc * x86::TILE_ROWS,
-                    (gr - rc * x86::TILE_ROWS).min(x86::TILE_ROWS),
-                );
-                let at = (kvh * tq.row_chunks + rc) * per;
-                x86::pack_q(&sc.qh[r * dq..], dq, n, d, &mut tq.q[at..at + per]);
+                let (set, col, n) = tq.slot(kvh, rc, gr);
+                let r = kvh * gr + rc * x86::TILE_ROWS;
+                let out = &mut tq.q[set * per..(set + 1) * per];
+                x86::pack_q(&sc.qh[r * dq..], dq, n, d, col, out);
             }
         }
         // New rows: none of them is in the tile registers yet.

@@ -50,15 +50,34 @@ pub(super) struct Scratch {
 
 /// The query rows of an item packed for the tile unit, and which of them its registers hold.
 pub(super) struct TileQ {
-    /// Per (KV head, chunk of 16 rows): its `B` tiles, one per 32 head-dim elements.
+    /// Sets of `B` tiles, one tile per 32 head-dim elements, each set holding the rows of
+    /// [`heads`](Self::heads) KV heads side by side (16 columns), or one chunk of 16 rows of a
+    /// KV head with more.
     pub(super) q: Vec<u32>,
-    /// Row chunks per KV head, and tiles per chunk.
+    /// Chunks of 16 rows per KV head (1 where its rows fit one tile), KV heads per set, and
+    /// tiles per set.
     pub(super) row_chunks: usize,
+    pub(super) heads: usize,
     pub(super) tiles: usize,
-    /// The (KV head, row chunk) whose tiles are loaded.
-    pub(super) loaded: Option<(usize, usize)>,
+    /// The set whose tiles are loaded.
+    pub(super) loaded: Option<usize>,
     /// A block's transposed scores (keys × query rows), as the tile unit stores them.
     pub(super) st: [[f32; BK]; BK],
+}
+
+impl TileQ {
+    /// Where the rows of KV head `kvh`, row chunk `rc`, lie: their set, first column and count,
+    /// for `rows` rows per KV head.
+    pub(super) fn slot(&self, kvh: usize, rc: usize, rows: usize) -> (usize, usize, usize) {
+        /// Columns of a tile.
+        const COLS: usize = 16;
+        if self.row_chunks == 1 {
+            (kvh / self.heads, kvh % self.heads * rows, rows)
+        } else {
+            let n = (rows - rc * COLS).min(COLS);
+            (kvh * self.row_chunks + rc, 0, n)
+        }
+    }
 }
 
 impl Scratch {
@@ -80,6 +99,7 @@ impl Scratch {
             tq: TileQ {
                 q: Vec::new(),
                 row_chunks: 0,
+                heads: 0,
                 tiles: 0,
                 loaded: None,
                 st: [[0.0; BK]; BK],

@@ -112,10 +112,11 @@ pub(super) fn tile_scores<T: 'static>(
     s: &mut [[f32; BK]],
     pf: &mut Pf,
 ) -> bool {
-    type Run = fn(
+    type Run = unsafe fn(
         Option<&[u32]>,
         usize,
         *const u8,
+        usize,
         usize,
         usize,
         &mut [[f32; BK]; BK],
@@ -137,50 +138,62 @@ pub(super) fn tile_scores<T: 'static>(
     }
     let chunks = d / TILE_D;
     check_rows(k, &keys, d);
+    let per = chunks * TILE_WORDS;
     assert!(
         d.is_multiple_of(TILE_D)
             && (1..=MAX_Q_TILES).contains(&chunks)
             && chunks == tq.tiles
             && rows.div_ceil(TILE_ROWS) == tq.row_chunks
-            && tq.q.len() >= (kvh + 1) * tq.row_chunks * chunks * TILE_WORDS
+            && tq.heads >= 1
+            && (tq.row_chunks == 1 || tq.heads == 1)
+            && tq.heads * rows.min(TILE_ROWS) <= TILE_ROWS
+            && tq.q.len() >= (kvh / tq.heads + 1) * tq.row_chunks * per
             && s.len() >= rows,
         "decode: tile operands out of bounds"
     );
     let kp = k.src.as_ptr().wrapping_add(k.row(0)).cast::<u8>();
     let stride = stride.wrapping_mul(std::mem::size_of::<T>());
     for rc in 0..tq.row_chunks {
-        let n = (rows - rc * TILE_ROWS).min(TILE_ROWS);
-        let at = (kvh * tq.row_chunks + rc) * chunks * TILE_WORDS;
+        let (set, col, n) = tq.slot(kvh, rc, rows);
         let s = &mut s[rc * TILE_ROWS..rc * TILE_ROWS + n];
-        let load = (tq.loaded != Some((kvh, rc))).then(|| &tq.q[at..at + chunks * TILE_WORDS]);
-        run(load, chunks, kp, stride, n, &mut tq.st, s, pf);
-        tq.loaded = Some((kvh, rc));
+        let load = (tq.loaded != Some(set)).then(|| &tq.q[set * per..(set + 1) * per]);
+        // SAFETY: configured (`tiles_on`, where the item began, and `u` is not `Off`, so on
+        // AMX or its model, with avx512f: `forward_with`); the set's `chunks` tiles lie inside
+        // `tq.q` and `col + n <= 16` (both checked above); the 16 K rows at `kp`, `stride`
+        // bytes apart, are the block's, each with `d = 32 · chunks` elements in bounds
+        // (`check_rows`).
+        unsafe { run(load, chunks, kp, stride, col, n, &mut tq.st, s, pf) };
+        tq.loaded = Some(set);
     }
     true
 }
 
 /// One chunk of query rows of [`tile_scores`] on the tile unit `U`, loading their tiles first
 /// where `load` has them.
+///
+/// # Safety
+/// The tile unit is configured (`tiles_on`) on a CPU with avx512f; `load`, where given, holds
+/// `1 <= chunks <= MAX_Q_TILES` packed tiles, and otherwise those of these rows are loaded;
+/// `col + n <= 16`; `s` holds `n` rows; the 16 rows of `chunks · 64` bytes at `kp`, `stride`
+/// apart, are readable.
 #[allow(clippy::too_many_arguments)]
-fn run<U: Tiles>(
+unsafe fn run<U: Tiles>(
     load: Option<&[u32]>,
     chunks: usize,
     kp: *const u8,
     stride: usize,
+    col: usize,
     n: usize,
     st: &mut [[f32; BK]; BK],
     s: &mut [[f32; BK]],
     pf: &mut Pf,
 ) {
-    // SAFETY: configured (`tiles_on`, where the item began); `chunks` tiles of the
-    // packed rows in `load` (checked above); the 16 K rows at `kp`, `stride` bytes apart,
-    // hold `d = 32 · chunks` elements each in bounds (`check_rows` on every key of the
-    // block, whose rows are those addresses); avx512f with the tile unit.
+    // SAFETY: the caller's.
     unsafe {
         if let Some(q) = load {
             amx::load_q::<U>(q, chunks);
         }
-        amx::scores::<U>(chunks, kp, stride, n, st, s, pf)
+        amx::scores::<U>(chunks, kp, stride, col, n, st, s, pf)
     }
 }
 

@@ -28,18 +28,23 @@ pub(in crate::cpu::decode) const MAX_Q_TILES: usize = 6;
 /// u32 words of one packed `B` tile: 16 pair rows × 16 columns.
 pub(in crate::cpu::decode) const TILE_WORDS: usize = 256;
 
-/// Packs query rows `q[t]` (`t < rows <= 16`, bf16 bits, `dq` apart, even `d` elements each)
-/// into the `B` layout of `d / 32` tiles in `out`: word `(c, i, t)` (tile `c`, pair row `i`,
-/// column `t`) holds elements `32c + 2i` and `32c + 2i + 1` of row `t`; columns `rows..16` are 0.
-pub(in crate::cpu::decode) fn pack_q(q: &[u16], dq: usize, rows: usize, d: usize, out: &mut [u32]) {
-    let chunks = d / TILE_D;
-    let out = &mut out[..chunks * TILE_WORDS];
-    out.fill(0);
+/// Packs query rows `q[t]` (`t < rows`, bf16 bits, `dq` apart, even `d` elements each) into
+/// columns `col .. col + rows` (at most 16) of the `B` layout of `d / 32` tiles in `out`: word
+/// `(c, i, col + t)` (tile `c`, pair row `i`) holds elements `32c + 2i` and `32c + 2i + 1` of
+/// row `t`. The other columns are left as they are.
+pub(in crate::cpu::decode) fn pack_q(
+    q: &[u16],
+    dq: usize,
+    rows: usize,
+    d: usize,
+    col: usize,
+    out: &mut [u32],
+) {
     for t in 0..rows {
         let row = &q[t * dq..t * dq + d];
         for (e, pair) in row.chunks_exact(2).enumerate() {
             let (c, i) = (e / (TILE_D / 2), e % (TILE_D / 2));
-            out[c * TILE_WORDS + i * TILE_ROWS + t] = pair[0] as u32 | (pair[1] as u32) << 16;
+            out[c * TILE_WORDS + i * TILE_ROWS + col + t] = pair[0] as u32 | (pair[1] as u32) << 16;
         }
     }
 }
@@ -90,20 +95,24 @@ pub(in crate::cpu::decode) unsafe fn load_q<T: Tiles>(q: &[u32], chunks: usize) 
     }
 }
 
-/// `s[t][c] = q[t] · K[c]` for the `rows <= 16` query rows whose tiles are loaded (tiles 2..,
-/// [`load_q`]) and the 16 keys whose rows start at `k`, `stride` bytes apart, `chunks · 32`
-/// bf16 each; `st` receives the transposed scores on the way. Prefetches `pf` between the steps.
+/// `s[t][c] = q[t] · K[c]` for the query rows in columns `col .. col + rows` (at most 16) of
+/// the loaded tiles (tiles 2.., [`load_q`]) and the 16 keys whose rows start at `k`, `stride`
+/// bytes apart, `chunks · 32` bf16 each; `st` receives the transposed scores on the way (the
+/// other columns' products, of other KV heads' rows, are computed and dropped: a tile costs
+/// the same whatever its columns hold). Prefetches `pf` between the steps.
 ///
 /// # Safety
 /// Configured, the query tiles of these rows loaded; avx512f; `1 <= chunks <= MAX_Q_TILES`;
-/// the 16 rows of `chunks · 64` bytes at `k`, `stride` apart, are readable; `s` holds `rows`
-/// rows.
+/// `col + rows <= 16`; the 16 rows of `chunks · 64` bytes at `k`, `stride` apart, are
+/// readable; `s` holds `rows` rows.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
 pub(in crate::cpu::decode) unsafe fn scores<T: Tiles>(
     chunks: usize,
     k: *const u8,
     stride: usize,
+    col: usize,
     rows: usize,
     st: &mut [[f32; BK]; BK],
     s: &mut [[f32; BK]],
@@ -137,7 +146,7 @@ pub(in crate::cpu::decode) unsafe fn scores<T: Tiles>(
         unsafe { _mm512_loadu_si512(st[c].as_ptr().cast()) }
     });
     let t = transpose16(&r);
-    for (s, t) in s[..rows].iter_mut().zip(&t) {
+    for (s, t) in s[..rows].iter_mut().zip(&t[col..]) {
         // SAFETY: a score row holds 16 floats.
         unsafe { _mm512_storeu_si512(s.as_mut_ptr().cast(), *t) };
     }

@@ -294,10 +294,9 @@ pub(super) unsafe fn pv<T: 'static, const R: bool>(
     cols: std::ops::Range<usize>,
     pf: &mut Pf,
 ) {
-    // The prefetches, spread over the key iterations of the passes (at most 8 rows × 2
-    // chunks per pass, see below).
-    let iters = rows.div_ceil(8) * d.div_ceil(2 * W) * cols.len();
-    let per = pf.rows().div_ceil(iters.max(1));
+    // The prefetches, spread over the keys of the first pass over the head dim (one check
+    // per key; spread over every pass they cost a tenth of the cache-hot time).
+    let per = pf.rows().div_ceil(cols.len());
     let mut t = 0;
     while t < rows {
         let (op, cr, pr) = (
@@ -369,7 +368,9 @@ unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize, const R: bool>(
             }
         }
         for c in cols.clone() {
-            pf.fetch(per);
+            if x0 == 0 {
+                pf.fetch(per);
+            }
             let row = vp.wrapping_add(v.row(c) + x0);
             let mut vv = [_mm512_setzero_ps(); CB];
             for (j, vv) in vv.iter_mut().enumerate() {
