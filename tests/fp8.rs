@@ -590,6 +590,7 @@ fn prefill(t: &Target) -> Result<()> {
             true => &[Some("wg2"), Some("wg2p")],
             false => &[None],
         };
+        let (q8, k8, v8) = (t.put(&q8)?, t.put(&k8)?, t.put(&v8)?);
         for &variant in variants {
             let mut op = opts
                 .clone()
@@ -602,7 +603,6 @@ fn prefill(t: &Target) -> Result<()> {
                     ..Default::default()
                 });
             }
-            let (q8, k8, v8) = (t.put(&q8)?, t.put(&k8)?, t.put(&v8)?);
             t.poison(&out_and_lse_bytes(DType::BF16, b * sq, h, d))?;
             let (out, lse) = t.op(&op).forward_with_lse(&q8, &k8, &v8)?;
             let what =
