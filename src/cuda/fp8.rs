@@ -52,20 +52,24 @@ pub(crate) fn from_e4m3(t: &Tensor, to: DType) -> Result<Tensor> {
         DType::BF16 => "e4m3_to_bf16",
         d => bail!("flash-attn: no FP8 conversion to {d:?}"),
     };
+    // A contiguous source at an 8-byte aligned start: the kernel of eight elements a thread.
+    let flat = l.is_contiguous() && src_ptr.is_multiple_of(8);
     let l4 = Launch {
         module: Module::Pack,
-        function: f.into(),
-        grid: grid(n),
+        function: if flat { format!("{f}_flat") } else { f.into() },
+        grid: grid(if flat { n.div_ceil(8) } else { n }),
         threads: THREADS as u32,
         smem: 0,
     };
+    let n64 = [n as i64];
+    let args: &[i64] = if flat { &n64 } else { &v };
     macro_rules! run {
         ($ty:ty) => {{
             // SAFETY: the kernel writes every one of the `n` elements.
             let mut out = unsafe { dev.alloc::<$ty>(n.max(1))? };
             let (dst, g) = out.device_ptr_mut(&stream);
             let mut a = vec![Arg::Ptr(&src_ptr), Arg::Ptr(&dst)];
-            a.extend(v.iter().map(Arg::I64));
+            a.extend(args.iter().map(Arg::I64));
             // Reads the view's elements (inside the storage: candle checked the layout) and
             // writes the `n` contiguous outputs.
             launch(&dev, &l4, &a)?;
@@ -200,4 +204,26 @@ pub(crate) fn v_transposed(
     )?;
     drop(g);
     Ok((out, keys))
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::cuda::launch::{defined, Launch, Module};
+
+    /// Both conversion kernels of each target dtype are in the pack module's PTX.
+    #[test]
+    fn conversion_kernels_are_defined() {
+        for to in ["f32", "f16", "bf16"] {
+            for kind in ["", "_flat"] {
+                let l = Launch {
+                    module: Module::Pack,
+                    function: format!("e4m3_to_{to}{kind}"),
+                    grid: (1, 1, 1),
+                    threads: 256,
+                    smem: 0,
+                };
+                assert!(defined(&l), "{}", l.function);
+            }
+        }
+    }
 }
