@@ -65,9 +65,16 @@ pub(crate) const MAX_SPLITS: usize = 256;
 /// before a block streams and the tail of its last blocks (fitted).
 const WAVE_US: f64 = 6.8;
 
-/// What a dependent combine launch costs beyond its bytes, in microseconds: the partial pass
-/// drains, the combine grid ramps up and waits a round trip for its loads (fitted).
-const COMBINE_US: f64 = 9.6;
+/// What a dependent combine launch costs beyond its bytes and its waves, in microseconds: the
+/// partial pass drains and the combine grid ramps up (fitted with [`COMBINE_WAVE_US`]).
+const COMBINE_US: f64 = 5.0;
+
+/// What each wave of the combine kernel's blocks costs, in microseconds: a block merges one
+/// (query row, head) in two dependent round trips (the splits' lse, then their partials) and
+/// three barriers, so a call with many rows and heads pays for them in turn (fitted on an H200
+/// with [`COMBINE_US`] over 76 shapes of the sweep's grid, every instance at 1 to 64 splits:
+/// without it, 128 packed rows a K/V head took two splits at twice the time of one).
+const COMBINE_WAVE_US: f64 = 2.0;
 
 /// What a fused merge costs beyond its round trips, in microseconds: zeroing the group counters
 /// before the launch and each block's fence and count (fitted).
@@ -164,6 +171,16 @@ fn plan_with(
     let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0 || p.bias.is_some();
     let mods = if mods { "_mods" } else { "" };
     let module = Module::decode_of(dtype)?;
+    // The combine kernel, one block per (query row, head), and how many of its blocks the GPU
+    // holds at once.
+    let combine = Launch {
+        module,
+        function: format!("flash_decode_combine_{dn}"),
+        grid: (p.total_q as u32, p.heads as u32, 1),
+        threads: 128,
+        smem: 0,
+    };
+    let combine_slots = caps.sms as usize * residency(&combine)?.max(1);
     let smem = |i: &DecodeInstance| if kv8 { i.smem_kv8() } else { i.smem() };
     let launch = |i: &DecodeInstance| Launch {
         module: match (kv8, caps.fp8) {
@@ -200,6 +217,7 @@ fn plan_with(
         rows,
         d_load,
         esize: if kv8 { 1 } else { 2 },
+        combine_slots,
     };
     let (instance, m_tiles, splits) = remembered(key, || {
         search(p, caps, shape, &smem, &|i| residency(&launch(i)))
@@ -236,16 +254,18 @@ fn plan_with(
             ),
             ..launch(&instance)
         },
-        merge: match merge_costs(p, instance, rows, splits, (d_load, esize), dram) {
+        merge: match merge_costs(
+            p,
+            instance,
+            rows,
+            splits,
+            (d_load, esize),
+            dram,
+            combine_slots,
+        ) {
             None => Merge::None,
             Some((fused, kernel)) if fused < kernel => Merge::Fused,
-            Some(_) => Merge::Kernel(Launch {
-                module,
-                function: format!("flash_decode_combine_{dn}"),
-                grid: (p.total_q as u32, p.heads as u32, 1),
-                threads: 128,
-                smem: 0,
-            }),
+            Some(_) => Merge::Kernel(combine),
         },
         splits,
         split_keys,
@@ -319,13 +339,15 @@ fn remembered(key: SearchKey, search: impl FnOnce() -> Result<Found>) -> Result<
 }
 
 /// What the search reads of a call besides the problem: the instance width, the packed rows per
-/// K/V head, the columns read and the bytes of one K/V element.
+/// K/V head, the columns read, the bytes of one K/V element and the combine kernel's blocks
+/// resident on the whole GPU.
 #[derive(Clone, Copy)]
 struct Shape {
     width: usize,
     rows: usize,
     d_load: usize,
     esize: usize,
+    combine_slots: usize,
 }
 
 /// The cheapest (instance, row blocks, splits) for `p` by [`cost`]; `smem` is an instance's
@@ -338,6 +360,7 @@ fn search(
         rows,
         d_load,
         esize,
+        combine_slots,
     }: Shape,
     smem: &dyn Fn(&DecodeInstance) -> usize,
     residency: &dyn Fn(&DecodeInstance) -> Result<usize>,
@@ -392,13 +415,22 @@ fn search(
         let all_bytes = (p.batch * p.kv_heads * p.max_seq_k * d_load * 2 * esize) as f64;
         let mut splits = 1;
         while splits <= most {
-            let merge = merge_costs(p, i, rows, splits, (d_load, esize), dram)
+            let merge = merge_costs(p, i, rows, splits, (d_load, esize), dram, combine_slots)
                 .map_or(0.0, |(f, k)| f.min(k));
             let floor = WAVE_US + all_bytes / dram + merge;
             if best.is_some_and(|(b, _)| floor >= b) {
                 break;
             }
-            let t = cost(p, caps, i, slots, (m_tiles, rows), splits, d_load, esize);
+            let t = cost(
+                p,
+                caps,
+                i,
+                (slots, combine_slots),
+                (m_tiles, rows),
+                splits,
+                d_load,
+                esize,
+            );
             if best.is_none_or(|(b, _)| t < b) {
                 best = Some((t, (i, m_tiles, splits)));
             }
@@ -421,7 +453,7 @@ fn max_splits(p: &Problem, i: DecodeInstance) -> usize {
 }
 
 /// Modelled time, in microseconds, of instance `i` (`slots` blocks of it resident at once over
-/// the GPU) over `splits` slices of the keys of each of the `m_tiles` row blocks of every
+/// the GPU; `combine_slots` of the combine kernel's) over `splits` slices of the keys of each of the `m_tiles` row blocks of every
 /// (sequence, K/V head) (`rows` packed rows each), of `esize`-byte K/V elements, merge
 /// included. A block's rate is its keys' pace: the
 /// instance rates are of 2-byte caches, and an FP8 block computes as many keys per
@@ -431,7 +463,7 @@ fn cost(
     p: &Problem,
     caps: &DeviceCaps,
     i: DecodeInstance,
-    slots: usize,
+    (slots, combine_slots): (usize, usize),
     (m_tiles, rows): (usize, usize),
     splits: usize,
     d_load: usize,
@@ -467,12 +499,14 @@ fn cost(
     let full = blocks / slots;
     let rest = blocks % slots;
     let t = full as f64 * wave(slots) + if rest > 0 { wave(rest) } else { 0.0 };
-    t + merge_costs(p, i, rows, splits, (d_load, esize), dram).map_or(0.0, |(f, k)| f.min(k))
+    t + merge_costs(p, i, rows, splits, (d_load, esize), dram, combine_slots)
+        .map_or(0.0, |(f, k)| f.min(k))
 }
 
 /// The two ways of merging `splits` slices of instance `i`'s row blocks (none for one split):
-/// (fused, combine kernel), in microseconds. The combine kernel pays its launch and writes
-/// then reads the partial outputs (f32) and base-2 lse of every split at the DRAM's pace; a
+/// (fused, combine kernel), in microseconds. The combine kernel pays its launch, a wave of its
+/// blocks per `combine_slots` (query row, head) pairs, and writes then reads the partial outputs
+/// (f32) and base-2 lse of every split at the DRAM's pace; a
 /// fused merge pays its counters, then the last block of a group walks its packed rows (each
 /// warp its share, one after another) in dependent round trips: the rows' lse, then the
 /// partials of `COMBINE_UNROLL` (8) splits at a time. Few rows and splits favour the fused one.
@@ -485,12 +519,14 @@ fn merge_costs(
     splits: usize,
     (d_load, esize): (usize, usize),
     dram: f64,
+    combine_slots: usize,
 ) -> Option<(f64, f64)> {
     if splits == 1 {
         return None;
     }
     let part = (splits * p.total_q * p.heads * (d_load + 1) * 4) as f64;
-    let kernel = COMBINE_US + 2.0 * part / dram;
+    let waves = (p.total_q * p.heads).div_ceil(combine_slots.max(1));
+    let kernel = COMBINE_US + waves as f64 * COMBINE_WAVE_US + 2.0 * part / dram;
     let rows_per_warp = rows.min(i.rows()).div_ceil(i.rg * i.kg);
     let trips = rows_per_warp * (1 + splits.div_ceil(COMBINE_UNROLL));
     let fused = match esize == 1 && i.rg > 1 {
