@@ -53,6 +53,8 @@ SCHEMAS = {
     "cpu-fp8-decode": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,"
                       "ref_gbps",
     "gpu-fp8-prefill": "impl,dtype,mask,batch,seq,heads,kv_heads,head_dim,ms,tflops",
+    "gpu-decode-splits": "impl,dtype,layout,heads,kv_heads,head_dim,batch,seq_q,kv,us,gbps,"
+                         "ref_gbps",
     "fp8-accuracy": "inputs,method,heads,kv_heads,head_dim,batch,seq_q,seq_k,rmse,rel_rmse,"
                     "max_abs",
 }
@@ -795,6 +797,52 @@ def fp8_prefill_section(page, readme):
                           f"({provenance(drows, device)})\n")
 
 
+DECODE_SPLITS_NOTE = ("The decode planner's choice (`candle-flash`) beside every decode instance "
+                      "of the head's width at 1 to 64 splits of the keys (`candle-flash-<instance>-"
+                      "s<splits>`), bf16, contiguous caches, same run (`examples/decode_bench.rs "
+                      "--instances .. --splits 1,2,4,8,16,32,64`): how far the plan of the rows' "
+                      "commit is from the fastest alternative measured, and the data the planner's costs are fitted "
+                      "on (src/cuda/decode/plan.rs). The best of some 40 timings per shape is "
+                      "biased low by their noise (about 2% per timing).")
+
+
+def decode_splits_section(page):
+    """The page's section on the decode planner against its measured alternatives."""
+    name = "gpu-decode-splits"
+    rows = read(name)
+    page.append("## GPU decode planner against its alternatives\n")
+    if not rows:
+        page.append(no_results(name))
+        return
+    page.append(DECODE_SPLITS_NOTE + "\n")
+    for device, drows in by_device(rows):
+        shapes = defaultdict(dict)
+        for r in drows:
+            key = (r["heads"], r["kv_heads"], r["head_dim"], r["batch"], r["seq_q"], r["kv"])
+            shapes[key][r["impl"]] = r["us"]
+        configs = defaultdict(list)
+        for key, t in shapes.items():
+            alts = {k: v for k, v in t.items() if k != "candle-flash"}
+            if "candle-flash" not in t or not alts:
+                continue
+            best = min(alts, key=alts.get)
+            configs[key[:3]].append((t["candle-flash"] / alts[best], key, best, alts[best],
+                                     t["candle-flash"]))
+        head = ["heads", "d", "shapes", "plan / best (geomean)", "within 1.1", "worst",
+                "worst shape (batch, seq_q, kv)", "plan µs", "best µs", "best alternative"]
+        body = []
+        for cfg in sorted(configs):
+            v = sorted(configs[cfg], reverse=True)
+            geo = math.exp(statistics.mean(math.log(x[0]) for x in v))
+            w = v[0]
+            body.append([f"{cfg[0]}/{cfg[1]}", str(cfg[2]), str(len(v)), f"{geo:.3f}",
+                         str(sum(x[0] <= 1.1 for x in v)), f"{w[0]:.2f}",
+                         f"{w[1][3]}, {w[1][4]}, {w[1][5]}", fnum(w[4]), fnum(w[3]),
+                         w[2].removeprefix("candle-flash-")])
+        align = ["l", "r", "r", "r", "r", "r", "l", "r", "r", "l"]
+        page.append(f"{provenance(drows, device)}\n\n" + table(head, body, align) + "\n")
+
+
 def no_results(name):
     return f"No results yet (bench/results/{name}.csv).\n"
 
@@ -834,6 +882,7 @@ def build(plots):
                           + table(head, body, ["l", "l"] + ["r"] * (len(head) - 2)) + "\n")
     else:
         page.append(no_results("gpu-decode"))
+    decode_splits_section(page)
 
     rows = read("cpu-prefill")
     page.append("## CPU prefill (forward and backward)\n")
