@@ -453,9 +453,9 @@ fn max_splits(p: &Problem, i: DecodeInstance) -> usize {
 }
 
 /// Modelled time, in microseconds, of instance `i` (`slots` blocks of it resident at once over
-/// the GPU; `combine_slots` of the combine kernel's) over `splits` slices of the keys of each of the `m_tiles` row blocks of every
-/// (sequence, K/V head) (`rows` packed rows each), of `esize`-byte K/V elements, merge
-/// included. A block's rate is its keys' pace: the
+/// the GPU; `combine_slots` of the combine kernel's) over `splits` slices of the keys of each of
+/// the `m_tiles` row blocks of every (sequence, K/V head) (`rows` packed rows each), of
+/// `esize`-byte K/V elements, merge included. A block's rate is its keys' pace: the
 /// instance rates are of 2-byte caches, and an FP8 block computes as many keys per
 /// microsecond (plus their conversion), so its bytes stream at `esize / 2` of that rate.
 #[allow(clippy::too_many_arguments)]
