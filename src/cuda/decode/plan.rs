@@ -868,4 +868,25 @@ mod tests {
             assert!(at(name).is_err(), "{name}");
         }
     }
+
+    /// The combine kernel merges one (query row, head) per block, its blocks a few per SM: where
+    /// the call has many of them (16 query rows of many heads over many sequences) splitting the
+    /// keys costs more than it saves, and the plan keeps one split (the three shapes took two
+    /// splits or more, and 1.4-1.5 times as long on an H200, before the planner counted the
+    /// combine's waves); with few (one sequence, one query row) a long cache is still split
+    /// over the SMs.
+    #[test]
+    fn many_rows_and_heads_keep_one_split() {
+        for (b, sq, sk, h, hk, d) in [
+            (8, 16, 2048, 64, 8, 128),
+            (64, 16, 6000, 16, 2, 64),
+            (64, 16, 1000, 8, 1, 256),
+        ] {
+            let pl = bf16(b, sq, sk, h, hk, d).unwrap();
+            assert_eq!(pl.splits, 1, "{b} x {sq} rows of {h}/{hk}: {pl:?}");
+            assert_eq!(pl.merge, Merge::None);
+        }
+        let pl = bf16(1, 1, 32768, 32, 8, 128).unwrap();
+        assert!(pl.splits >= 8, "{pl:?}");
+    }
 }
