@@ -171,15 +171,7 @@ fn plan_with(
     let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0 || p.bias.is_some();
     let mods = if mods { "_mods" } else { "" };
     let module = Module::decode_of(dtype)?;
-    // The combine kernel, one block per (query row, head), and how many of its blocks the GPU
-    // holds at once.
-    let combine = Launch {
-        module,
-        function: format!("flash_decode_combine_{dn}"),
-        grid: (p.total_q as u32, p.heads as u32, 1),
-        threads: 128,
-        smem: 0,
-    };
+    let combine = combine_launch(p, module, dn);
     let combine_slots = caps.sms as usize * residency(&combine)?.max(1);
     let smem = |i: &DecodeInstance| if kv8 { i.smem_kv8() } else { i.smem() };
     let launch = |i: &DecodeInstance| Launch {
@@ -229,17 +221,7 @@ fn plan_with(
             p.batch
         )
     }
-    let splits = p
-        .kernels
-        .overrides
-        .decode_splits
-        .map_or(splits, |n| n.clamp(1, max_splits(p, instance)));
-    let split_keys = p
-        .max_seq_k
-        .div_ceil(splits)
-        .next_multiple_of(instance.bc)
-        .max(instance.bc);
-    let splits = p.max_seq_k.div_ceil(split_keys).max(1);
+    let (splits, split_keys) = slices(p, instance, splits);
     let esize = if kv8 { 1 } else { 2 };
     let dram = caps.dram_bytes_per_us as f64 * STREAM_EFFICIENCY;
     Ok(Some(Plan {
@@ -277,6 +259,33 @@ fn plan_with(
             false => pack_flags(p, false),
         },
     }))
+}
+
+/// The combine kernel of a call: one block per (query row, head).
+fn combine_launch(p: &Problem, module: Module, dn: &str) -> Launch {
+    Launch {
+        module,
+        function: format!("flash_decode_combine_{dn}"),
+        grid: (p.total_q as u32, p.heads as u32, 1),
+        threads: 128,
+        smem: 0,
+    }
+}
+
+/// The split count (the search's, or the override's within what the instance allows) and the
+/// keys of each slice, in whole tiles; the count re-cut to slices of that length.
+fn slices(p: &Problem, instance: DecodeInstance, splits: usize) -> (usize, usize) {
+    let splits = p
+        .kernels
+        .overrides
+        .decode_splits
+        .map_or(splits, |n| n.clamp(1, max_splits(p, instance)));
+    let split_keys = p
+        .max_seq_k
+        .div_ceil(splits)
+        .next_multiple_of(instance.bc)
+        .max(instance.bc);
+    (p.max_seq_k.div_ceil(split_keys).max(1), split_keys)
 }
 
 /// How the splits' partial results are merged (`kernels/decode/combine.cuh`).
