@@ -171,8 +171,6 @@ fn plan_with(
     let mods = p.score.softcap > 0.0 || p.has_alibi || p.score.scale <= 0.0 || p.bias.is_some();
     let mods = if mods { "_mods" } else { "" };
     let module = Module::decode_of(dtype)?;
-    let combine = combine_launch(p, module, dn);
-    let combine_slots = caps.sms as usize * residency(&combine)?.max(1);
     let smem = |i: &DecodeInstance| if kv8 { i.smem_kv8() } else { i.smem() };
     let launch = |i: &DecodeInstance| Launch {
         module: match (kv8, caps.fp8) {
@@ -204,15 +202,19 @@ fn plan_with(
         kv8,
         forced: p.kernels.overrides.decode_instance.clone(),
     };
-    let shape = Shape {
-        width,
-        rows,
-        d_load,
-        esize: if kv8 { 1 } else { 2 },
-        combine_slots,
-    };
-    let (instance, m_tiles, splits) = remembered(key, || {
-        search(p, caps, shape, &smem, &|i| residency(&launch(i)))
+    let (instance, m_tiles, splits, combine_slots) = remembered(key, || {
+        // How many combine blocks the GPU holds at once: asked of the device for a new shape
+        // only, and kept with the search's result.
+        let combine_slots = caps.sms as usize * residency(&combine_launch(p, module, dn))?.max(1);
+        let shape = Shape {
+            width,
+            rows,
+            d_load,
+            esize: if kv8 { 1 } else { 2 },
+            combine_slots,
+        };
+        let (i, m_tiles, splits) = search(p, caps, shape, &smem, &|i| residency(&launch(i)))?;
+        Ok((i, m_tiles, splits, combine_slots))
     })?;
     if p.batch > 65535 || p.heads > 65535 {
         bail!(
@@ -247,7 +249,7 @@ fn plan_with(
         ) {
             None => Merge::None,
             Some((fused, kernel)) if fused < kernel => Merge::Fused,
-            Some(_) => Merge::Kernel(combine),
+            Some(_) => Merge::Kernel(combine_launch(p, module, dn)),
         },
         splits,
         split_keys,
@@ -323,7 +325,11 @@ struct SearchKey {
 /// serves the others (a search costs the host microseconds on long caches).
 const SEARCH_CACHE: usize = 16;
 
-type Found = (DecodeInstance, usize, usize);
+/// A search's (instance, row blocks, splits).
+type Choice = (DecodeInstance, usize, usize);
+
+/// What a search keeps: its choice and the combine kernel's blocks resident on the GPU.
+type Found = (DecodeInstance, usize, usize, usize);
 
 static SEARCHES: std::sync::Mutex<Vec<(SearchKey, Found)>> = std::sync::Mutex::new(Vec::new());
 
@@ -373,7 +379,7 @@ fn search(
     }: Shape,
     smem: &dyn Fn(&DecodeInstance) -> usize,
     residency: &dyn Fn(&DecodeInstance) -> Result<usize>,
-) -> Result<Found> {
+) -> Result<Choice> {
     // Every instance of that width that fits the device, whatever its row tiles: several row
     // blocks of a narrow instance (their K/V reads mostly served by the L2) can beat one block
     // of a wide one, whose warps each compute every key for their own rows. A paged tile's
@@ -410,7 +416,7 @@ fn search(
             .collect(),
     };
     let dram = caps.dram_bytes_per_us as f64 * STREAM_EFFICIENCY;
-    let mut best: Option<(f64, Found)> = None;
+    let mut best: Option<(f64, Choice)> = None;
     for &i in &candidates {
         let m_tiles = rows.div_ceil(i.rows()).max(1);
         let slots = caps.sms as usize * residency(&i)?.max(1);
