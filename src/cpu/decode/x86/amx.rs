@@ -59,39 +59,19 @@ pub(in crate::cpu::decode) unsafe fn load_q<T: Tiles>(q: &[u32], chunks: usize) 
     let at = |c: usize| p.wrapping_add(c * TILE_WORDS * 4);
     // SAFETY (each load): tile `c < chunks` of 1 KiB lies inside `q` (caller); configured.
     unsafe {
-        match chunks {
-            6 => {
-                T::load::<7>(at(5), 64);
-                T::load::<6>(at(4), 64);
-                T::load::<5>(at(3), 64);
-                T::load::<4>(at(2), 64);
-                T::load::<3>(at(1), 64);
-                T::load::<2>(at(0), 64);
-            }
-            5 => {
-                T::load::<6>(at(4), 64);
-                T::load::<5>(at(3), 64);
-                T::load::<4>(at(2), 64);
-                T::load::<3>(at(1), 64);
-                T::load::<2>(at(0), 64);
-            }
-            4 => {
-                T::load::<5>(at(3), 64);
-                T::load::<4>(at(2), 64);
-                T::load::<3>(at(1), 64);
-                T::load::<2>(at(0), 64);
-            }
-            3 => {
-                T::load::<4>(at(2), 64);
-                T::load::<3>(at(1), 64);
-                T::load::<2>(at(0), 64);
-            }
-            2 => {
-                T::load::<3>(at(1), 64);
-                T::load::<2>(at(0), 64);
-            }
-            _ => T::load::<2>(at(0), 64),
+        macro_rules! load {
+            ($c:literal, $t:literal) => {
+                if $c < chunks {
+                    T::load::<$t>(at($c), 64);
+                }
+            };
         }
+        T::load::<2>(at(0), 64);
+        load!(1, 3);
+        load!(2, 4);
+        load!(3, 5);
+        load!(4, 6);
+        load!(5, 7);
     }
 }
 
