@@ -69,16 +69,20 @@ const WAVE_US: f64 = 6.8;
 /// partial pass drains and the combine grid ramps up (fitted with [`COMBINE_WAVE_US`]).
 const COMBINE_US: f64 = 5.0;
 
-/// What each wave of the combine kernel's blocks costs, in microseconds: a block merges one
-/// (query row, head) in two dependent round trips (the splits' lse, then their partials) and
-/// three barriers, so a call with many rows and heads pays for them in turn (fitted on an H200
-/// with [`COMBINE_US`] over 76 shapes of the sweep's grid, every instance at 1 to 64 splits:
-/// without it, 128 packed rows a K/V head took two splits at twice the time of one).
+/// What each wave of the combine kernel's blocks costs, in microseconds: a warp merges one
+/// (query row, head) in two dependent round trips (the splits' lse, then their partials), so a
+/// call with more rows and heads than the GPU holds warps of pays for them in turn (fitted on
+/// an H200 with [`COMBINE_US`] over 76 shapes of the sweep's grid, every instance at 1 to 64
+/// splits: without it, 128 packed rows a K/V head took two splits at twice the time of one).
 const COMBINE_WAVE_US: f64 = 2.0;
 
 /// What a fused merge costs beyond its round trips, in microseconds: zeroing the group counters
 /// before the launch and each block's fence and count (fitted).
 const FUSED_US: f64 = 3.5;
+
+/// Rows (query row, head) the combine kernel merges a block, a warp each (`COMBINE_WARPS` of
+/// `kernels/decode/combine.cuh`).
+const COMBINE_WARPS: usize = 4;
 
 /// Splits whose partials a fused merge loads at once (`COMBINE_UNROLL` of
 /// `kernels/decode/combine.cuh`).
@@ -205,7 +209,8 @@ fn plan_with(
     let (instance, m_tiles, splits, combine_slots) = remembered(key, || {
         // How many combine blocks the GPU holds at once: asked of the device for a new shape
         // only, and kept with the search's result.
-        let combine_slots = caps.sms as usize * residency(&combine_launch(p, module, dn))?.max(1);
+        let combine_slots =
+            caps.sms as usize * residency(&combine_launch(p, module, dn, width)?)?.max(1);
         let shape = Shape {
             width,
             rows,
@@ -249,7 +254,7 @@ fn plan_with(
         ) {
             None => Merge::None,
             Some((fused, kernel)) if fused < kernel => Merge::Fused,
-            Some(_) => Merge::Kernel(combine_launch(p, module, dn)),
+            Some(_) => Merge::Kernel(combine_launch(p, module, dn, width)?),
         },
         splits,
         split_keys,
@@ -263,15 +268,19 @@ fn plan_with(
     }))
 }
 
-/// The combine kernel of a call: one block per (query row, head).
-fn combine_launch(p: &Problem, module: Module, dn: &str) -> Launch {
-    Launch {
+/// The combine kernel of a call, of the instance width: a warp per (query row, head).
+fn combine_launch(p: &Problem, module: Module, dn: &str, width: usize) -> Result<Launch> {
+    Ok(Launch {
         module,
-        function: format!("flash_decode_combine_{dn}"),
-        grid: (p.total_q as u32, p.heads as u32, 1),
-        threads: 128,
+        function: format!("flash_decode_combine_{dn}_d{width}"),
+        grid: (
+            to_u32(p.total_q.div_ceil(COMBINE_WARPS), "query rows")?,
+            to_u32(p.heads, "heads")?,
+            1,
+        ),
+        threads: (COMBINE_WARPS * 32) as u32,
         smem: 0,
-    }
+    })
 }
 
 /// The split count (the search's, or the override's within what the instance allows) and the
@@ -540,7 +549,7 @@ fn merge_costs(
         return None;
     }
     let part = (splits * p.total_q * p.heads * (d_load + 1) * 4) as f64;
-    let waves = (p.total_q * p.heads).div_ceil(combine_slots.max(1));
+    let waves = (p.total_q.div_ceil(COMBINE_WARPS) * p.heads).div_ceil(combine_slots.max(1));
     let kernel = COMBINE_US + waves as f64 * COMBINE_WAVE_US + 2.0 * part / dram;
     let rows_per_warp = rows.min(i.rows()).div_ceil(i.rg * i.kg);
     let trips = rows_per_warp * (1 + splits.div_ceil(COMBINE_UNROLL));
@@ -814,8 +823,8 @@ mod tests {
                 Merge::Fused => assert!(fused, "{pl:?}"),
                 Merge::Kernel(k) => {
                     assert!(!fused, "{pl:?}");
-                    assert_eq!(k.grid, (b as u32, h as u32, 1));
-                    assert_eq!(k.function, "flash_decode_combine_bf16");
+                    assert_eq!(k.grid, (b.div_ceil(4) as u32, h as u32, 1));
+                    assert_eq!(k.function, format!("flash_decode_combine_bf16_d{d}"));
                 }
                 Merge::None => panic!("{pl:?}"),
             }
@@ -882,26 +891,5 @@ mod tests {
         for name in ["r3_k1_c64_s3", "nonsense"] {
             assert!(at(name).is_err(), "{name}");
         }
-    }
-
-    /// The combine kernel merges one (query row, head) per block, its blocks a few per SM: where
-    /// the call has many of them (16 query rows of many heads over many sequences) splitting the
-    /// keys costs more than it saves, and the plan keeps one split (the three shapes took two
-    /// splits or more, and 1.4-1.5 times as long on an H200, before the planner counted the
-    /// combine's waves); with few (one sequence, one query row) a long cache is still split
-    /// over the SMs.
-    #[test]
-    fn many_rows_and_heads_keep_one_split() {
-        for (b, sq, sk, h, hk, d) in [
-            (8, 16, 2048, 64, 8, 128),
-            (64, 16, 6000, 16, 2, 64),
-            (64, 16, 1000, 8, 1, 256),
-        ] {
-            let pl = bf16(b, sq, sk, h, hk, d).unwrap();
-            assert_eq!(pl.splits, 1, "{b} x {sq} rows of {h}/{hk}: {pl:?}");
-            assert_eq!(pl.merge, Merge::None);
-        }
-        let pl = bf16(1, 1, 32768, 32, 8, 128).unwrap();
-        assert!(pl.splits >= 8, "{pl:?}");
     }
 }
