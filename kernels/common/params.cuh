@@ -73,6 +73,7 @@ struct FlashParams {
     int32_t q_tiles;        // tile lists: query tiles per (batch, head)
     int32_t k_tiles;        // tile lists: entries per list
     int32_t page_dense;     // paged K/V: 1 when row r of block i is row i * page + r of k and v
+    int32_t combine_warps;  // split-KV decode, combine kernel: warps merging one (row, head)
 };
 
 

@@ -5,14 +5,16 @@
 //   visible device-wide; the block that brings the count to the number of splits reads them all
 //   back and merges its packed rows, one warp per row. No second launch, but one block per
 //   group does the whole merge: for few rows and splits.
-// - a kernel of its own, launched after the partial pass: one warp per (query row, head),
-//   COMBINE_WARPS of them a block, with no block barrier and a width's registers, so that calls
-//   with many rows and heads merge them many at a time; for groups with many rows or splits.
-// Both merge a row with one warp (merge_row): lse = log2-sum-exp2 over the splits,
+// - a kernel of its own, launched after the partial pass: one to four warps per (query row,
+//   head), four warps a block, with a width's registers, so that calls with many rows and heads
+//   merge them many at a time and calls with few read each row's splits with more warps; for
+//   groups with many rows or splits.
+// Both merge a row with merge_row: lse = log2-sum-exp2 over the splits,
 // O = sum_s 2^(lse_s - lse) O_s, written in the output dtype with the natural-log lse; the
 // splits are added in a fixed order, so results are bitwise reproducible (whichever block is
-// last) and the two forms agree bit for bit. Splits that saw no key carry lse -inf and weigh 0
-// (not read); a NaN partial makes the row NaN, as in the unsplit kernel.
+// last), and the two forms agree bit for bit where the kernel gives a row one warp. Splits that
+// saw no key carry lse -inf and weigh 0 (not read); a NaN partial makes the row NaN, as in the
+// unsplit kernel.
 #pragma once
 #include "common/mask.cuh"
 #include "common/math.cuh"
@@ -44,14 +46,19 @@ __device__ __forceinline__ bool last_split(const FlashParams& p, int& sh_last) {
     return sh_last;
 }
 
-// Merges the splits of one (output row, head) with one warp: lane t holds the lse of splits
-// t, t + 32, ...; their max and sum are reduced by a butterfly, the weights go to `sh_w`
-// (COMBINE_MAX_SPLITS floats of shared memory, this warp's own) and the lanes (one column each,
-// 32 apart) add the splits in order, COMBINE_UNROLL splits' loads in flight at a time. Writes
-// the row's output and its natural-log lse at `li`. D: the widest head (d_out <= D).
+// Merges the splits of one (output row, head) with `wpr` warps (1, 2 or 4): each computes the
+// weights itself (lane t holds the lse of splits t, t + 32, ...; their max and sum are reduced by
+// a butterfly, the weights go to `sh_w`, COMBINE_MAX_SPLITS floats of shared memory, the warp's
+// own), then warp `pw` of them adds splits pw, pw + wpr, ... in order, its lanes one column each
+// (32 apart), COMBINE_UNROLL splits' loads in flight at a time. With more than one warp their
+// sums meet in `sh_o` (wpr x D floats) behind named barrier `bar` (the group's 32 wpr threads)
+// and are added in warp order by warp 0, which writes the row's output and its natural-log lse
+// at `li`. A row's result depends on wpr (the order of its additions), which the planner derives
+// from the shape and the device. D: the widest head (d_out <= D).
 template <typename T, int D>
 __device__ __forceinline__ void merge_row(const FlashParams& p, int64_t row_g, int h, int64_t li,
-                                          float* sh_w) {
+                                          float* sh_w, int pw = 0, int wpr = 1,
+                                          float* sh_o = nullptr, int bar = 0) {
     constexpr int SPL = COMBINE_MAX_SPLITS / 32;  // splits per lane
     constexpr int CPL = D / 32;                   // columns per lane
     const int lane = threadIdx.x % 32;
@@ -93,12 +100,12 @@ __device__ __forceinline__ void merge_row(const FlashParams& p, int64_t row_g, i
 #pragma unroll
     for (int c = 0; c < CPL; ++c) acc[c] = 0.f;
     const float* part = p.o_part + row_g * p.o_seq + (int64_t)h * p.o_head;
-    for (int s0 = 0; s0 < ns; s0 += COMBINE_UNROLL) {
+    for (int s0 = pw; s0 < ns; s0 += COMBINE_UNROLL * wpr) {
         float xs[COMBINE_UNROLL][CPL];
         float w[COMBINE_UNROLL];
 #pragma unroll
         for (int u = 0; u < COMBINE_UNROLL; ++u) {
-            const int s = s0 + u;
+            const int s = s0 + u * wpr;
             w[u] = s < ns ? sh_w[s] : 0.f;
             const bool read = s < ns && (w[u] != 0.f || nan);
 #pragma unroll
@@ -111,6 +118,15 @@ __device__ __forceinline__ void merge_row(const FlashParams& p, int64_t row_g, i
         for (int u = 0; u < COMBINE_UNROLL; ++u)
 #pragma unroll
             for (int c = 0; c < CPL; ++c) acc[c] += w[u] * xs[u][c];
+    }
+    if (wpr > 1) {
+#pragma unroll
+        for (int c = 0; c < CPL; ++c) sh_o[pw * D + lane + 32 * c] = acc[c];
+        asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(32 * wpr) : "memory");
+        if (pw != 0) return;
+        for (int w = 1; w < wpr; ++w)
+#pragma unroll
+            for (int c = 0; c < CPL; ++c) acc[c] += sh_o[w * D + lane + 32 * c];
     }
 #pragma unroll
     for (int c = 0; c < CPL; ++c) {
@@ -147,18 +163,23 @@ __device__ __forceinline__ void combine_rows(const FlashParams& p, int m0, int k
 }
 
 // The separate combine kernel: the widest head it merges (the widest decode instance), and its
-// warps per block, each merging one (output row, head).
+// warps per block.
 constexpr int COMBINE_MAX_D = 256;
 constexpr int COMBINE_WARPS = 4;
 
-// Block (x, h) merges rows COMBINE_WARPS x, ... of head h, a warp each (merge_row): no block
-// barrier, and few registers a thread, so many rows are merged at once. D: the instance width.
+// Block (x, h) merges COMBINE_WARPS / wpr rows of head h (rows x COMBINE_WARPS / wpr, ...),
+// `wpr` warps each (p.combine_warps: 1, 2 or 4; merge_row): more warps a row where the call has
+// too few rows and heads to fill the GPU, so each row's splits are read in fewer round trips;
+// one where it has many, merged many at a time with few registers a thread.
 template <typename T, int D>
 __device__ __forceinline__ void combine_kernel(const FlashParams& p) {
     __shared__ float sh_w[COMBINE_WARPS][COMBINE_MAX_SPLITS];
-    const int warp = threadIdx.x / 32;
-    const int64_t row_g = (int64_t)blockIdx.x * COMBINE_WARPS + warp;
+    __shared__ float sh_o[COMBINE_WARPS][D];
+    const int wpr = p.combine_warps == 2 || p.combine_warps == 4 ? p.combine_warps : 1;
+    const int warp = threadIdx.x / 32, group = warp / wpr;
+    const int64_t row_g = (int64_t)blockIdx.x * (COMBINE_WARPS / wpr) + group;
     const int h = blockIdx.y;
+    // A group's warps leave together (none of them reaches its barrier).
     if (row_g >= p.total_q) return;
     // lse output index: dense (b, h, i) or varlen (h, row).
     int64_t li;
@@ -168,7 +189,8 @@ __device__ __forceinline__ void combine_kernel(const FlashParams& p) {
         const int64_t bb = row_g / p.seq_q, i = row_g % p.seq_q;
         li = (bb * p.heads + h) * p.seq_q + i;
     }
-    merge_row<T, D>(p, row_g, h, li, sh_w[warp]);
+    // Barrier 0 is __syncthreads'; a group's is 1 + its index.
+    merge_row<T, D>(p, row_g, h, li, sh_w[warp], warp % wpr, wpr, sh_o[group * wpr], 1 + group);
 }
 
 }  // namespace decode

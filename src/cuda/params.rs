@@ -118,11 +118,13 @@ pub struct Params {
     /// `page` rows apart, `k_batch = page * k_seq`, likewise v) and every such row index fits
     /// an i32, so the decode kernels address a row from one index; else 0.
     pub page_dense: i32,
+    /// Split-KV decode, combine kernel: warps merging one (query row, head): 1, 2 or 4.
+    pub combine_warps: i32,
 }
 
-/// The size both sides agree on (also asserted in C by the generated header); the last i32
-/// leaves four bytes of tail padding.
-pub const PARAMS_SIZE: usize = (8 * 46 + 4 * 33_usize).next_multiple_of(8);
+/// The size both sides agree on (also asserted in C by the generated header): 46 eight-byte
+/// fields, then 34 four-byte ones (no tail padding).
+pub const PARAMS_SIZE: usize = (8 * 46 + 4 * 34_usize).next_multiple_of(8);
 const _: () = assert!(std::mem::size_of::<Params>() == PARAMS_SIZE);
 
 /// Launch parameters of the backward kernels, mirrored field for field by `BwdParams` in C. The

@@ -70,6 +70,10 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
         }
     };
     let params = Params {
+        combine_warps: match &plan.merge {
+            Merge::Kernel(_, warps) => to_i32(*warps, "combine warps")?,
+            _ => 1,
+        },
         o_part: part_ptr,
         lse_part: part_ptr + (part_len * p.head_dim * 4) as u64 * u64::from(split),
         split_sem: sem_ptr,
@@ -79,7 +83,7 @@ pub(crate) fn run<T: CudaDType + DeviceRepr + candle::WithDType>(
         ..base
     };
     launch(dev, &plan.partial, &[Arg::Params(&params)])?;
-    if let Merge::Kernel(combine) = &plan.merge {
+    if let Merge::Kernel(combine, _) = &plan.merge {
         // The combine kernel reads the partials the partial pass wrote on the same stream and
         // writes each (row, head) of the output and lse once.
         launch(dev, combine, &[Arg::Params(&params)])?;

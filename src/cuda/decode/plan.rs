@@ -65,26 +65,33 @@ pub(crate) const MAX_SPLITS: usize = 256;
 /// before a block streams and the tail of its last blocks (fitted).
 const WAVE_US: f64 = 6.8;
 
-/// What a dependent combine launch costs beyond its bytes and its waves, in microseconds: the
-/// partial pass drains and the combine grid ramps up (fitted with [`COMBINE_WAVE_US`]).
+/// What a dependent combine launch costs beyond its bytes and its round trips, in microseconds:
+/// the partial pass drains and the combine grid ramps up (fitted).
 const COMBINE_US: f64 = 5.0;
 
-/// What each wave of the combine kernel's blocks costs, in microseconds: a warp merges one
-/// (query row, head) in two dependent round trips (the splits' lse, then their partials), so a
-/// call with more rows and heads than the GPU holds warps of pays for them in turn (fitted on
-/// an H200 with [`COMBINE_US`] over 76 shapes of the sweep's grid, every instance at 1 to 64
-/// splits: without it, 128 packed rows a K/V head took two splits at twice the time of one).
-const COMBINE_WAVE_US: f64 = 2.0;
+/// One dependent round trip of the combine kernel, in microseconds: the warps of a (query row,
+/// head) read the splits' lse, then their partials `COMBINE_UNROLL` splits a warp at a time,
+/// and a call with more rows and heads than the GPU holds blocks for pays for its waves in turn
+/// (fitted with [`PARTIAL_PASSES`] on an H200 over 76 shapes of the sweep's grid, every
+/// instance at 1 to 64 splits: the planner's choices average 1.02 of the best measured one).
+const COMBINE_TRIP_US: f64 = 1.5;
+
+/// The partial results' bytes (f32 outputs and lse of every split) count this many times at the
+/// DRAM's pace: written by the partial pass, read by the combine kernel, and the partial pass's
+/// scattered f32 stores at about half a stream's pace (fitted with [`COMBINE_TRIP_US`]; 2, the
+/// bytes alone, split 16 query rows of 8 heads over 64 sequences in three, where two measured
+/// as slow as one and four 1.46 times one).
+const PARTIAL_PASSES: f64 = 4.0;
 
 /// What a fused merge costs beyond its round trips, in microseconds: zeroing the group counters
 /// before the launch and each block's fence and count (fitted).
 const FUSED_US: f64 = 3.5;
 
-/// Rows (query row, head) the combine kernel merges a block, a warp each (`COMBINE_WARPS` of
-/// `kernels/decode/combine.cuh`).
+/// Warps of a combine kernel block (`COMBINE_WARPS` of `kernels/decode/combine.cuh`), shared by
+/// its (query row, head) pairs.
 const COMBINE_WARPS: usize = 4;
 
-/// Splits whose partials a fused merge loads at once (`COMBINE_UNROLL` of
+/// Splits whose partials a merging warp loads at once (`COMBINE_UNROLL` of
 /// `kernels/decode/combine.cuh`).
 const COMBINE_UNROLL: usize = 8;
 
@@ -210,7 +217,7 @@ fn plan_with(
         // How many combine blocks the GPU holds at once: asked of the device for a new shape
         // only, and kept with the search's result.
         let combine_slots =
-            caps.sms as usize * residency(&combine_launch(p, module, dn, width)?)?.max(1);
+            caps.sms as usize * residency(&combine_launch(p, module, dn, width, 1)?)?.max(1);
         let shape = Shape {
             width,
             rows,
@@ -254,7 +261,10 @@ fn plan_with(
         ) {
             None => Merge::None,
             Some((fused, kernel)) if fused < kernel => Merge::Fused,
-            Some(_) => Merge::Kernel(combine_launch(p, module, dn, width)?),
+            Some(_) => {
+                let warps = combine_warps(p, combine_slots);
+                Merge::Kernel(combine_launch(p, module, dn, width, warps)?, warps)
+            }
         },
         splits,
         split_keys,
@@ -268,19 +278,36 @@ fn plan_with(
     }))
 }
 
-/// The combine kernel of a call, of the instance width: a warp per (query row, head).
-fn combine_launch(p: &Problem, module: Module, dn: &str, width: usize) -> Result<Launch> {
+/// The combine kernel of a call, of the instance width, `warps` (1, 2 or 4) merging each
+/// (query row, head).
+fn combine_launch(
+    p: &Problem,
+    module: Module,
+    dn: &str,
+    width: usize,
+    warps: usize,
+) -> Result<Launch> {
     Ok(Launch {
         module,
         function: format!("flash_decode_combine_{dn}_d{width}"),
         grid: (
-            to_u32(p.total_q.div_ceil(COMBINE_WARPS), "query rows")?,
+            to_u32(p.total_q.div_ceil(COMBINE_WARPS / warps), "query rows")?,
             to_u32(p.heads, "heads")?,
             1,
         ),
         threads: (COMBINE_WARPS * 32) as u32,
         smem: 0,
     })
+}
+
+/// Warps the combine kernel gives each (query row, head): the most (4, 2 or 1) at which its blocks
+/// still fit the GPU at once (`combine_slots` of them), so that few rows read their splits in
+/// fewer round trips while many rows are merged a warp each, as many at a time as fit.
+fn combine_warps(p: &Problem, combine_slots: usize) -> usize {
+    [4, 2]
+        .into_iter()
+        .find(|&w| p.total_q.div_ceil(COMBINE_WARPS / w) * p.heads <= combine_slots)
+        .unwrap_or(1)
 }
 
 /// The split count (the search's, or the override's within what the instance allows) and the
@@ -307,8 +334,9 @@ pub(crate) enum Merge {
     /// The last block of each group of splits merges them, in the partial pass's launch (the
     /// host zeroes one counter per group first).
     Fused,
-    /// A combine kernel launched after the partial pass.
-    Kernel(Launch),
+    /// A combine kernel launched after the partial pass, and the warps it gives each (query row,
+    /// head).
+    Kernel(Launch, usize),
 }
 
 /// Everything the search reads: the device (its kernels' residency follows from it, the dtype
@@ -528,12 +556,13 @@ fn cost(
 }
 
 /// The two ways of merging `splits` slices of instance `i`'s row blocks (none for one split):
-/// (fused, combine kernel), in microseconds. The combine kernel pays its launch, a wave of its
-/// blocks per `combine_slots` (query row, head) pairs, and writes then reads the partial outputs
-/// (f32) and base-2 lse of every split at the DRAM's pace; a
-/// fused merge pays its counters, then the last block of a group walks its packed rows (each
-/// warp its share, one after another) in dependent round trips: the rows' lse, then the
-/// partials of `COMBINE_UNROLL` (8) splits at a time. Few rows and splits favour the fused one.
+/// (fused, combine kernel), in microseconds. The combine kernel pays its launch, the round trips
+/// of each wave of its blocks (`combine_slots` of them at once; [`combine_warps`] per (query
+/// row, head)), and the partial outputs (f32) and base-2 lse of every split, written then read
+/// ([`PARTIAL_PASSES`]); a fused merge pays its counters, then the last block of a group walks
+/// its packed rows (each warp its share, one after another) in dependent round trips: the rows'
+/// lse, then the partials of `COMBINE_UNROLL` (8) splits at a time. Few rows and splits favour
+/// the fused one.
 /// The FP8-cache kernels (`esize` 1) with more than one row tile have no fused merge (infinite
 /// cost).
 fn merge_costs(
@@ -549,8 +578,12 @@ fn merge_costs(
         return None;
     }
     let part = (splits * p.total_q * p.heads * (d_load + 1) * 4) as f64;
-    let waves = (p.total_q.div_ceil(COMBINE_WARPS) * p.heads).div_ceil(combine_slots.max(1));
-    let kernel = COMBINE_US + waves as f64 * COMBINE_WAVE_US + 2.0 * part / dram;
+    let warps = combine_warps(p, combine_slots);
+    let waves =
+        (p.total_q.div_ceil(COMBINE_WARPS / warps) * p.heads).div_ceil(combine_slots.max(1));
+    let trips = 1 + splits.div_ceil(COMBINE_UNROLL * warps);
+    let kernel =
+        COMBINE_US + (waves * trips) as f64 * COMBINE_TRIP_US + PARTIAL_PASSES * part / dram;
     let rows_per_warp = rows.min(i.rows()).div_ceil(i.rg * i.kg);
     let trips = rows_per_warp * (1 + splits.div_ceil(COMBINE_UNROLL));
     let fused = match esize == 1 && i.rg > 1 {
@@ -598,7 +631,7 @@ mod tests {
     fn assert_defined(pl: &Plan, what: &str) {
         use crate::cuda::launch::defined;
         assert!(defined(&pl.partial), "{what}");
-        if let Merge::Kernel(l) = &pl.merge {
+        if let Merge::Kernel(l, _) = &pl.merge {
             assert!(defined(l), "{what}");
         }
     }
@@ -821,14 +854,50 @@ mod tests {
             assert!(pl.splits > 1, "{pl:?}");
             match &pl.merge {
                 Merge::Fused => assert!(fused, "{pl:?}"),
-                Merge::Kernel(k) => {
+                Merge::Kernel(k, warps) => {
                     assert!(!fused, "{pl:?}");
-                    assert_eq!(k.grid, (b.div_ceil(4) as u32, h as u32, 1));
+                    // Few rows and heads: four warps a (row, head), a block each.
+                    assert_eq!(*warps, 4, "{pl:?}");
+                    assert_eq!(k.grid, (b as u32, h as u32, 1));
                     assert_eq!(k.function, format!("flash_decode_combine_bf16_d{d}"));
                 }
                 Merge::None => panic!("{pl:?}"),
             }
         }
+    }
+
+    /// The combine kernel gives a (query row, head) as many warps as leave its blocks within
+    /// one wave of the GPU (here 660 blocks), one warp where even that does not fit.
+    #[test]
+    fn combine_warps_fill_one_wave() {
+        for (b, sq, h, warps) in [(1, 1, 32, 4), (8, 4, 32, 2), (64, 16, 64, 1)] {
+            let p = problem(b, sq, 1024, h, 8, 128, DType::BF16, &FlashAttn::new(0.1));
+            assert_eq!(
+                combine_warps(&p, 660),
+                warps,
+                "{b} x {sq} rows of {h} heads"
+            );
+        }
+    }
+
+    /// Where a call has many (query row, head) pairs (16 query rows of many heads over many
+    /// sequences), splitting the keys costs more in merging than it saves, and the plan keeps
+    /// one split (the three shapes took two splits or more, and 1.4-1.5 times as long on an
+    /// H200, before the planner counted the combine's waves); with few (one sequence, one query
+    /// row) a long cache is still split over the SMs.
+    #[test]
+    fn many_rows_and_heads_keep_one_split() {
+        for (b, sq, sk, h, hk, d) in [
+            (8, 16, 2048, 64, 8, 128),
+            (64, 16, 6000, 16, 2, 64),
+            (64, 16, 1000, 8, 1, 256),
+        ] {
+            let pl = bf16(b, sq, sk, h, hk, d).unwrap();
+            assert_eq!(pl.splits, 1, "{b} x {sq} rows of {h}/{hk}: {pl:?}");
+            assert_eq!(pl.merge, Merge::None);
+        }
+        let pl = bf16(1, 1, 32768, 32, 8, 128).unwrap();
+        assert!(pl.splits >= 8, "{pl:?}");
     }
 
     /// The split override changes only the split count of a decode plan.
