@@ -261,10 +261,7 @@ fn plan_with(
         ) {
             None => Merge::None,
             Some((fused, kernel)) if fused < kernel => Merge::Fused,
-            Some(_) => {
-                let warps = combine_warps(p, combine_slots);
-                Merge::Kernel(combine_launch(p, module, dn, width, warps)?, warps)
-            }
+            Some(_) => kernel_merge(p, module, dn, width, combine_slots)?,
         },
         splits,
         split_keys,
@@ -298,6 +295,21 @@ fn combine_launch(
         threads: (COMBINE_WARPS * 32) as u32,
         smem: 0,
     })
+}
+
+/// The combine kernel's merge of a call, with [`combine_warps`] per (query row, head).
+fn kernel_merge(
+    p: &Problem,
+    module: Module,
+    dn: &str,
+    width: usize,
+    combine_slots: usize,
+) -> Result<Merge> {
+    let warps = combine_warps(p, combine_slots);
+    Ok(Merge::Kernel(
+        combine_launch(p, module, dn, width, warps)?,
+        warps,
+    ))
 }
 
 /// Warps the combine kernel gives each (query row, head): the most (4, 2 or 1) at which its blocks
