@@ -180,6 +180,28 @@ fn split_kv_against_reference(t: &Target) -> Result<()> {
 }
 test_device!(split_kv_against_reference, Decode);
 
+/// Many (query row, head) pairs: 8 to 64 sequences of 4 query rows, 32/8 heads. Under the
+/// forced-split configuration the GPU's combine kernel merges them with two warps a pair and
+/// one, as they outgrow one wave of its blocks (1024, 3072 and 8192 pairs against about 500 to
+/// 800 resident blocks, 4 to 6 an SM, on H100-class GPUs); the other decode tests' few pairs
+/// take four warps each.
+fn combine_over_many_rows_and_heads(t: &Target) -> Result<()> {
+    for (n, &(b, sk, dtype)) in [
+        (8, 300, DType::BF16),
+        (24, 257, DType::F16),
+        (64, 130, DType::BF16),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let c = Case::new(b, 4, sk, 32, 8, 128, dtype);
+        let c = if n == 1 { c.causal() } else { c };
+        c.check(t, 1200 + n as u64)?;
+    }
+    Ok(())
+}
+test_device!(combine_over_many_rows_and_heads, Decode);
+
 /// Small split-KV decode shapes for compute-sanitizer: many splits, ragged tails, GQA.
 fn sanitizer_decode_split_kv(t: &Target) -> Result<()> {
     for (n, &(dtype, sq, sk, d)) in [
