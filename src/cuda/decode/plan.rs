@@ -288,7 +288,7 @@ fn combine_launch(
         module,
         function: format!("flash_decode_combine_{dn}_d{width}"),
         grid: (
-            to_u32(p.total_q.div_ceil(COMBINE_WARPS / warps), "query rows")?,
+            to_u32(combine_row_blocks(p, warps), "query rows")?,
             to_u32(p.heads, "heads")?,
             1,
         ),
@@ -318,8 +318,14 @@ fn kernel_merge(
 fn combine_warps(p: &Problem, combine_slots: usize) -> usize {
     [4, 2]
         .into_iter()
-        .find(|&w| p.total_q.div_ceil(COMBINE_WARPS / w) * p.heads <= combine_slots)
+        .find(|&w| combine_row_blocks(p, w) * p.heads <= combine_slots)
         .unwrap_or(1)
+}
+
+/// The combine grid's blocks along the query rows with `warps` (1, 2 or 4) per (query row,
+/// head): `COMBINE_WARPS / warps` rows a block (its blocks along the heads are `p.heads`).
+fn combine_row_blocks(p: &Problem, warps: usize) -> usize {
+    p.total_q.div_ceil(COMBINE_WARPS / warps)
 }
 
 /// The split count (the search's, or the override's within what the instance allows) and the
@@ -591,11 +597,10 @@ fn merge_costs(
     }
     let part = (splits * p.total_q * p.heads * (d_load + 1) * 4) as f64;
     let warps = combine_warps(p, combine_slots);
-    let waves =
-        (p.total_q.div_ceil(COMBINE_WARPS / warps) * p.heads).div_ceil(combine_slots.max(1));
-    let trips = 1 + splits.div_ceil(COMBINE_UNROLL * warps);
+    let waves = (combine_row_blocks(p, warps) * p.heads).div_ceil(combine_slots.max(1));
+    let round_trips = 1 + splits.div_ceil(COMBINE_UNROLL * warps);
     let kernel =
-        COMBINE_US + (waves * trips) as f64 * COMBINE_TRIP_US + PARTIAL_PASSES * part / dram;
+        COMBINE_US + (waves * round_trips) as f64 * COMBINE_TRIP_US + PARTIAL_PASSES * part / dram;
     let rows_per_warp = rows.min(i.rows()).div_ceil(i.rg * i.kg);
     let trips = rows_per_warp * (1 + splits.div_ceil(COMBINE_UNROLL));
     let fused = match esize == 1 && i.rg > 1 {
