@@ -135,11 +135,13 @@ E4M3_TO(e4m3_to_bf16, __nv_bfloat16)
                 T e[8];                                                                        \
                 uint4 c[CHUNKS];                                                               \
             } out;                                                                             \
-            _Pragma("unroll") for (int e = 0; e < 8; ++e) store_f32(out.e + e, e4m3_to_f32(b[e])); \
+            _Pragma("unroll") for (int e = 0; e < 8; ++e)                                      \
+                store_f32(out.e + e, e4m3_to_f32(b[e]));                                       \
             uint4* d = reinterpret_cast<uint4*>(dst + g * 8);                                  \
             _Pragma("unroll") for (int c = 0; c < CHUNKS; ++c) d[c] = out.c[c];                \
         }                                                                                      \
-        if (id < n - groups * 8) store_f32(dst + groups * 8 + id, e4m3_to_f32(src[groups * 8 + id])); \
+        if (id < n - groups * 8)                                                               \
+            store_f32(dst + groups * 8 + id, e4m3_to_f32(src[groups * 8 + id]));              \
     }
 E4M3_TO_FLAT(e4m3_to_f32_flat, float)
 E4M3_TO_FLAT(e4m3_to_f16_flat, __half)
