@@ -662,6 +662,12 @@ DECODE_NOTE = ("Decode: `seq_q` query rows per sequence against a KV cache of `k
                "that by the copy bandwidth measured in the same run (`ref_gbps`). `paged16`: the "
                "cache in 16-row pages behind a shuffled block table.")
 
+GPU_DECODE_SPREAD = ("On the H200 the same kernel at the same split count, timed in two runs "
+                     "of one session, differed by up to 9% where K and V hold a gigabyte or more "
+                     "(32/32 heads, batch 32, one split: kv 6000 775.8 and 714.9 µs, kv 16384 "
+                     "2094.6 and 1922.1 µs): a single row's ratio to PyTorch moves by about as "
+                     "much from run to run.")
+
 RING_NOTE = ("`examples/long_context.rs`: one causal attention layer (bf16, 32/8 heads, d 128) "
              "sharded zigzag over N GPUs, K/V rotating over NCCL; the slowest rank's median "
              "time. Efficiency = single-GPU time / N / ring time.")
@@ -872,7 +878,7 @@ def build(plots):
     rows = read("gpu-decode")
     page.append("## GPU decode\n")
     if rows:
-        page.append(DECODE_NOTE + "\n")
+        page.append(DECODE_NOTE + " " + GPU_DECODE_SPREAD + "\n")
         p, r = decode_section("gpu-decode", rows, plots, cpu=False)
         page.append(p)
         for device, drows, head, body in r:
