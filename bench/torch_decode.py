@@ -89,8 +89,7 @@ def main():
             key = (h, hk, d, b, sq, kv, dt)
             if key not in timed_us:
                 timed_us[key] = time_backends(h, hk, d, b, sq, kv, dtypes[dt])
-            kv_bytes = 2 * b * hk * kv * d * 2
-            nbytes = kv_bytes + 2 * b * h * sq * d * 2
+            nbytes = step_bytes(h, hk, d, b, sq, kv)
             for name, us in timed_us[key].items():
                 gbps = nbytes / (us * 1e-6) / 1e9
                 w.writerow([head["date"], commit, device, command, name, dt, layout, h, hk, d, b,
@@ -100,10 +99,15 @@ def main():
             f.flush()
 
 
+def step_bytes(h, hk, d, b, sq, kv):
+    """Bytes one decode step must move (2-byte elements): K and V read once, q read and the
+    output written."""
+    return 2 * b * hk * kv * d * 2 + 2 * b * h * sq * d * 2
+
+
 def time_backends(h, hk, d, b, sq, kv, t):
     """Microseconds of one call per backend that takes the shape (flash, cuDNN)."""
-    kv_bytes = 2 * b * hk * kv * d * 2
-    sets = min(MAX_SETS, -(-2 * L2_BYTES // (kv_bytes + 2 * b * h * sq * d * 2)))
+    sets = min(MAX_SETS, -(-2 * L2_BYTES // step_bytes(h, hk, d, b, sq, kv)))
     inputs = [(torch.randn(b, h, sq, d, dtype=t, device="cuda"),
                torch.randn(b, hk, kv, d, dtype=t, device="cuda"),
                torch.randn(b, hk, kv, d, dtype=t, device="cuda")) for _ in range(sets)]
