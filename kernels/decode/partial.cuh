@@ -79,9 +79,13 @@ struct Traits {
     // FP8 tiles converted in registers (one row tile) or through shared memory (more).
     static constexpr bool DIRECT = KV8 && RG == 1;
     static constexpr int WORK = KV8 && !DIRECT ? 2 * BC * D * 2 : 0;
-    // Q tile (2-byte elements), then STAGES (K, V) tiles, then the converted pair (KV8). The f32
-    // merge buffer (KG > 1) reuses the ring and the pair.
-    static constexpr int SMEM = ROWS * D * 2 + STAGES * 2 * TILE + WORK;
+    // The key loop's block-table entries and staged key bias (two tiles of each, 4-byte values)
+    // go after the rest where their BC-wide rows would outgrow the static shared memory the
+    // planner reserves (STATIC_SMEM_RESERVE, 1 KB).
+    static constexpr int SIDE = BC > 64 ? 2 * 2 * BC * 4 : 0;
+    // Q tile (2-byte elements), then STAGES (K, V) tiles, then the converted pair (KV8), then
+    // the side arrays. The f32 merge buffer (KG > 1) reuses the ring and the pair.
+    static constexpr int SMEM = ROWS * D * 2 + STAGES * 2 * TILE + WORK + SIDE;
     static_assert(KW % 16 == 0, "a warp's keys are whole k16 steps");
     static_assert(KG == 1 || ROWS * D * 4 <= STAGES * 2 * TILE + WORK,
                   "the merge buffer fits in the ring");
@@ -668,15 +672,18 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     // During the key loop: the block-table entries of two consecutive K/V tiles (paged caches,
     // tile t in blk[t % 2]) and the staged key bias of two (tile t in bias[t % 2]). In the merge
     // after it (KG > 1): the warps' row maxima, sums and factors, and the rows' results. Static
-    // shared memory stays within the planner's reserve (STATIC_SMEM_RESERVE, 1 KB): one union.
+    // shared memory stays within the planner's reserve (STATIC_SMEM_RESERVE, 1 KB): one union,
+    // with the loop's arrays of tiles wider than 64 keys in the side region (Tr::SIDE) instead.
     constexpr int MW = KG > 1 ? WARPS : 1;
     // (The FP8-cache twins read the bias from global memory: at their register cap, and with
     // their static shared memory at the reserve, the staging spilled.)
     constexpr bool STAGE_BIAS = MODS && !KV8;
+    // The loop's arrays: static below, or in the side region (Tr::SIDE) for wide tiles.
+    constexpr int LBC = Tr::SIDE ? 1 : BC;
     __shared__ union {
         struct {
-            int blk[2][BC];
-            float bias[STAGE_BIAS ? 2 : 1][BC];
+            int blk[2][LBC];
+            float bias[STAGE_BIAS ? 2 : 1][LBC];
         } loop;
         struct {
             float m[MW][16], l[MW][16], scale[MW][16];
@@ -684,7 +691,11 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         } ml;
         int last;  // last_split's flag, after the merge
     } sh_u;
-    auto& sh_blk = sh_u.loop.blk;
+    unsigned char* side = sKV + STAGES * 2 * Tr::TILE + Tr::WORK;
+    int(*sh_blk)[BC] = Tr::SIDE ? reinterpret_cast<int(*)[BC]>(side)
+                                : reinterpret_cast<int(*)[BC]>(sh_u.loop.blk);
+    float(*sh_bias)[BC] = Tr::SIDE ? reinterpret_cast<float(*)[BC]>(side + 2 * BC * 4)
+                                   : reinterpret_cast<float(*)[BC]>(sh_u.loop.bias);
     const bool paged = p.block_table != nullptr;
     // Thread tid < BC fetches the table entry of key tid of tile t (-1 elsewhere), and stores it
     // (as a cache row where the blocks are dense).
@@ -725,7 +736,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         return bias_elem<T>(p, row, (int64_t)key * p.bias_k);
     };
     if (key_bias && tid < BC)
-        sh_u.loop.bias[STAGE_BIAS ? t_begin % 2 : 0][tid] = bias_of(t_begin);
+        sh_bias[STAGE_BIAS ? t_begin % 2 : 0][tid] = bias_of(t_begin);
 
     load_q<T, D, ROWS, THREADS>(reinterpret_cast<T*>(sQ), p, b, g, m0, kvh);
     // KV8: Q in a group of its own, converted once the first tiles are on their way.
@@ -795,7 +806,6 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             sV = sWork + BC * D;
         }
         const int k0 = t * BC + KW * kg;  // this warp's first key
-        float(*sh_bias)[BC] = sh_u.loop.bias;
         const int bt = STAGE_BIAS ? t % 2 : 0, bn = STAGE_BIAS ? (t + 1) % 2 : 0;
         if (has_rows && k0 < g.n_hi && k0 + KW > g.n_lo)
             warp_tile<Tc, T, D, KW, MODS, DIRECT>(

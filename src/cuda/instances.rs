@@ -141,9 +141,20 @@ impl DecodeInstance {
     pub const fn threads(&self) -> usize {
         32 * self.rg * self.kg
     }
-    /// The Q tile plus `stages` K and V tiles, 2-byte elements.
+    /// The Q tile plus `stages` K and V tiles, 2-byte elements, plus the side arrays.
     pub const fn smem(&self) -> usize {
-        (self.rows() * self.d + self.stages * 2 * self.bc * self.d) * 2
+        (self.rows() * self.d + self.stages * 2 * self.bc * self.d) * 2 + self.side()
+    }
+    /// The key loop's block-table entries and staged key bias (two tiles of each, 4 bytes a
+    /// key), in dynamic shared memory for tiles wider than 64 keys (`Traits::SIDE` of
+    /// `kernels/decode/partial.cuh`): as static arrays they would outgrow the 1 KB the planner
+    /// reserves (`STATIC_SMEM_RESERVE`).
+    pub const fn side(&self) -> usize {
+        if self.bc > 64 {
+            2 * 2 * self.bc * 4
+        } else {
+            0
+        }
     }
     /// The FP8-cache twin (`kernels/decode/decode_fp8.cu`): the Q tile, `stages` K and V tiles of
     /// one-byte elements and, with more than one row tile, the f16 pair each tile is converted
@@ -154,7 +165,7 @@ impl DecodeInstance {
         } else {
             2 * self.bc * self.d * 2
         };
-        self.rows() * self.d * 2 + self.stages * 2 * self.bc * self.d + work
+        self.rows() * self.d * 2 + self.stages * 2 * self.bc * self.d + work + self.side()
     }
     pub fn suffix(&self) -> String {
         format!("d{}_{}", self.d, self.name())
@@ -191,13 +202,20 @@ const fn dec(
 /// one (sm_86/sm_89 hold 100 KB a block; there d 256 takes two warps of 32-key tiles). The
 /// planner picks among those that fit by its cost model, whatever their row tiles: several
 /// row blocks of a narrow instance may beat one block of a wide one.
+/// With one row tile, 128-key tiles (32 keys a warp) halve the per-key share of each tile's
+/// barrier, waits and softmax bookkeeping, on which a lone block per SM spends most of its
+/// issue slots (its warps wait on no memory); their rates were fitted on an H200 (100 shapes of
+/// the sweep's bf16 rows, every instance at 1 to 32 splits) so that the planner's choices come
+/// closest to the fastest measured.
 pub const DECODE_INSTANCES: &[DecodeInstance] = &[
+    dec(64, 1, 4, 128, 4, 40_000),
     dec(64, 1, 4, 64, 4, 30_800),
     dec(64, 1, 4, 64, 2, 25_100),
     dec(64, 4, 1, 64, 4, 16_100),
     dec(64, 4, 1, 64, 2, 16_700),
     dec(64, 8, 1, 64, 4, 13_000),
     dec(64, 8, 1, 64, 2, 14_900),
+    dec(128, 1, 4, 128, 3, 55_000),
     dec(128, 1, 4, 64, 3, 40_200),
     dec(128, 1, 4, 64, 2, 33_000),
     dec(128, 4, 1, 64, 3, 23_100),
