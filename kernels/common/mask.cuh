@@ -17,6 +17,12 @@ struct BlockGeom {
     int slope_idx;       // index into alibi
 };
 
+// First row of sequence b in the contiguous output: its first row in the packed q (varlen),
+// else b * seq_q.
+__device__ __forceinline__ int64_t out_row0(const FlashParams& p, int b) {
+    return p.cu_q ? (int64_t)min(p.cu_q[b], (uint32_t)p.total_q) : (int64_t)b * p.seq_q;
+}
+
 // Lengths come from the device (cu_q / cu_k / seqused_k are never read on the host), so they
 // are clamped here: a sequence's rows stay inside the packed tensors (total_q, total_k) and its
 // lengths inside the caller's max_seqlen bounds (seq_q, seq_k; for paged caches also the table's
@@ -31,13 +37,13 @@ __device__ __forceinline__ void seq_lengths(const FlashParams& p, int b, BlockGe
         const uint32_t q1 = max(q0, min(p.cu_q[b + 1], (uint32_t)p.total_q));
         g.sq = (int)min(q1 - q0, (uint32_t)p.seq_q);
         g.q_row0 = q0;
-        g.out_row0 = q0;
+        g.out_row0 = out_row0(p, b);
     } else {
         g.sq = p.seq_q;
         // Dense q, or varlen q whose sequences all hold seq_q rows (q_uniform: row b * seq_q
         // starts sequence b, no cu_q to read).
         g.q_row0 = p.q_uniform ? (int64_t)b * p.seq_q : 0;
-        g.out_row0 = (int64_t)b * p.seq_q;
+        g.out_row0 = out_row0(p, b);
     }
     if (CACHE && p.seqused_k) {
         // Per-sequence key counts (a KV cache), plus rows appended by this call.

@@ -587,6 +587,42 @@ __device__ __forceinline__ void store(const FlashParams& p, const PackedRow& x, 
             val;
 }
 
+// threadIdx.x, blockIdx.x and blockIdx.z read anew (volatile: not merged with an earlier read,
+// so a value derived from them need not stay live in between).
+__device__ __forceinline__ int fresh_tid_x() {
+    int v;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(v));
+    return v;
+}
+__device__ __forceinline__ int fresh_ctaid_x() {
+    int v;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(v));
+    return v;
+}
+__device__ __forceinline__ int fresh_ctaid_z() {
+    int v;
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(v));
+    return v;
+}
+
+// Writes this thread's columns of one packed row of a warp's O (fragment half hf, times inv)
+// from `dst`, the row's first element in the output (T) or the split scratch (f32): one row
+// pointer, where per-element addresses of both destinations, hoisted by the compiler, spilled
+// at d 256.
+template <typename E, int D, bool DIRECT>
+__device__ __forceinline__ void store_frag_row(E* dst, int d_out, const float (&o)[D / 8][4],
+                                               int hf, float inv) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int n = 2 * (lane % 4) + e;
+            const int c = DIRECT ? direct_col<D>(j, n) : 8 * j + n;
+            if (c < d_out) dst[c] = rowwise::from_f32<E>(o[j][2 * hf + e] * inv);
+        }
+}
+
 // Writes one packed row's base-2 log-sum-exp: natural-log lse (one split) or the scratch.
 __device__ __forceinline__ void store_lse(const FlashParams& p, const PackedRow& x, int b,
                                           int64_t row_g, int split, float lse2) {
@@ -615,12 +651,13 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     unsigned char* sKV = smem_raw + ROWS * D * 2;
     Tc* sWork = reinterpret_cast<Tc*>(sKV + STAGES * 2 * Tr::TILE);
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int rg = warp / KG, kg = warp % KG;
+    // (Not const: read again after the key loop, see there.)
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    int rg = warp / KG, kg = warp % KG;
     const int split = blockIdx.y;
-    const int kvh = blockIdx.x / p.m_tiles, mb = blockIdx.x % p.m_tiles;
+    const int kvh = blockIdx.x / p.m_tiles;
     const int b = blockIdx.z;
-    const int m0 = mb * ROWS;  // first packed row of the block
+    int m0 = (blockIdx.x % p.m_tiles) * ROWS;  // first packed row of the block
 
     BlockGeom g;
     if (!block_geom<true>(p, 0, 1, 0, b, g)) return;  // empty sequence: no rows
@@ -663,8 +700,10 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     // A warp whose row tile holds no packed row (an instance wider than the call's rows) skips
     // the tile products: it still copies its share of each tile, but issues nothing else that
     // the busy warps of its SM would wait behind. One row tile always holds a row (the block
-    // returned above otherwise): no test, and no register, in those instances.
+    // returned above otherwise): no test, and no register, in those instances. The loop tests
+    // the warp's end of keys: the block's, or 0 (keys are not negative) without rows.
     const bool has_rows = RG == 1 || m0 + 16 * rg < g.sq * p.kv_group;
+    const int warp_hi = has_rows ? g.n_hi : 0;
 
     const int t_begin = g.n_lo / BC;
     const int t_end = g.n_hi > g.n_lo ? (g.n_hi + BC - 1) / BC : t_begin;
@@ -807,7 +846,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         }
         const int k0 = t * BC + KW * kg;  // this warp's first key
         const int bt = STAGE_BIAS ? t % 2 : 0, bn = STAGE_BIAS ? (t + 1) % 2 : 0;
-        if (has_rows && k0 < g.n_hi && k0 + KW > g.n_lo)
+        if (k0 < warp_hi && k0 + KW > g.n_lo)
             warp_tile<Tc, T, D, KW, MODS, DIRECT>(
                 w, p, sQ, sK, sV, q_off, k_off, v_off, k0,
                 row_lo, row_hi, diag, slope_log2, unit, bias_off, g.sk, qscale,
@@ -818,6 +857,16 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     }
     cp_async_wait<0>();
     __syncthreads();
+    // The thread's indices, the block's first row and its sequence's first output row, derived
+    // again from the special registers rather than held across the key loop, where at their
+    // register caps (d 64 at 128 registers, d 128 at 168, d 256 at 255) ptxas spilled them.
+    tid = fresh_tid_x();
+    warp = tid / 32;
+    lane = tid % 32;
+    rg = warp / KG;
+    kg = warp % KG;
+    m0 = (fresh_ctaid_x() % p.m_tiles) * ROWS;
+    g.out_row0 = out_row0(p, fresh_ctaid_z());
 
     // Row sums over the quad (each thread summed its own columns).
 #pragma unroll
@@ -838,14 +887,15 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             const RowEnd end = row_end(m_scaled, l, p.num_splits == 1 ? p.sinks : nullptr, x.h);
             const float inv = KV8 ? end.inv * vscale : end.inv;
             const int64_t row_g = g.out_row0 + x.i;
-#pragma unroll
-            for (int j = 0; j < DT; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int n = 2 * (lane % 4) + e;
-                    const int c = DIRECT ? direct_col<D>(j, n) : 8 * j + n;
-                    if (c < p.d_out) store<T>(p, x, row_g, split, c, w.o[j][2 * hf + e] * inv);
-                }
+            if (p.num_splits == 1)
+                store_frag_row<T, D, DIRECT>(static_cast<T*>(p.o) + row_g * p.o_seq +
+                                                 (int64_t)x.h * p.o_head,
+                                             p.d_out, w.o, hf, inv);
+            else
+                store_frag_row<float, D, DIRECT>(
+                    p.o_part + ((int64_t)split * p.total_q + row_g) * p.o_seq +
+                        (int64_t)x.h * p.o_head,
+                    p.d_out, w.o, hf, inv);
             // A NaN l (a NaN score) keeps NaN in the lse, as O keeps it.
             if (lane % 4 == 0) store_lse(p, x, b, row_g, split, end.lse2);
         }
