@@ -575,16 +575,24 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
     }
 }
 
+// The first element of one packed row in the output (one split) and in the split scratch (f32).
+template <typename T>
+__device__ __forceinline__ T* out_row(const FlashParams& p, const PackedRow& x, int64_t row_g) {
+    return static_cast<T*>(p.o) + row_g * p.o_seq + (int64_t)x.h * p.o_head;
+}
+__device__ __forceinline__ float* part_row(const FlashParams& p, const PackedRow& x,
+                                           int64_t row_g, int split) {
+    return p.o_part + ((int64_t)split * p.total_q + row_g) * p.o_seq + (int64_t)x.h * p.o_head;
+}
+
 // Writes one packed row's value (already normalised) to the output, or to the split scratch.
 template <typename T>
 __device__ __forceinline__ void store(const FlashParams& p, const PackedRow& x, int64_t row_g,
                                       int split, int c, float val) {
     if (p.num_splits == 1)
-        static_cast<T*>(p.o)[row_g * p.o_seq + (int64_t)x.h * p.o_head + c] =
-            rowwise::from_f32<T>(val);
+        out_row<T>(p, x, row_g)[c] = rowwise::from_f32<T>(val);
     else
-        p.o_part[((int64_t)split * p.total_q + row_g) * p.o_seq + (int64_t)x.h * p.o_head + c] =
-            val;
+        part_row(p, x, row_g, split)[c] = val;
 }
 
 // threadIdx.x, blockIdx.x and blockIdx.z read anew (volatile: not merged with an earlier read,
@@ -888,14 +896,10 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             const float inv = KV8 ? end.inv * vscale : end.inv;
             const int64_t row_g = g.out_row0 + x.i;
             if (p.num_splits == 1)
-                store_frag_row<T, D, DIRECT>(static_cast<T*>(p.o) + row_g * p.o_seq +
-                                                 (int64_t)x.h * p.o_head,
-                                             p.d_out, w.o, hf, inv);
+                store_frag_row<T, D, DIRECT>(out_row<T>(p, x, row_g), p.d_out, w.o, hf, inv);
             else
-                store_frag_row<float, D, DIRECT>(
-                    p.o_part + ((int64_t)split * p.total_q + row_g) * p.o_seq +
-                        (int64_t)x.h * p.o_head,
-                    p.d_out, w.o, hf, inv);
+                store_frag_row<float, D, DIRECT>(part_row(p, x, row_g, split), p.d_out, w.o, hf,
+                                                 inv);
             // A NaN l (a NaN score) keeps NaN in the lse, as O keeps it.
             if (lane % 4 == 0) store_lse(p, x, b, row_g, split, end.lse2);
         }
