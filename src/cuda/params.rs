@@ -115,8 +115,9 @@ pub struct Params {
     pub q_tiles: i32,
     pub k_tiles: i32,
     /// Paged K/V: 1 when row `r` of block `i` is row `i * page + r` of k and of v (blocks
-    /// `page` rows apart, `k_batch = page * k_seq`, likewise v) and every such row index fits
-    /// an i32, so the decode kernels address a row from one index; else 0.
+    /// `page` rows apart, `k_batch = page * k_seq`, likewise v), every such row index fits an
+    /// i32 and a row's stride in bytes (2-byte elements) a u32, so the decode kernels address a
+    /// row from one index by one 32 x 32 -> 64-bit multiply-add; else 0.
     pub page_dense: i32,
     /// Split-KV decode, combine kernel: warps merging one (query row, head): 1, 2 or 4.
     pub combine_warps: i32,

@@ -344,6 +344,7 @@ impl<T: CudaDType + candle::cuda_backend::cudarc::driver::DeviceRepr> ForwardCal
                 let (k, v) = (&self.k.s, &self.v.s);
                 pg.page.checked_mul(k.seq) == Some(k.batch)
                     && pg.page.checked_mul(v.seq) == Some(v.batch)
+                    && [k.seq, v.seq].iter().all(|&s| s <= (u32::MAX / 2) as usize)
                     && pg
                         .num_blocks
                         .checked_mul(pg.page)
