@@ -359,6 +359,10 @@ fn f32_section(
                         let why = if msg.contains("OUT_OF_MEMORY") || msg.contains("out of memory")
                         {
                             "OOM".to_string()
+                        } else if b * h * s * s >= 1 << 32 {
+                            // candle's CUDA kernels count elements in 32 bits: a score matrix of
+                            // 2^32 elements or more is refused at launch.
+                            ">2^32 scores".to_string()
                         } else {
                             format!("error: {}", msg.lines().next().unwrap_or(""))
                         };
