@@ -389,12 +389,18 @@ fn check_isas<T: Elem + candle::WithDType>(
 /// A NaN in one key's K (or V) row reaches exactly the output rows that see that key, on every
 /// instruction set, dtype and split count: those rows are NaN in every element, the others
 /// match the materialising path on the same inputs with that row zeroed (they never see it).
-/// Odd head dim and key count, groups of 8 (a whole AVX2 register block of rows) and 3.
+/// Odd head dim and key count, groups of 8 (a whole AVX2 register block of rows) and 3, and a
+/// bf16 NaN key at the end of a whole block that every row of its sequence sees (`P V` on the
+/// tiles: the NaN reaches every element of those rows, and no other sequence's).
 #[test]
 fn nan_in_a_key_reaches_exactly_the_rows_that_see_it() -> candle::Result<()> {
     let dev = Device::Cpu;
     // (batch, seq_q, keys, head dim, heads, KV heads)
-    for (b, sq, sk, d, h, hk) in [(2, 2, 1001, 57, 8, 1), (1, 3, 517, 128, 6, 2)] {
+    for (b, sq, sk, d, h, hk) in [
+        (2, 2, 1001, 57, 8, 1),
+        (1, 3, 517, 128, 6, 2),
+        (2, 1, 512, 128, 8, 1),
+    ] {
         // The last key of sequence 0: under the bottom-right causal mask only its last query
         // row sees it.
         let (nan_b, nan_key) = (0, sk - 1);
@@ -457,12 +463,13 @@ fn check_nan<T: Elem + candle::WithDType>(
     let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<T>();
     let (qv, kv, vv) = (flat(q)?, flat(k)?, flat(v)?);
     let row = p.heads * p.head_dim;
-    for isa in Isa::available() {
+    let tiles = [TileUse::Off, TileUse::Amx, TileUse::Model];
+    for (isa, tiles) in Isa::available().into_iter().flat_map(|i| tiles.map(|t| (i, t))) {
         for threads in [1, 2, 7] {
             let (got, _) = forward_with(
                 isa,
                 true,
-                TileUse::Off,
+                tiles,
                 threads,
                 1,
                 p,
@@ -477,7 +484,7 @@ fn check_nan<T: Elem + candle::WithDType>(
                 .enumerate()
             {
                 let (b, i) = (r / p.max_seq_q, r % p.max_seq_q);
-                let at = format!("{what} {isa:?} threads {threads} row ({b}, {i})");
+                let at = format!("{what} {isa:?} {tiles:?} threads {threads} row ({b}, {i})");
                 if sees(b, i) {
                     assert!(g.iter().all(|x| x.to_f32().is_nan()), "{at}: not all NaN");
                 } else {
