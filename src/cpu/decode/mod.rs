@@ -434,17 +434,23 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
     let q_len = K::q_len(gr, d);
     let packed = if K::PACKS_Q { p.kv_heads * q_len } else { 0 };
     sc.reserve(rows, packed, sq, BK * p.kv_heads * d, d);
-    // With `q·k` on the tiles, `P V` runs there too, leaving `O` pair-split.
+    // With `q·k` on the tiles, `O` is pair-split, and `P V` runs there too where the rows of a
+    // KV head fill at least half of their tiles: a tile product costs about the same for any
+    // rows up to 16 and its `O` is padded to them, where the FMAs' cost follows the rows (at
+    // 32/8 heads, 4 rows per KV head, the tiles were 3-8% slower; at 8/1, 8 rows, 1.1-2.3x
+    // faster).
     let split = ctx.tiles != TileUse::Off;
-    let tile_pv = split;
     #[cfg(target_arch = "x86_64")]
-    let orows = if tile_pv {
-        gr.next_multiple_of(x86::TILE_ROWS)
-    } else {
-        gr
+    let (tile_pv, orows) = {
+        let padded = gr.next_multiple_of(x86::TILE_ROWS);
+        if split && padded <= 2 * gr {
+            (true, padded)
+        } else {
+            (false, gr)
+        }
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let orows = gr;
+    let (tile_pv, orows) = (false, gr);
     sc.o.resize(p.kv_heads * orows * d, 0.0);
     // Row of `O` of scratch row r.
     let o_row = |r: usize| r / gr * orows + r % gr;

@@ -464,7 +464,10 @@ fn check_nan<T: Elem + candle::WithDType>(
     let (qv, kv, vv) = (flat(q)?, flat(k)?, flat(v)?);
     let row = p.heads * p.head_dim;
     let tiles = [TileUse::Off, TileUse::Amx, TileUse::Model];
-    for (isa, tiles) in Isa::available().into_iter().flat_map(|i| tiles.map(|t| (i, t))) {
+    for (isa, tiles) in Isa::available()
+        .into_iter()
+        .flat_map(|i| tiles.map(|t| (i, t)))
+    {
         for threads in [1, 2, 7] {
             let (got, _) = forward_with(
                 isa,
