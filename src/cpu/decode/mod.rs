@@ -31,7 +31,9 @@
 //!   16 keys, runs there too (`x86::tile_pv`): V loaded as it lies, `P` rounded to bf16 and
 //!   entered twice, once per half of the head-dim pairs, so that `O` comes out pair-split
 //!   ([`o_elem`]) and is put back in order once per item. Blocks the tiles do not take run on
-//!   the FMAs in the same layout.
+//!   the FMAs in the same layout. The half of each pair a pass leaves out is multiplied by
+//!   zero, so an infinite or NaN V element would turn its neighbour's column NaN: an item
+//!   whose `O` holds a NaN runs again with `P V` on the FMAs.
 //! * **Blocks of `BK` keys**, one KV head after the other; while the scores of a KV head run,
 //!   the rows [`PREFETCH_BYTES`] ahead are prefetched into L2 a row at a time between the
 //!   kernel's own loads (the kernels read several rows at once, which the hardware prefetchers
@@ -423,6 +425,16 @@ fn copy_block<T: Elem, U: Copy>(
 /// One work item: keys `lo .. hi` of sequence `b`, every query row of every head.
 #[inline(always)]
 fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: Item) {
+    run_item_pv::<T, KV, K>(ctx, sc, it, true)
+}
+
+/// [`run_item`], `P V` on the tiles where `pv_tiles` and the rows fill them (see below).
+fn run_item_pv<T: Elem, KV: Elem, K: Ops>(
+    ctx: &Ctx<T, KV>,
+    sc: &mut Scratch,
+    it: Item,
+    pv_tiles: bool,
+) {
     let p = ctx.p;
     let d = p.head_dim;
     let b = it.b;
@@ -443,7 +455,7 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
     #[cfg(target_arch = "x86_64")]
     let (tile_pv, orows) = {
         let padded = gr.next_multiple_of(x86::TILE_ROWS);
-        if split && padded <= 2 * gr {
+        if split && pv_tiles && padded <= 2 * gr {
             (true, padded)
         } else {
             (false, gr)
@@ -666,6 +678,13 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
         j0 += n;
     }
 
+    // The tiles multiply the other half of each V pair by zero (`x86::tile_pv`), so an
+    // infinite or NaN V element would make its pair neighbour's column NaN as well. Only then
+    // is an element of `O` NaN where the FMAs would not make it one: the item runs again with
+    // `P V` on the FMAs, which keep the columns apart (a check of `O`, not of every V row).
+    if tile_pv && sc.o[..p.kv_heads * orows * d].iter().any(|x| x.is_nan()) {
+        return run_item_pv::<T, KV, K>(ctx, sc, it, false);
+    }
     let sp = ctx.plan.seqs[b];
     if sp.splits == 1 {
         // The only split: normalise and write the output rows here.

@@ -505,6 +505,83 @@ fn check_nan<T: Elem + candle::WithDType>(
     Ok(())
 }
 
+/// An infinite or NaN element of one V row reaches only its own column: the rows that see the
+/// key get a non-finite value there and match the reference everywhere else, on every
+/// instruction set and tile setting, one and two threads. The key sits inside a whole block
+/// that every row sees, and the column is even and odd, so that `P V` on the tiles (which
+/// multiplies the other half of each V pair by zero) is where it must not spread.
+#[test]
+fn a_non_finite_v_element_reaches_only_its_column() -> candle::Result<()> {
+    use half::bf16;
+    let dev = Device::Cpu;
+    let (b, sq, sk, d, h, hk) = (2, 1, 512, 128, 8, 1);
+    let key = 100;
+    let rounded = |t: Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+    let q = rounded(Tensor::randn(0f32, 1., (b, sq, h, d), &dev)?)?;
+    let k = rounded(Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?)?;
+    let v = rounded(Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?)?;
+    let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+    let opts = FlashAttn::new(0.1);
+    for col in [6, 7] {
+        for bad in [f32::INFINITY, f32::NAN] {
+            // Sequence 0's key, KV head 0, element `col`.
+            let at = key * hk * d + col;
+            let mut vz = flat(&v)?;
+            vz[at] = 0.0;
+            let want = flat(&naive_attention(
+                &q,
+                &k,
+                &Tensor::from_vec(vz, v.shape(), &dev)?,
+                &opts,
+            )?)?;
+            let mut vn = flat(&v)?;
+            vn[at] = bad;
+            let vt = Tensor::from_vec(vn, v.shape(), &dev)?;
+            let p = opts.problem(&q, &k, &vt, None)?;
+            let as_bf16 = |t: &Tensor| t.to_dtype(DType::BF16)?.flatten_all()?.to_vec1::<bf16>();
+            let (qv, kv, vv) = (as_bf16(&q)?, as_bf16(&k)?, as_bf16(&vt)?);
+            let tiles = [TileUse::Off, TileUse::Amx, TileUse::Model];
+            for (isa, tiles) in Isa::available()
+                .into_iter()
+                .flat_map(|i| tiles.map(|t| (i, t)))
+            {
+                for threads in [1, 2] {
+                    let (got, _) = forward_with(
+                        isa,
+                        true,
+                        tiles,
+                        threads,
+                        1,
+                        &p,
+                        None,
+                        &qv,
+                        [&kv, &vv],
+                        &Extras::default(),
+                    );
+                    for (r, (g, w)) in got.chunks_exact(d).zip(want.chunks_exact(d)).enumerate() {
+                        // Rows (b, i, head): sequence 0's see the key.
+                        let seq0 = r < sq * h;
+                        let what =
+                            format!("{bad} at {col}: {isa:?} {tiles:?} threads {threads} row {r}");
+                        for (x, (g, w)) in g.iter().zip(w).enumerate() {
+                            let g = g.to_f32();
+                            if seq0 && x == col {
+                                assert!(!g.is_finite(), "{what}: element {x} is {g}");
+                            } else {
+                                assert!(
+                                    (g - w).abs() <= 2.5e-2,
+                                    "{what}: element {x} is {g}, want {w}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Times decode against prefill over query rows per KV head, to place `MAX_DECODE_SEQ_Q` and
 /// `MAX_DECODE_ROWS_PER_KV_HEAD`:
 /// `cargo test --release --lib threshold_timing -- --ignored --nocapture`.
