@@ -27,7 +27,13 @@
 //!   up to 16 query rows is four `TDPBF16PS` at d = 128, `Sᵀ = K Qᵀ` with K loaded as it lies
 //!   and the query rows packed into tiles once per item; the tiles take head dims that are a
 //!   multiple of 32 up to 192, and other blocks (an item's last, partial one, a paged block
-//!   that crosses pages) run on `vdpbf16ps`.
+//!   that crosses pages) run on `vdpbf16ps`. `P V` of such a block, where every row sees all
+//!   16 keys, runs there too (`x86::tile_pv`): V loaded as it lies, `P` rounded to bf16 and
+//!   entered twice, once per half of the head-dim pairs, so that `O` comes out pair-split
+//!   ([`o_elem`]) and is put back in order once per item. Blocks the tiles do not take run on
+//!   the FMAs in the same layout. The half of each pair a pass leaves out is multiplied by
+//!   zero, so an infinite or NaN V element would turn its neighbour's column NaN: an item
+//!   whose `O` holds a NaN runs again with `P V` on the FMAs.
 //! * **Blocks of `BK` keys**, one KV head after the other; while the scores of a KV head run,
 //!   the rows [`PREFETCH_BYTES`] ahead are prefetched into L2 a row at a time between the
 //!   kernel's own loads (the kernels read several rows at once, which the hardware prefetchers
@@ -419,6 +425,16 @@ fn copy_block<T: Elem, U: Copy>(
 /// One work item: keys `lo .. hi` of sequence `b`, every query row of every head.
 #[inline(always)]
 fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: Item) {
+    run_item_pv::<T, KV, K>(ctx, sc, it, true)
+}
+
+/// [`run_item`], `P V` on the tiles where `pv_tiles` and the rows fill them (see below).
+fn run_item_pv<T: Elem, KV: Elem, K: Ops>(
+    ctx: &Ctx<T, KV>,
+    sc: &mut Scratch,
+    it: Item,
+    pv_tiles: bool,
+) {
     let p = ctx.p;
     let d = p.head_dim;
     let b = it.b;
@@ -430,6 +446,26 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
     let q_len = K::q_len(gr, d);
     let packed = if K::PACKS_Q { p.kv_heads * q_len } else { 0 };
     sc.reserve(rows, packed, sq, BK * p.kv_heads * d, d);
+    // With `q·k` on the tiles, `O` is pair-split, and `P V` runs there too where the rows of a
+    // KV head fill at least half of their tiles: a tile product costs about the same for any
+    // rows up to 16 and its `O` is padded to them, where the FMAs' cost follows the rows (at
+    // 32/8 heads, 4 rows per KV head, the tiles were 3-8% slower; at 8/1, 8 rows, 1.1-2.3x
+    // faster).
+    let split = ctx.tiles != TileUse::Off;
+    #[cfg(target_arch = "x86_64")]
+    let (tile_pv, orows) = {
+        let padded = gr.next_multiple_of(x86::TILE_ROWS);
+        if split && pv_tiles && padded <= 2 * gr {
+            (true, padded)
+        } else {
+            (false, gr)
+        }
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (tile_pv, orows) = (false, gr);
+    sc.o.resize(p.kv_heads * orows * d, 0.0);
+    // Row of `O` of scratch row r.
+    let o_row = |r: usize| r / gr * orows + r % gr;
     // Scratch row of (head h, query i).
     let row_of = |h: usize, i: usize| ((h / group) * sq + i) * group + h % group;
     for h in 0..p.heads {
@@ -473,9 +509,7 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
         tq.tiles = d / x86::TILE_D;
         let per = tq.tiles * x86::TILE_WORDS;
         let sets = p.kv_heads.div_ceil(tq.heads) * tq.row_chunks;
-        if tq.q.len() < sets * per {
-            tq.q.resize(sets * per, 0);
-        }
+        tq.q.resize(sets * per, 0);
         tq.q[..sets * per].fill(0);
         for kvh in 0..p.kv_heads {
             for rc in 0..tq.row_chunks {
@@ -488,7 +522,7 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
         // New rows: none of them is in the tile registers yet.
         tq.loaded = None;
     }
-    sc.o[..rows * d].fill(0.0);
+    sc.o[..p.kv_heads * orows * d].fill(0.0);
     // Each row sees one interval of keys, prefix ranges or not (`SeqMask::row_range`).
     let mask = p.mask(b, &seq);
     for i in 0..sq {
@@ -574,6 +608,9 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
             b,
             scale,
             softcap,
+            split,
+            tile_pv,
+            orows,
         };
         if convert {
             let (mut kb, mut vb) = (std::mem::take(&mut sc.k), std::mem::take(&mut sc.v));
@@ -641,6 +678,13 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
         j0 += n;
     }
 
+    // The tiles multiply the other half of each V pair by zero (`x86::tile_pv`), so an
+    // infinite or NaN V element would make its pair neighbour's column NaN as well. Only then
+    // is an element of `O` NaN where the FMAs would not make it one: the item runs again with
+    // `P V` on the FMAs, which keep the columns apart (a check of `O`, not of every V row).
+    if tile_pv && sc.o[..p.kv_heads * orows * d].iter().any(|x| x.is_nan()) {
+        return run_item_pv::<T, KV, K>(ctx, sc, it, false);
+    }
     let sp = ctx.plan.seqs[b];
     if sp.splits == 1 {
         // The only split: normalise and write the output rows here.
@@ -650,8 +694,13 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
                 let (m, l) = (sc.m[r], sc.l[r]);
                 let inv = if l == 0.0 { 0.0 } else { 1.0 / l };
                 let base = (seq.out_row + i) * p.heads * d + h * d;
+                let o = &sc.o[o_row(r) * d..(o_row(r) + 1) * d];
                 for x in 0..d {
-                    let o = if l == 0.0 { 0.0 } else { sc.o[r * d + x] * inv };
+                    let o = if l == 0.0 {
+                        0.0
+                    } else {
+                        o[o_elem(split, x)] * inv
+                    };
                     // SAFETY: element (row, h, x) belongs to this sequence, written by its only
                     // item, and lies inside the output `forward_with` allocated
                     // (total_q · heads · d elements).
@@ -669,11 +718,14 @@ fn run_item<T: Elem, KV: Elem, K: Ops>(ctx: &Ctx<T, KV>, sc: &mut Scratch, it: I
     for h in 0..p.heads {
         for i in 0..sq {
             let (r, pr) = (row_of(h, i), base + h * sq + i);
+            let o = &sc.o[o_row(r) * d..(o_row(r) + 1) * d];
             // SAFETY: partial rows `base .. base + rows` belong to this item alone and lie
             // inside the buffers `forward_with` allocated (`plan.part_rows` rows of `d`).
             unsafe {
-                let o = ctx.po.0.add(pr * d);
-                std::ptr::copy_nonoverlapping(sc.o.as_ptr().add(r * d), o, d);
+                let po = ctx.po.0.add(pr * d);
+                for x in 0..d {
+                    *po.add(x) = o[o_elem(split, x)];
+                }
                 *ctx.pm.0.add(pr) = sc.m[r];
                 *ctx.pl.0.add(pr) = sc.l[r];
             }
@@ -701,6 +753,17 @@ fn row_lse(m: f32, l: f32) -> f32 {
     }
 }
 
+/// Where element `x` of a row of `O` lies: at `x`, or, pair-split (the layout the tile `P V`
+/// leaves, `x86::tile_pv`), the even elements of each 32 first, then the odd ones.
+#[inline(always)]
+fn o_elem(split: bool, x: usize) -> usize {
+    if split {
+        x & !31 | (x & 1) << 4 | (x & 31) >> 1
+    } else {
+        x
+    }
+}
+
 /// Where one block of an item stands.
 struct Block {
     /// First key of the block, and its keys.
@@ -713,6 +776,12 @@ struct Block {
     /// Multiplies `q·k` (with log2(e) folded in unless there is a softcap).
     scale: f32,
     softcap: bool,
+    /// The rows of `O` pair-split ([`o_elem`]), and `P V` of whole blocks on the tile unit.
+    split: bool,
+    tile_pv: bool,
+    /// Rows of `O` per KV head: its `group · seq_q` rows, padded to whole tiles for the tile
+    /// `P V`.
+    orows: usize,
 }
 
 /// Every row of an item against one block: the scores, the online softmax, `P V`, one KV head
@@ -836,7 +905,26 @@ fn block<T: Elem, KV: Elem, U: Elem, K: Ops>(
     // blocks where a causal diagonal or a window edge passes).
     for kvh in 0..p.kv_heads {
         let r0 = kvh * gr;
+        let o0 = kvh * blk.orows;
         let vr = v.at(kvh);
+        #[cfg(target_arch = "x86_64")]
+        if blk.tile_pv
+            && n == BK
+            && sc.cols[..sq].iter().all(|&c| c == (0, BK))
+            && x86::tile_pv(
+                ctx.tiles,
+                &mut sc.tq,
+                &mut sc.o[o0 * d..(o0 + blk.orows) * d],
+                gr,
+                d,
+                &sc.corr[r0..r0 + gr],
+                &sc.s[r0..r0 + gr],
+                &vr,
+                &mut sc.pf[kvh],
+            )
+        {
+            continue;
+        }
         let mut i = 0;
         while i < sq {
             let c = sc.cols[i];
@@ -846,9 +934,11 @@ fn block<T: Elem, KV: Elem, U: Elem, K: Ops>(
             }
             if c.0 < c.1 {
                 let (t0, t1) = (r0 + i * group, r0 + e * group);
+                let o = o0 + i * group;
                 K::pv(
                     ctx.bf16_dot,
-                    &mut sc.o[t0 * d..t1 * d],
+                    blk.split,
+                    &mut sc.o[o * d..(o + t1 - t0) * d],
                     t1 - t0,
                     d,
                     Some(&sc.corr[t0..t1]),
@@ -978,12 +1068,13 @@ trait Ops: Kernel + Sized {
         }
     }
     /// For the `rows` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c p[t][c] V[c]`
-    /// over `c` in `cols` (no scaling without `corr`; `p` rounded to bf16 when `dot`);
-    /// prefetches `pf` on the way.
+    /// over `c` in `cols` (no scaling without `corr`; `p` rounded to bf16 when `dot`; the rows
+    /// of `o` pair-split when `split`, see [`o_elem`]); prefetches `pf` on the way.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn pv<T: Elem>(
         dot: bool,
+        split: bool,
         o: &mut [f32],
         rows: usize,
         d: usize,
@@ -994,6 +1085,7 @@ trait Ops: Kernel + Sized {
         pf: &mut Pf,
     ) {
         let _ = dot;
+        assert!(!split, "decode: pair-split rows of O only on AVX-512");
         pf.fetch_all();
         portable_pv::<T, Self>(o, rows, d, corr, p, v, cols)
     }

@@ -18,9 +18,12 @@ use crate::problem::Problem;
 /// call still has tasks left when the second thread wakes, tens of microseconds late on a VM.
 pub(super) const MIN_TASK_BYTES: usize = 32 << 10;
 /// Tasks per thread when the cache is large: more than one, so that a thread slowed by another
-/// process hands its last stretch to an idle one (work stealing), few enough that the per-task
-/// setup and the merge stay negligible.
-pub(super) const TASKS_PER_THREAD: usize = 4;
+/// process hands its last stretch to an idle one (work stealing), and no more: each task
+/// starts its stream of rows cold (the first rows a memory latency away, the prefetches not yet
+/// ahead) and leaves partials to merge, which cost a call of a few hundred KiB more than the
+/// balance gained (bf16 8/1 heads b1 kv1000, 2 threads: 4 tasks per thread 48-49 us, 2 tasks
+/// 40 us).
+pub(super) const TASKS_PER_THREAD: usize = 2;
 
 /// One work item: keys `lo .. hi` of sequence `b`, split `split` of its `splits`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

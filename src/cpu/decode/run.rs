@@ -9,6 +9,13 @@
 //! one that arrives after the last task was claimed leaves without touching anything of the
 //! call. The caller returns once every claimed task has finished.
 //!
+//! Decode calls come back to back (one per layer and token), so a pool thread that has helped
+//! with one keeps watching for the next for a while ([`LINGER`]) instead of going to sleep:
+//! the next call offers its tasks ([`OFFER`]) to the threads watching and wakes only as many
+//! others as it still needs. While it watches, the thread runs any other rayon job that comes
+//! (`rayon::yield_now`) and otherwise yields its core to any other thread that wants it, so it
+//! holds up no other work.
+//!
 //! Which thread runs which task changes no result: the plan fixes the tasks and the order of
 //! every merge.
 
@@ -16,6 +23,20 @@ use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a pool thread watches for the next call after helping with one: a few times what
+/// waking a sleeping pool thread costs on a VM (tens of microseconds), so that a thread that
+/// would have been woken is there instead, and short against a decode step of a model (the
+/// other layers' work between two calls takes longer, and the thread runs it meanwhile).
+const LINGER: Duration = Duration::from_micros(200);
+
+/// The tasks of the call in progress, offered to the pool threads watching ([`linger`]); the
+/// counter changes with every offer, so that a watcher looks at the slot only then.
+static OFFER: Mutex<Option<Arc<Shared>>> = Mutex::new(None);
+static OFFERS: AtomicUsize = AtomicUsize::new(0);
+/// Pool threads watching for an offer.
+static WATCHING: AtomicUsize = AtomicUsize::new(0);
 
 /// The state the caller and the pool threads share; it outlives the call (each pool job holds
 /// it), the call's data does not.
@@ -67,6 +88,34 @@ impl Shared {
     }
 }
 
+/// A pool thread's job: help with the call of `s`, then with every call offered within
+/// [`LINGER`] of the last one helped with.
+fn linger(s: Arc<Shared>) {
+    s.help();
+    drop(s);
+    let mut seen = OFFERS.load(SeqCst);
+    WATCHING.fetch_add(1, SeqCst);
+    let mut since = Instant::now();
+    while since.elapsed() < LINGER {
+        let now = OFFERS.load(SeqCst);
+        if now != seen {
+            seen = now;
+            let offered = OFFER.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if let Some(s) = offered {
+                WATCHING.fetch_sub(1, SeqCst);
+                s.help();
+                drop(s);
+                WATCHING.fetch_add(1, SeqCst);
+                since = Instant::now();
+            }
+        } else if rayon::yield_now() != Some(rayon::Yield::Executed) {
+            // Nothing to run: let any other thread that wants this core have it.
+            std::thread::yield_now();
+        }
+    }
+    WATCHING.fetch_sub(1, SeqCst);
+}
+
 /// Waits, when dropped (also while the caller unwinds), until no pool thread can still be
 /// running a task of the call.
 struct Wait<'a>(&'a Shared);
@@ -102,13 +151,27 @@ pub(super) fn run(n: usize, helpers: usize, f: &(dyn Fn(usize) + Sync)) {
         f,
         panic: Mutex::new(None),
     });
-    for _ in 0..helpers.min(n.saturating_sub(1)) {
+    let helpers = helpers.min(n.saturating_sub(1));
+    let watching = if helpers > 0 {
+        *OFFER.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&shared));
+        OFFERS.fetch_add(1, SeqCst);
+        WATCHING.load(SeqCst)
+    } else {
+        0
+    };
+    for _ in watching.min(helpers)..helpers {
         let s = Arc::clone(&shared);
-        rayon::spawn(move || s.help());
+        rayon::spawn(move || linger(s));
     }
     {
         let _wait = Wait(&shared);
         shared.work();
+    }
+    if helpers > 0 {
+        let mut offer = OFFER.lock().unwrap_or_else(|p| p.into_inner());
+        if offer.as_ref().is_some_and(|o| Arc::ptr_eq(o, &shared)) {
+            *offer = None;
+        }
     }
     let panic = shared
         .panic

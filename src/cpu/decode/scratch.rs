@@ -1,6 +1,7 @@
 //! The per-thread buffers of the decode partial pass.
 
 use std::cell::RefCell;
+use std::ops::{Deref, DerefMut};
 
 use super::prefetch::Pf;
 use super::BK;
@@ -27,7 +28,9 @@ pub(super) struct Scratch {
     pub(super) qh: Vec<u16>,
     /// The query rows of each KV head as the kernels read them, where they pack them.
     pub(super) qp: Vec<f32>,
-    pub(super) o: Vec<f32>,
+    /// Cache-line aligned, so that the tile rows of `O` (`x86::tile_pv`) never straddle two
+    /// lines (a tile load or store of straddling rows takes about three times as long).
+    pub(super) o: Aligned<f32>,
     pub(super) m: Vec<f32>,
     pub(super) l: Vec<f32>,
     /// Per query index: the keys it sees; then the part of the current block it sees; the
@@ -53,7 +56,7 @@ pub(super) struct TileQ {
     /// Sets of `B` tiles, one tile per 32 head-dim elements, each set holding the rows of
     /// [`heads`](Self::heads) KV heads side by side (16 columns), or one chunk of 16 rows of a
     /// KV head with more.
-    pub(super) q: Vec<u32>,
+    pub(super) q: Aligned<u32>,
     /// Chunks of 16 rows per KV head (1 where its rows fit one tile), KV heads per set, and
     /// tiles per set.
     pub(super) row_chunks: usize,
@@ -62,7 +65,69 @@ pub(super) struct TileQ {
     /// The set whose tiles are loaded.
     pub(super) loaded: Option<usize>,
     /// A block's transposed scores (keys × query rows), as the tile unit stores them.
-    pub(super) st: [[f32; BK]; BK],
+    pub(super) st: Tile<f32>,
+    /// The probabilities of up to 16 rows as the two `A` tiles of the pair-split `P V`.
+    pub(super) pe: Tile<u32>,
+    pub(super) po: Tile<u32>,
+}
+
+/// One tile in memory: 16 rows of 64 bytes, cache-line aligned.
+#[repr(C, align(64))]
+pub(super) struct Tile<T>(pub(super) [[T; BK]; BK]);
+
+/// 64 bytes, cache-line aligned: the unit of [`Aligned`].
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u8; 64]);
+
+/// The element types of [`Aligned`]: 4-byte numbers, valid for any bit pattern (zero included).
+pub(super) trait Plain: Copy {}
+impl Plain for f32 {}
+impl Plain for u32 {}
+
+/// A growable buffer of `T` whose first element starts a cache line.
+pub(super) struct Aligned<T> {
+    lines: Vec<Line>,
+    len: usize,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<T: Plain> Aligned<T> {
+    const fn new() -> Self {
+        Self {
+            lines: Vec::new(),
+            len: 0,
+            _t: std::marker::PhantomData,
+        }
+    }
+
+    /// Grows to `n` elements, the new ones `x`; never shrinks.
+    pub(super) fn resize(&mut self, n: usize, x: T) {
+        if n <= self.len {
+            return;
+        }
+        let lines = (n * std::mem::size_of::<T>()).div_ceil(64);
+        self.lines.resize(lines, Line([0; 64]));
+        let old = self.len;
+        self.len = n;
+        self[old..].fill(x);
+    }
+}
+
+impl<T: Plain> Deref for Aligned<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: the lines hold at least `len` elements of `T` (`resize`), which is valid for
+        // any bytes (`Plain`) and needs at most the lines' alignment.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast(), self.len) }
+    }
+}
+
+impl<T: Plain> DerefMut for Aligned<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as for `deref`, through the unique borrow.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast(), self.len) }
+    }
 }
 
 impl TileQ {
@@ -86,7 +151,7 @@ impl Scratch {
             q: Vec::new(),
             qh: Vec::new(),
             qp: Vec::new(),
-            o: Vec::new(),
+            o: Aligned::new(),
             m: Vec::new(),
             l: Vec::new(),
             range: Vec::new(),
@@ -97,12 +162,14 @@ impl Scratch {
             k: Vec::new(),
             v: Vec::new(),
             tq: TileQ {
-                q: Vec::new(),
+                q: Aligned::new(),
                 row_chunks: 0,
                 heads: 0,
                 tiles: 0,
                 loaded: None,
-                st: [[0.0; BK]; BK],
+                st: Tile([[0.0; BK]; BK]),
+                pe: Tile([[0; BK]; BK]),
+                po: Tile([[0; BK]; BK]),
             },
             pf: Vec::new(),
         }
@@ -126,7 +193,7 @@ impl Scratch {
         grow(&mut self.q, rows * d, 0.0);
         grow(&mut self.qh, rows * d.next_multiple_of(2), 0);
         grow(&mut self.qp, packed, 0.0);
-        grow(&mut self.o, rows * d, 0.0);
+        self.o.resize(rows * d, 0.0);
         grow(&mut self.m, rows, 0.0);
         grow(&mut self.l, rows, 0.0);
         grow(&mut self.range, sq, (0, 0));

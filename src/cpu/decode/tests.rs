@@ -389,12 +389,18 @@ fn check_isas<T: Elem + candle::WithDType>(
 /// A NaN in one key's K (or V) row reaches exactly the output rows that see that key, on every
 /// instruction set, dtype and split count: those rows are NaN in every element, the others
 /// match the materialising path on the same inputs with that row zeroed (they never see it).
-/// Odd head dim and key count, groups of 8 (a whole AVX2 register block of rows) and 3.
+/// Odd head dim and key count, groups of 8 (a whole AVX2 register block of rows) and 3, and a
+/// bf16 NaN key at the end of a whole block that every row of its sequence sees (`P V` on the
+/// tiles: the NaN reaches every element of those rows, and no other sequence's).
 #[test]
 fn nan_in_a_key_reaches_exactly_the_rows_that_see_it() -> candle::Result<()> {
     let dev = Device::Cpu;
     // (batch, seq_q, keys, head dim, heads, KV heads)
-    for (b, sq, sk, d, h, hk) in [(2, 2, 1001, 57, 8, 1), (1, 3, 517, 128, 6, 2)] {
+    for (b, sq, sk, d, h, hk) in [
+        (2, 2, 1001, 57, 8, 1),
+        (1, 3, 517, 128, 6, 2),
+        (2, 1, 512, 128, 8, 1),
+    ] {
         // The last key of sequence 0: under the bottom-right causal mask only its last query
         // row sees it.
         let (nan_b, nan_key) = (0, sk - 1);
@@ -457,12 +463,16 @@ fn check_nan<T: Elem + candle::WithDType>(
     let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<T>();
     let (qv, kv, vv) = (flat(q)?, flat(k)?, flat(v)?);
     let row = p.heads * p.head_dim;
-    for isa in Isa::available() {
+    let tiles = [TileUse::Off, TileUse::Amx, TileUse::Model];
+    for (isa, tiles) in Isa::available()
+        .into_iter()
+        .flat_map(|i| tiles.map(|t| (i, t)))
+    {
         for threads in [1, 2, 7] {
             let (got, _) = forward_with(
                 isa,
                 true,
-                TileUse::Off,
+                tiles,
                 threads,
                 1,
                 p,
@@ -477,7 +487,7 @@ fn check_nan<T: Elem + candle::WithDType>(
                 .enumerate()
             {
                 let (b, i) = (r / p.max_seq_q, r % p.max_seq_q);
-                let at = format!("{what} {isa:?} threads {threads} row ({b}, {i})");
+                let at = format!("{what} {isa:?} {tiles:?} threads {threads} row ({b}, {i})");
                 if sees(b, i) {
                     assert!(g.iter().all(|x| x.to_f32().is_nan()), "{at}: not all NaN");
                 } else {
@@ -488,6 +498,83 @@ fn check_nan<T: Elem + candle::WithDType>(
                         .map(|(g, w)| (g.to_f32() - w).abs())
                         .fold(0f32, |m, e| if e > m || e.is_nan() { e } else { m });
                     assert!(err <= tol, "{at}: max error {err}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An infinite or NaN element of one V row reaches only its own column: the rows that see the
+/// key get a non-finite value there and match the reference everywhere else, on every
+/// instruction set and tile setting, one and two threads. The key sits inside a whole block
+/// that every row sees, and the column is even and odd, so that `P V` on the tiles (which
+/// multiplies the other half of each V pair by zero) is where it must not spread.
+#[test]
+fn a_non_finite_v_element_reaches_only_its_column() -> candle::Result<()> {
+    use half::bf16;
+    let dev = Device::Cpu;
+    let (b, sq, sk, d, h, hk) = (2, 1, 512, 128, 8, 1);
+    let key = 100;
+    let rounded = |t: Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+    let q = rounded(Tensor::randn(0f32, 1., (b, sq, h, d), &dev)?)?;
+    let k = rounded(Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?)?;
+    let v = rounded(Tensor::randn(0f32, 1., (b, sk, hk, d), &dev)?)?;
+    let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+    let opts = FlashAttn::new(0.1);
+    for col in [6, 7] {
+        for bad in [f32::INFINITY, f32::NAN] {
+            // Sequence 0's key, KV head 0, element `col`.
+            let at = key * hk * d + col;
+            let mut vz = flat(&v)?;
+            vz[at] = 0.0;
+            let want = flat(&naive_attention(
+                &q,
+                &k,
+                &Tensor::from_vec(vz, v.shape(), &dev)?,
+                &opts,
+            )?)?;
+            let mut vn = flat(&v)?;
+            vn[at] = bad;
+            let vt = Tensor::from_vec(vn, v.shape(), &dev)?;
+            let p = opts.problem(&q, &k, &vt, None)?;
+            let as_bf16 = |t: &Tensor| t.to_dtype(DType::BF16)?.flatten_all()?.to_vec1::<bf16>();
+            let (qv, kv, vv) = (as_bf16(&q)?, as_bf16(&k)?, as_bf16(&vt)?);
+            let tiles = [TileUse::Off, TileUse::Amx, TileUse::Model];
+            for (isa, tiles) in Isa::available()
+                .into_iter()
+                .flat_map(|i| tiles.map(|t| (i, t)))
+            {
+                for threads in [1, 2] {
+                    let (got, _) = forward_with(
+                        isa,
+                        true,
+                        tiles,
+                        threads,
+                        1,
+                        &p,
+                        None,
+                        &qv,
+                        [&kv, &vv],
+                        &Extras::default(),
+                    );
+                    for (r, (g, w)) in got.chunks_exact(d).zip(want.chunks_exact(d)).enumerate() {
+                        // Rows (b, i, head): sequence 0's see the key.
+                        let seq0 = r < sq * h;
+                        let what =
+                            format!("{bad} at {col}: {isa:?} {tiles:?} threads {threads} row {r}");
+                        for (x, (g, w)) in g.iter().zip(w).enumerate() {
+                            let g = g.to_f32();
+                            if seq0 && x == col {
+                                assert!(!g.is_finite(), "{what}: element {x} is {g}");
+                            } else {
+                                assert!(
+                                    (g - w).abs() <= 2.5e-2,
+                                    "{what}: element {x} is {g}, want {w}"
+                                );
+                            }
+                        }
+                    }
                 }
             }
         }

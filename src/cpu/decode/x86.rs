@@ -162,7 +162,7 @@ pub(super) fn tile_scores<T: 'static>(
         // `tq.q` and `col + n <= 16` (both checked above); the 16 K rows at `kp`, `stride`
         // bytes apart, are the block's, each with `d = 32 · chunks` elements in bounds
         // (`check_rows`).
-        unsafe { run(load, chunks, kp, stride, col, n, &mut tq.st, s, pf) };
+        unsafe { run(load, chunks, kp, stride, col, n, &mut tq.st.0, s, pf) };
         tq.loaded = Some(set);
     }
     true
@@ -195,6 +195,71 @@ unsafe fn run<U: Tiles>(
         }
         amx::scores::<U>(chunks, kp, stride, col, n, st, s, pf)
     }
+}
+
+/// `O += P V` on the tile unit `u` (see `amx::pv`) for the `rows` rows of a KV head that all see
+/// every key of a whole block whose 16 V rows lie one stride apart: `o` holds them pair-split,
+/// in chunks of 16 rows ([`TILE_ROWS`], the last padded), each first scaled by its correction
+/// `corr[t]`; `p` holds their probabilities, rounded to bf16 on the way. Returns `false`,
+/// having done nothing, for any other block, which the caller then runs on the vector kernels.
+/// The query tiles are overwritten (`tq.loaded` is cleared).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn tile_pv<T: 'static>(
+    u: TileUse,
+    tq: &mut TileQ,
+    o: &mut [f32],
+    rows: usize,
+    d: usize,
+    corr: &[f32],
+    p: &[[f32; BK]],
+    v: &Rows<T>,
+    pf: &mut Pf,
+) -> bool {
+    type Run = unsafe fn(usize, *mut u8, usize, *const u8, *const u8, *const u8, usize, &mut Pf);
+    let run: Run = match u {
+        TileUse::Off => return false,
+        TileUse::Amx => amx::pv::<Amx>,
+        #[cfg(test)]
+        TileUse::Model => amx::pv::<crate::cpu::bf16::amx::Soft>,
+    };
+    if kind::<T>() != Kind::Bf16 || rows == 0 {
+        return false;
+    }
+    let stride = v.row(1).wrapping_sub(v.row(0));
+    if (2..BK).any(|c| v.row(c) != v.row(0).wrapping_add(c.wrapping_mul(stride))) {
+        return false;
+    }
+    let chunks = d / TILE_D;
+    check_rows(v, &(0..BK), d);
+    assert!(
+        d.is_multiple_of(TILE_D)
+            && chunks >= 1
+            && o.len() >= rows.next_multiple_of(TILE_ROWS) * d
+            && corr.len() >= rows
+            && p.len() >= rows,
+        "decode: tile operands out of bounds"
+    );
+    let vp = v.src.as_ptr().wrapping_add(v.row(0)).cast::<u8>();
+    let stride = stride.wrapping_mul(std::mem::size_of::<T>());
+    for r0 in (0..rows).step_by(TILE_ROWS) {
+        let n = TILE_ROWS.min(rows - r0);
+        let o = &mut o[r0 * d..(r0 + TILE_ROWS) * d];
+        // SAFETY: avx512f with every tile unit (`forward_with`); `p` holds rows r0 .. r0 + n and
+        // `o` and `corr` the n rows (checked above).
+        unsafe {
+            avx512::p_tiles(&p[r0..], n, &mut tq.pe.0, &mut tq.po.0);
+            avx512::scale_rows(o, d, &corr[r0..], n);
+        }
+        let (pe, po) = (tq.pe.0.as_ptr().cast::<u8>(), tq.po.0.as_ptr().cast());
+        // SAFETY: configured (`tiles_on`, where the item began; `u` is not `Off`); `pe` and
+        // `po` are tiles; `o` holds 16 rows of `d` f32 (4 · d = chunks · 128 bytes, checked
+        // above); the 16 V rows at `vp`, `stride` bytes apart, are the block's, each with
+        // `d = 32 · chunks` elements in bounds (`check_rows`).
+        unsafe { run(chunks, o.as_mut_ptr().cast(), 4 * d, pe, po, vp, stride, pf) };
+    }
+    tq.loaded = None;
+    true
 }
 
 impl Ops for Avx512 {
@@ -261,6 +326,7 @@ impl Ops for Avx512 {
     #[inline(always)]
     fn pv<T: Elem>(
         dot: bool,
+        split: bool,
         o: &mut [f32],
         rows: usize,
         d: usize,
@@ -275,12 +341,19 @@ impl Ops for Avx512 {
         }
         check_pv(o.len(), rows, d, corr.map(<[f32]>::len), p.len(), &cols);
         check_rows(v, &cols, d);
-        if dot && kind::<T>() == Kind::Bf16 {
-            // SAFETY: avx512f/bw/vl detected as above; the bounds were checked just above.
-            unsafe { avx512::pv::<T, true>(o, rows, d, corr, p, v, cols, pf) }
-        } else {
-            // SAFETY: as above.
-            unsafe { avx512::pv::<T, false>(o, rows, d, corr, p, v, cols, pf) }
+        assert!(
+            !split || (kind::<T>() == Kind::Bf16 && d.is_multiple_of(TILE_D)),
+            "decode: pair-split rows of O are bf16 products over whole 32-element steps"
+        );
+        // SAFETY (each call): avx512f/bw/vl detected as above; the bounds were checked just
+        // above, and pair-split rows only with bf16 rows of whole 32-element steps.
+        unsafe {
+            match (dot && kind::<T>() == Kind::Bf16, split) {
+                (true, true) => avx512::pv::<T, true, true>(o, rows, d, corr, p, v, cols, pf),
+                (true, false) => avx512::pv::<T, true, false>(o, rows, d, corr, p, v, cols, pf),
+                (false, true) => avx512::pv::<T, false, true>(o, rows, d, corr, p, v, cols, pf),
+                (false, false) => avx512::pv::<T, false, false>(o, rows, d, corr, p, v, cols, pf),
+            }
         }
     }
 }
@@ -346,6 +419,7 @@ impl Ops for Fused {
     #[inline(always)]
     fn pv<T: Elem>(
         _dot: bool,
+        split: bool,
         o: &mut [f32],
         rows: usize,
         d: usize,
@@ -355,6 +429,7 @@ impl Ops for Fused {
         cols: std::ops::Range<usize>,
         pf: &mut Pf,
     ) {
+        assert!(!split, "decode: pair-split rows of O only on AVX-512");
         pf.fetch_all();
         if rows == 0 || cols.is_empty() {
             return;

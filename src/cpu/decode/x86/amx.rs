@@ -131,3 +131,70 @@ pub(in crate::cpu::decode) unsafe fn scores<T: Tiles>(
         unsafe { _mm512_storeu_si512(s.as_mut_ptr().cast(), *t) };
     }
 }
+
+/// `O += P V` for one chunk of up to 16 query rows and a whole block of 16 keys, `O` held
+/// pair-split: in each 32 head-dim elements of a row, the 16 even elements, then the 16 odd
+/// ones. The V rows are loaded as they lie in the cache, 32 elements (64 bytes) of the 16 keys
+/// per tile, so that tile row `c` holds the pairs `(V[c][2n], V[c][2n + 1])` of its 16 columns
+/// `n`. `P` enters twice, as `pe` (each probability, rounded to bf16, in the low half of a pair,
+/// 0 in the high half) and `po` (in the high half): `C += pe · V` then sums `p V[c][2n]`, the even
+/// elements, and `C += po · V` the odd ones (the other half of each pair times 0). No V byte
+/// is moved, and the two products cost what one packed product per 16 elements would.
+///
+/// Tiles: `pe` in 6, `po` in 7; two 32-element steps at a time, their V rows in 0 and 1 and
+/// their four `C` tiles (`O` loaded, accumulated, stored back) in 2 to 5. The query tiles of
+/// [`load_q`] are overwritten.
+///
+/// # Safety
+/// Configured; `1 <= chunks`; `pe` and `po` are tiles (16 rows of 64 bytes); `o` holds 16 rows
+/// of `chunks · 128` bytes, `o_stride` bytes apart; the 16 rows of `chunks · 64` bytes at `v`,
+/// `v_stride` apart, are readable.
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub(in crate::cpu::decode) unsafe fn pv<T: Tiles>(
+    chunks: usize,
+    o: *mut u8,
+    o_stride: usize,
+    pe: *const u8,
+    po: *const u8,
+    v: *const u8,
+    v_stride: usize,
+    pf: &mut Pf,
+) {
+    let per = pf.rows().div_ceil(chunks.div_ceil(2));
+    // The even and odd halves of step c of a row of `O`.
+    let at = |c: usize, half: usize| o.wrapping_add(c * 128 + half * 64);
+    // SAFETY (every tile access): configured; steps c < chunks of the V rows and of the `O`
+    // rows lie inside them (caller).
+    unsafe {
+        T::load::<6>(pe, 64);
+        T::load::<7>(po, 64);
+        let mut c = 0;
+        while c < chunks {
+            let two = c + 1 < chunks;
+            T::load::<0>(v.wrapping_add(c * 64), v_stride);
+            T::load::<2>(at(c, 0), o_stride);
+            T::load::<3>(at(c, 1), o_stride);
+            if two {
+                T::load::<1>(v.wrapping_add((c + 1) * 64), v_stride);
+                T::load::<4>(at(c + 1, 0), o_stride);
+                T::load::<5>(at(c + 1, 1), o_stride);
+            }
+            T::dp::<2, 6, 0>();
+            T::dp::<3, 7, 0>();
+            if two {
+                T::dp::<4, 6, 1>();
+                T::dp::<5, 7, 1>();
+            }
+            pf.fetch(per);
+            T::store::<2>(at(c, 0), o_stride);
+            T::store::<3>(at(c, 1), o_stride);
+            if two {
+                T::store::<4>(at(c + 1, 0), o_stride);
+                T::store::<5>(at(c + 1, 1), o_stride);
+            }
+            c += 2;
+        }
+    }
+    pf.fetch_all();
+}

@@ -276,15 +276,16 @@ pub(super) unsafe fn scores_bf16<T: 'static>(
 
 /// For the `rows` rows `t` of `o` (`d` apart): `o[t] = o[t] · corr[t] + Σ_c p[t][c] V[c]` over
 /// `c` in `cols`, in register blocks of 8, 4, 2 or 1 rows; with `R`, each `p` rounded to bf16
-/// first (the bf16 products' semantics, see [`pv_rows`]). Prefetches the rows of `pf` a few
-/// at a time between the keys.
+/// first (the bf16 products' semantics, see [`pv_rows`]); with `S`, the rows of `o` are
+/// pair-split (see [`pv_rows`]). Prefetches the rows of `pf` a few at a time between the keys.
 ///
 /// # Safety
 /// avx512f/bw/vl and fma must be available; `o` holds `rows` rows of `d`, `corr` and `p` at
-/// least `rows` entries; `cols.end <= BK` and every V row of `cols` has `d` elements in bounds.
+/// least `rows` entries; `cols.end <= BK` and every V row of `cols` has `d` elements in bounds;
+/// with `S`, `T` is bf16 and `d` a multiple of 32.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn pv<T: 'static, const R: bool>(
+pub(super) unsafe fn pv<T: 'static, const R: bool, const S: bool>(
     o: &mut [f32],
     rows: usize,
     d: usize,
@@ -308,10 +309,10 @@ pub(super) unsafe fn pv<T: 'static, const R: bool>(
         // (`rows - t` at least that many), the rest as for this function.
         t += unsafe {
             match rows - t {
-                1 => pv_rows::<T, 1, 8, R>(op, d, cr, pr, v, cols.clone(), pf, per),
-                2 | 3 => pv_rows::<T, 2, 8, R>(op, d, cr, pr, v, cols.clone(), pf, per),
-                4..=7 => pv_rows::<T, 4, 4, R>(op, d, cr, pr, v, cols.clone(), pf, per),
-                _ => pv_rows::<T, 8, 2, R>(op, d, cr, pr, v, cols.clone(), pf, per),
+                1 => pv_rows::<T, 1, 8, R, S>(op, d, cr, pr, v, cols.clone(), pf, per),
+                2 | 3 => pv_rows::<T, 2, 8, R, S>(op, d, cr, pr, v, cols.clone(), pf, per),
+                4..=7 => pv_rows::<T, 4, 4, R, S>(op, d, cr, pr, v, cols.clone(), pf, per),
+                _ => pv_rows::<T, 8, 2, R, S>(op, d, cr, pr, v, cols.clone(), pf, per),
             }
         };
     }
@@ -323,12 +324,17 @@ pub(super) unsafe fn pv<T: 'static, const R: bool>(
 /// products, which are then exact in f32: the same sums as `vdpbf16ps` of bf16 `P` and V, on
 /// f32 FMAs, which retire twice the multiply-adds per cycle of `vdpbf16ps` on Sapphire Rapids.
 ///
+/// With `S` the rows of `o` are pair-split, as the tile product leaves them
+/// (`amx::pv`): each 32 bf16 of a V row are loaded as 16 pairs, whose low halves shifted up are
+/// the even elements and whose high halves masked are the odd ones, two instructions per 32
+/// elements where widening takes four.
+///
 /// # Safety
 /// As for [`pv`], with `RB` rows at `o`, in `corr` and in `p`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize, const R: bool>(
+unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize, const R: bool, const S: bool>(
     o: *mut f32,
     d: usize,
     corr: Option<&[f32]>,
@@ -373,9 +379,22 @@ unsafe fn pv_rows<T: 'static, const RB: usize, const CB: usize, const R: bool>(
             }
             let row = vp.wrapping_add(v.row(c) + x0);
             let mut vv = [_mm512_setzero_ps(); CB];
-            for (j, vv) in vv.iter_mut().enumerate() {
-                // SAFETY: lanes below `d` of a V row in bounds (caller).
-                *vv = unsafe { load(row.wrapping_add(j * W), m[j]) };
+            if S {
+                let high = _mm512_set1_epi32(-0x1_0000);
+                for j in (0..CB).step_by(2) {
+                    let x = x0 + j * W;
+                    // SAFETY: lanes below `d` of a V row of bf16 in bounds (caller).
+                    let w = unsafe {
+                        _mm512_maskz_loadu_epi16(mask32(x, d), row.wrapping_add(j * W).cast())
+                    };
+                    vv[j] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
+                    vv[j + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+                }
+            } else {
+                for (j, vv) in vv.iter_mut().enumerate() {
+                    // SAFETY: lanes below `d` of a V row in bounds (caller).
+                    *vv = unsafe { load(row.wrapping_add(j * W), m[j]) };
+                }
             }
             for (t, acc) in acc.iter_mut().enumerate() {
                 let pb = _mm512_set1_ps(pr[t][c]);
@@ -406,6 +425,63 @@ fn round_bf16(x: __m512) -> __m512 {
     let r = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(-0x1_0000)));
     // Rounding up the low half of a NaN's payload could carry into Inf: keep NaN as it is.
     _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x), r, x)
+}
+
+/// The two `A` tiles of `P` for the tile product (`amx::pv`): rows `t < n` of `pe` and `po` from
+/// `p[t]`, each probability rounded to bf16 (NaN made the quiet NaN, whose low half is 0), as
+/// the high half of a pair in `po` and the low half in `pe`, the other half 0; rows `n ..` zero.
+///
+/// # Safety
+/// avx512f must be available; `p` holds `n <= 16` rows.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn p_tiles(
+    p: &[[f32; BK]],
+    n: usize,
+    pe: &mut [[u32; BK]; BK],
+    po: &mut [[u32; BK]; BK],
+) {
+    for (t, (pe, po)) in pe.iter_mut().zip(po.iter_mut()).enumerate() {
+        let (e, o) = if t < n {
+            // SAFETY: row t < n of `p` holds 16 floats (caller).
+            let x = unsafe { _mm512_loadu_ps(p[t].as_ptr()) };
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+            let b = _mm512_castps_si512(round_bf16(x));
+            let b = _mm512_mask_mov_epi32(b, nan, _mm512_set1_epi32(0x7fc0_0000));
+            (_mm512_srli_epi32::<16>(b), b)
+        } else {
+            (_mm512_setzero_si512(), _mm512_setzero_si512())
+        };
+        // SAFETY: a tile row holds 16 words.
+        unsafe {
+            _mm512_storeu_si512(pe.as_mut_ptr().cast(), e);
+            _mm512_storeu_si512(po.as_mut_ptr().cast(), o);
+        }
+    }
+}
+
+/// `o[t] *= corr[t]` for the rows `t < n` (`d` apart) whose correction is not 1.
+///
+/// # Safety
+/// avx512f must be available; `o` holds `n` rows of `d`, `corr` `n` entries.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn scale_rows(o: &mut [f32], d: usize, corr: &[f32], n: usize) {
+    for (row, &c) in o[..n * d].chunks_exact_mut(d).zip(&corr[..n]) {
+        if c == 1.0 {
+            continue;
+        }
+        let cv = _mm512_set1_ps(c);
+        let mut x = 0;
+        while x < d {
+            let m = mask16(x, d);
+            // SAFETY: lanes below `d` of the row (caller).
+            unsafe {
+                let at = row.as_mut_ptr().add(x);
+                let v = _mm512_maskz_loadu_ps(m, at);
+                _mm512_mask_storeu_ps(at, m, _mm512_mul_ps(v, cv));
+            }
+            x += W;
+        }
+    }
 }
 
 /// `2^x` lane-wise, the polynomial of `crate::cpu::exp2` in vector form: relative error below
