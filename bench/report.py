@@ -804,12 +804,12 @@ def fp8_prefill_section(page, readme):
 
 
 DECODE_SPLITS_NOTE = ("The decode planner's choice (`candle-flash`) beside every decode instance "
-                      "of the head's width at 1 to 64 splits of the keys (`candle-flash-<instance>-"
+                      "of the head's width at 1 to 32 splits of the keys (`candle-flash-<instance>-"
                       "s<splits>`), bf16, contiguous caches, same run (`examples/decode_bench.rs "
-                      "--instances .. --splits 1,2,4,8,16,32,64`): how far the plan of the rows' "
+                      "--instances .. --splits 1,2,3,4,6,8,12,16,32`): how far the plan of the rows' "
                       "commit is from the fastest alternative measured, and the data the "
                       "planner's costs are fitted on (src/cuda/decode/plan.rs). The best of some "
-                      "40 timings per shape is biased low by their noise (about 2% per timing).")
+                      "60 timings per shape is biased low by their noise (about 2% per timing).")
 
 
 def decode_splits_section(page):
