@@ -445,7 +445,6 @@ fn run_item_pv<T: Elem, KV: Elem, K: Ops>(
     let gr = group * sq;
     let q_len = K::q_len(gr, d);
     let packed = if K::PACKS_Q { p.kv_heads * q_len } else { 0 };
-    sc.reserve(rows, packed, sq, BK * p.kv_heads * d, d);
     // With `q·k` on the tiles, `O` is pair-split, and `P V` runs there too where the rows of a
     // KV head fill at least half of their tiles: a tile product costs about the same for any
     // rows up to 16 and its `O` is padded to them, where the FMAs' cost follows the rows (at
@@ -463,7 +462,7 @@ fn run_item_pv<T: Elem, KV: Elem, K: Ops>(
     };
     #[cfg(not(target_arch = "x86_64"))]
     let (tile_pv, orows) = (false, gr);
-    sc.o.resize(p.kv_heads * orows * d, 0.0);
+    sc.reserve(rows, p.kv_heads * orows, packed, sq, BK * p.kv_heads * d, d);
     // Row of `O` of scratch row r.
     let o_row = |r: usize| r / gr * orows + r % gr;
     // Scratch row of (head h, query i).

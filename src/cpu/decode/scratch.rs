@@ -175,11 +175,13 @@ impl Scratch {
         }
     }
 
-    /// Room for `rows` query rows of `d` (`packed` elements packed), `sq` query indices and
+    /// Room for `rows` query rows of `d` (`packed` elements packed), `o_rows` rows of `O`
+    /// (`rows`, or more where each KV head's are padded to whole tiles), `sq` query indices and
     /// blocks of `block` elements.
     pub(super) fn reserve(
         &mut self,
         rows: usize,
+        o_rows: usize,
         packed: usize,
         sq: usize,
         block: usize,
@@ -193,7 +195,7 @@ impl Scratch {
         grow(&mut self.q, rows * d, 0.0);
         grow(&mut self.qh, rows * d.next_multiple_of(2), 0);
         grow(&mut self.qp, packed, 0.0);
-        self.o.resize(rows * d, 0.0);
+        self.o.resize(o_rows * d, 0.0);
         grow(&mut self.m, rows, 0.0);
         grow(&mut self.l, rows, 0.0);
         grow(&mut self.range, sq, (0, 0));
