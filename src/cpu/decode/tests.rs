@@ -463,46 +463,59 @@ fn check_nan<T: Elem + candle::WithDType>(
     let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<T>();
     let (qv, kv, vv) = (flat(q)?, flat(k)?, flat(v)?);
     let row = p.heads * p.head_dim;
-    let tiles = [TileUse::Off, TileUse::Amx, TileUse::Model];
-    for (isa, tiles) in Isa::available()
-        .into_iter()
-        .flat_map(|i| tiles.map(|t| (i, t)))
-    {
-        for threads in [1, 2, 7] {
-            let (got, _) = forward_with(
-                isa,
-                true,
-                tiles,
-                threads,
-                1,
-                p,
-                None,
-                &qv,
-                [&kv, &vv],
-                &Extras::default(),
-            );
-            for (r, (g, w)) in got
-                .chunks_exact(row)
-                .zip(want.chunks_exact(row))
-                .enumerate()
-            {
-                let (b, i) = (r / p.max_seq_q, r % p.max_seq_q);
-                let at = format!("{what} {isa:?} {tiles:?} threads {threads} row ({b}, {i})");
-                if sees(b, i) {
-                    assert!(g.iter().all(|x| x.to_f32().is_nan()), "{at}: not all NaN");
-                } else {
-                    // NaN-propagating largest difference.
-                    let err = g
-                        .iter()
-                        .zip(w)
-                        .map(|(g, w)| (g.to_f32() - w).abs())
-                        .fold(0f32, |m, e| if e > m || e.is_nan() { e } else { m });
-                    assert!(err <= tol, "{at}: max error {err}");
-                }
+    every_setting(p, &qv, [&kv, &vv], &[1, 2, 7], |setting, got| {
+        for (r, (g, w)) in got
+            .chunks_exact(row)
+            .zip(want.chunks_exact(row))
+            .enumerate()
+        {
+            let (b, i) = (r / p.max_seq_q, r % p.max_seq_q);
+            let at = format!("{what} {setting} row ({b}, {i})");
+            if sees(b, i) {
+                assert!(g.iter().all(|x| x.to_f32().is_nan()), "{at}: not all NaN");
+            } else {
+                // NaN-propagating largest difference.
+                let err = g
+                    .iter()
+                    .zip(w)
+                    .map(|(g, w)| (g.to_f32() - w).abs())
+                    .fold(0f32, |m, e| if e > m || e.is_nan() { e } else { m });
+                assert!(err <= tol, "{at}: max error {err}");
+            }
+        }
+    });
+    Ok(())
+}
+
+/// `forward_with` on every instruction set and tile setting (the tile unit, its software
+/// model, none) at each thread count of `threads`, with the bf16 products where the cache has
+/// them: `check(setting, output)` for each.
+fn every_setting<T: Elem, KV: Elem>(
+    p: &Problem,
+    q: &[T],
+    kv: [&[KV]; 2],
+    threads: &[usize],
+    mut check: impl FnMut(&str, &[T]),
+) {
+    for isa in Isa::available() {
+        for tiles in [TileUse::Off, TileUse::Amx, TileUse::Model] {
+            for &threads in threads {
+                let (got, _) = forward_with(
+                    isa,
+                    true,
+                    tiles,
+                    threads,
+                    1,
+                    p,
+                    None,
+                    q,
+                    kv,
+                    &Extras::default(),
+                );
+                check(&format!("{isa:?} {tiles:?} threads {threads}"), &got);
             }
         }
     }
-    Ok(())
 }
 
 /// An infinite or NaN element of one V row reaches only its own column: the rows that see the
@@ -540,43 +553,24 @@ fn a_non_finite_v_element_reaches_only_its_column() -> candle::Result<()> {
             let p = opts.problem(&q, &k, &vt, None)?;
             let as_bf16 = |t: &Tensor| t.to_dtype(DType::BF16)?.flatten_all()?.to_vec1::<bf16>();
             let (qv, kv, vv) = (as_bf16(&q)?, as_bf16(&k)?, as_bf16(&vt)?);
-            let tiles = [TileUse::Off, TileUse::Amx, TileUse::Model];
-            for (isa, tiles) in Isa::available()
-                .into_iter()
-                .flat_map(|i| tiles.map(|t| (i, t)))
-            {
-                for threads in [1, 2] {
-                    let (got, _) = forward_with(
-                        isa,
-                        true,
-                        tiles,
-                        threads,
-                        1,
-                        &p,
-                        None,
-                        &qv,
-                        [&kv, &vv],
-                        &Extras::default(),
-                    );
-                    for (r, (g, w)) in got.chunks_exact(d).zip(want.chunks_exact(d)).enumerate() {
-                        // Rows (b, i, head): sequence 0's see the key.
-                        let seq0 = r < sq * h;
-                        let what =
-                            format!("{bad} at {col}: {isa:?} {tiles:?} threads {threads} row {r}");
-                        for (x, (g, w)) in g.iter().zip(w).enumerate() {
-                            let g = g.to_f32();
-                            if seq0 && x == col {
-                                assert!(!g.is_finite(), "{what}: element {x} is {g}");
-                            } else {
-                                assert!(
-                                    (g - w).abs() <= 2.5e-2,
-                                    "{what}: element {x} is {g}, want {w}"
-                                );
-                            }
+            every_setting(&p, &qv, [&kv, &vv], &[1, 2], |setting, got| {
+                for (r, (g, w)) in got.chunks_exact(d).zip(want.chunks_exact(d)).enumerate() {
+                    // Rows (b, i, head): sequence 0's see the key.
+                    let seq0 = r < sq * h;
+                    let what = format!("{bad} at {col}: {setting} row {r}");
+                    for (x, (g, w)) in g.iter().zip(w).enumerate() {
+                        let g = g.to_f32();
+                        if seq0 && x == col {
+                            assert!(!g.is_finite(), "{what}: element {x} is {g}");
+                        } else {
+                            assert!(
+                                (g - w).abs() <= 2.5e-2,
+                                "{what}: element {x} is {g}, want {w}"
+                            );
                         }
                     }
                 }
-            }
+            });
         }
     }
     Ok(())
