@@ -8,8 +8,9 @@
 //! listed in `ARCH_MODULES` with their own `-gencode` target: the Hopper forward
 //! `kernels/sm90/flash_sm90.cu` and backward `kernels/sm90/bwd_sm90.cu` (wgmma/TMA,
 //! `compute_90a`), picked at run time by compute capability in `src/cuda/forward/plan.rs` and
-//! `src/cuda/backward/plan.rs`, and the FP8-cache decode `kernels/decode/decode_fp8.cu`
-//! (`compute_89`, and `compute_80` for older GPUs).
+//! `src/cuda/backward/plan.rs`, the decode instances with warpgroup-MMA products
+//! `kernels/decode/decode_sm90.cu` (`compute_90a`), and the FP8-cache decode
+//! `kernels/decode/decode_fp8.cu` (`compute_89`, and `compute_80` for older GPUs).
 //!
 //! Two headers are generated into `$OUT_DIR` from the Rust sources, so Rust and CUDA cannot
 //! drift apart:
@@ -47,6 +48,12 @@ const ARCH_MODULES: &[(&str, &str, &[&str])] = &[
     (
         "kernels/sm90/bwd_sm90.cu",
         "flash_bwd_sm90",
+        &["-gencode=arch=compute_90a,code=compute_90a"],
+    ),
+    // Decode with the tile products on the warpgroup MMA (its `wg` instances).
+    (
+        "kernels/decode/decode_sm90.cu",
+        "flash_decode_sm90",
         &["-gencode=arch=compute_90a,code=compute_90a"],
     ),
     // Decode from FP8 caches: with sm_89's e4m3 -> f16 conversion instruction, and for the
@@ -276,21 +283,32 @@ fn instances_header() -> String {
         )
         .unwrap();
     }
-    // The decode instances and their FP8-cache twins: the same tiles, their own shared memory.
+    // The decode instances (mma.sync, and the warpgroup-MMA ones of the sm_90a module) and the
+    // FP8-cache twins of the mma.sync ones: the same tiles, their own shared memory.
     type Smem = fn(&instances::DecodeInstance) -> usize;
-    let decode: [(&str, &str, Smem); 2] = [
-        ("FLASH_DECODE_INSTANCES", "FLASH_DECODE_INSTANCE", |i| {
-            i.smem()
-        }),
+    let decode: [(&str, &str, Smem, bool); 3] = [
+        (
+            "FLASH_DECODE_INSTANCES",
+            "FLASH_DECODE_INSTANCE",
+            |i| i.smem(),
+            false,
+        ),
+        (
+            "FLASH_DECODE_WG_INSTANCES",
+            "FLASH_DECODE_WG_INSTANCE",
+            |i| i.smem(),
+            true,
+        ),
         (
             "FLASH_DECODE_KV8_INSTANCES",
             "FLASH_DECODE_KV8_INSTANCE",
             |i| i.smem_kv8(),
+            false,
         ),
     ];
-    for (list, one, smem) in decode {
+    for (list, one, smem, wg) in decode {
         write!(h, "\n\n#define {list}(PREFIX, T)").unwrap();
-        for i in DECODE_INSTANCES {
+        for i in DECODE_INSTANCES.iter().filter(|i| i.wg == wg) {
             write!(
                 h,
                 " \\\n    {one}(PREFIX##_{}, T, {}, {}, {}, {}, {}, {})",

@@ -227,8 +227,8 @@ test_device!(sanitizer_decode_split_kv, Decode);
 /// Every decode instance, forced by name, against the reference: at its own head dim and a
 /// narrower one padded up to it, one packed row tile and 128 packed rows (one block of the
 /// widest instance, several row blocks of the others), odd cache lengths across tile and split
-/// edges, a one-key cache, both 16-bit dtypes. Instances a GPU's shared memory cannot hold are
-/// refused with an error, and skipped here.
+/// edges, a one-key cache, both 16-bit dtypes. Instances a GPU's shared memory cannot hold, and
+/// the warpgroup-MMA ones off sm_90a, are refused with an error, and skipped here.
 #[cfg(feature = "cuda")]
 fn sanitizer_every_decode_instance(t: &Target) -> Result<()> {
     use common::device::Config;
@@ -251,7 +251,12 @@ fn sanitizer_every_decode_instance(t: &Target) -> Result<()> {
             let dtype = [DType::BF16, DType::F16][(n + m) % 2];
             let c = Case::new(2, sq, sk, h, hk, d, dtype).causal();
             match c.check(&it, 1000 + (10 * n + m) as u64) {
-                Err(e) if e.to_string().contains("more shared memory") => break,
+                Err(e)
+                    if e.to_string().contains("more shared memory")
+                        || (i.wg && e.to_string().contains("sm_90a")) =>
+                {
+                    break
+                }
                 r => {
                     r.map_err(|e| candle::Error::Msg(format!("instance {name}: {e}")))?;
                 }

@@ -56,6 +56,9 @@
 #include "decode/combine.cuh"
 #include "decode/rows.cuh"
 #include "forward/rowwise.cuh"
+#ifdef FLASH_DECODE_WG
+#include "decode/wgmma.cuh"
+#endif
 
 namespace decode {
 
@@ -67,7 +70,8 @@ using flash::Mma;
 using flash::swz;
 using flash::SwzRow;
 
-template <typename T, int D, int RG, int KG, int BC, int STAGES, bool KV8 = false>
+template <typename T, int D, int RG, int KG, int BC, int STAGES, bool KV8 = false,
+          bool WG = false>
 struct Traits {
     static constexpr int WARPS = RG * KG;
     static constexpr int THREADS = WARPS * 32;
@@ -85,7 +89,12 @@ struct Traits {
     static constexpr int SIDE = BC > 64 ? 2 * 2 * BC * 4 : 0;
     // Q tile (2-byte elements), then STAGES (K, V) tiles, then the converted pair (KV8), then
     // the side arrays. The f32 merge buffer (KG > 1) reuses the ring and the pair.
-    static constexpr int SMEM = ROWS * D * 2 + STAGES * 2 * TILE + WORK + SIDE;
+    // WG (warpgroup MMA, decode/wgmma.cuh): the tiles start on a 1024-byte swizzle atom, the
+    // dynamic base rounded up to one.
+    static constexpr int ALIGN = WG ? 1024 : 0;
+    static constexpr int SMEM = ROWS * D * 2 + STAGES * 2 * TILE + WORK + SIDE + ALIGN;
+    static_assert(!WG || (KG == 1 && RG % 4 == 0 && D % 64 == 0 && BC % 16 == 0 && !KV8),
+                  "warpgroups of whole row tiles and keys, 2-byte tiles of 64-column chunks");
     static_assert(KW % 16 == 0, "a warp's keys are whole k16 steps");
     static_assert(KG == 1 || ROWS * D * 4 <= STAGES * 2 * TILE + WORK,
                   "the merge buffer fits in the ring");
@@ -93,9 +102,19 @@ struct Traits {
                   "the combine's split weights fit in the ring");
 };
 
+// Element offset of 16-byte chunk c of row r in an R-row tile of 2-byte elements: swizzled for
+// ldmatrix, or (CANON) as the warpgroup MMA reads it (decode/wgmma.cuh).
+template <int D, int R, bool CANON>
+__device__ __forceinline__ int tile_off(int r, int c) {
+#ifdef FLASH_DECODE_WG
+    if constexpr (CANON) return canon_off<R>(r, c);
+#endif
+    return swz<D>(r, c);
+}
+
 // Copies the block's ROWS x D packed rows of Q (per-row addresses) into a swizzled tile,
 // zero-filling rows past the packed length and columns past d_load.
-template <typename T, int D, int ROWS, int THREADS>
+template <typename T, int D, int ROWS, int THREADS, bool CANON = false>
 __device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const BlockGeom& g,
                                        int m0, int kvh) {
     constexpr int C = D / 8;
@@ -107,7 +126,7 @@ __device__ __forceinline__ void load_q(T* sQ, const FlashParams& p, int b, const
         if (ok)
             src += (int64_t)b * p.q_batch + (g.q_row0 + x.i) * p.q_seq + (int64_t)x.h * p.q_head +
                    c * 8;
-        flash::cp_async16(sQ + swz<D>(r, c), src, ok ? 16 : 0);
+        flash::cp_async16(sQ + tile_off<D, ROWS, CANON>(r, c), src, ok ? 16 : 0);
     }
 }
 
@@ -137,7 +156,7 @@ __device__ __forceinline__ int kv8_chunk(int r, int c) {
 // while that warp waits for instructions, and fully unrolled copies made the key loop outgrow
 // the instruction cache (measured with its code cold: 3.7 of the 8.7 cycles between a warp's
 // instructions waiting on the fetch, 0.4 with the loops unrolled twice).
-template <typename E, int D, int TILE, int THREADS>
+template <typename E, int D, int TILE, int THREADS, bool CANON = false>
 __device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, const E* kg,
                                         const E* vg, int64_t k_head_off, int64_t v_head_off,
                                         int key0, int rows_valid, const int* blk, bool dense) {
@@ -152,7 +171,9 @@ __device__ __forceinline__ void load_kv(E* sK, E* sV, const FlashParams& p, cons
     const E* kc = static_cast<const E*>(p.k);
     const E* vc = static_cast<const E*>(p.v);
     constexpr int N = (TILE + RPI - 1) / RPI;
-    auto dst = [&](int r) { return sizeof(E) == 1 ? kv8_chunk<D>(r, c) : swz<D>(r, c); };
+    auto dst = [&](int r) {
+        return sizeof(E) == 1 ? kv8_chunk<D>(r, c) : tile_off<D, TILE, CANON>(r, c);
+    };
     if (!blk) {
         const int64_t step_k = (int64_t)RPI * p.k_seq, step_v = (int64_t)RPI * p.v_seq;
         const E* ks = kg + (int64_t)(key0 + r0) * p.k_seq + c * EPC;
@@ -376,70 +397,19 @@ struct WarpState {
     float m[2], l[2];
 };
 
-// S = Q K^T, softmax update and O += P V for this warp's KW keys of one tile, whose first key is
-// `k0`. Masks with the rows' visible ranges [row_lo, row_hi) (within this split). MODS: softcap,
-// ALiBi and the bias first: staged in shared memory (`sBias`, f32) where the block's rows share
-// one key vector, else read at the rows' offsets (`bias_row`, keys < sk); a 2-byte bias has the
-// dtype of q, TB, which is not T where an FP8 cache's tiles are converted to f16. DIRECT: sK and
-// sV are the stored FP8 tiles (kv8_chunk), converted here into the fragments (the columns of Q
-// permuted by direct_k_col, those of O by direct_col); `kw0` is the warp's first row in them.
-template <typename T, typename TB, int D, int KW, bool MODS, bool DIRECT = false>
-__device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p, const T* sQ,
-                                          const T* sK, const T* sV, const SwzRow<D>& q_off,
-                                          const SwzRow<D>& k_off, const SwzRow<D>& v_off, int k0,
-                                          const int (&row_lo)[2], const int (&row_hi)[2],
-                                          const int (&diag)[2], const float (&slope_log2)[2],
-                                          float unit, const int64_t (&bias_off)[2], int sk,
-                                          float qscale, const float* sBias, int kw0) {
-    constexpr int NT = KW / 8;
+// The scores s of one tile (this warp's keys from `k0`) through the score modifiers (MODS) and
+// masks into the online softmax: the rows' maxima and sums in w move on, s becomes P (f32), and
+// alpha gets the factors O must be rescaled by (exactly 1 where a row's maximum did not move).
+// The arguments are warp_tile's.
+template <typename TB, int D, int NT, bool MODS>
+__device__ __forceinline__ void softmax_tile(WarpState<D>& w, float (&s)[NT][4], float (&alpha)[2],
+                                             const FlashParams& p, int k0,
+                                             const int (&row_lo)[2], const int (&row_hi)[2],
+                                             const int (&diag)[2], const float (&slope_log2)[2],
+                                             float unit, const int64_t (&bias_off)[2], int sk,
+                                             float qscale, const float* sBias) {
+    constexpr int KW = NT * 8;
     const int lane = threadIdx.x % 32;
-    float s[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-    if constexpr (DIRECT) {
-        // Key 8 j + lane / 4 of the warp's: the thread's run of D / 4 bytes, word kk holding
-        // its (b0 b1, b2 b3) pair of k16 step kk.
-        constexpr int KB = D / 4;
-        const uint8_t* k8 = reinterpret_cast<const uint8_t*>(sK);
-        uint32_t kw[NT][KB / 4];
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            const int r = kw0 + 8 * j + lane / 4;
-#pragma unroll
-            for (int q = 0; q < KB / 16; ++q) {
-                const uint4 x = *reinterpret_cast<const uint4*>(
-                    k8 + kv8_chunk<D>(r, (KB / 16) * (lane % 4) + q));
-                kw[j][4 * q] = x.x;
-                kw[j][4 * q + 1] = x.y;
-                kw[j][4 * q + 2] = x.z;
-                kw[j][4 * q + 3] = x.w;
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t qa[4];
-            ldsm_x4(qa, sQ + q_off.at(0, kk));
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-                Mma<T>::run(s[j], qa, e4m3x2_to_f16x2((uint16_t)(kw[j][kk] & 0xffff)),
-                            e4m3x2_to_f16x2((uint16_t)(kw[j][kk] >> 16)));
-        }
-    } else {
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t qa[4];
-            ldsm_x4(qa, sQ + q_off.at(0, kk));
-#pragma unroll
-            for (int np = 0; np < KW / 16; ++np) {
-                uint32_t kb[4];
-                ldsm_x4(kb, sK + k_off.at(np, kk));
-                Mma<T>::run(s[2 * np], qa, kb[0], kb[1]);
-                Mma<T>::run(s[2 * np + 1], qa, kb[2], kb[3]);
-            }
-        }
-    }
     const int col = k0 + 2 * (lane % 4);
     if constexpr (MODS) {
         // (qscale: the power of two a KV8 block's Q was scaled down by; exactly 1 otherwise.)
@@ -488,7 +458,6 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
                 if (key < row_lo[e / 2] || key >= row_hi[e / 2]) s[j][e] = -INFINITY;
             }
     }
-    float alpha[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float mx = w.m[hf];
@@ -510,8 +479,12 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
             }
         w.l[hf] = w.l[hf] * alpha[hf] + sum;
     }
-    // Rescale O only where a row's maximum moved (alpha is exactly 1 elsewhere, and O times 1 is
-    // O): after the first tiles that is rare, and O is D / 2 registers a thread.
+}
+
+// O times alpha, row by row: only where a row's maximum moved (alpha is exactly 1 elsewhere, and
+// O times 1 is O): after the first tiles that is rare, and O is D / 2 registers a thread.
+template <int D>
+__device__ __forceinline__ void rescale_o(WarpState<D>& w, const float (&alpha)[2]) {
     if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
@@ -521,7 +494,110 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
             w.o[j][3] *= alpha[1];
         }
     }
+}
+
+// P (f32 in the S layout) as the A fragments of the P V products, one k16 step per 16 keys: the
+// C layout of two n8 tiles is the A layout of one.
+template <typename T, int KW>
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[KW / 16][4], const float (&s)[KW / 8][4]) {
+#pragma unroll
+    for (int ks = 0; ks < KW / 16; ++ks) {
+        pa[ks][0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+        pa[ks][1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+        pa[ks][2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+        pa[ks][3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+    }
+}
+
+// S = Q K^T, softmax update and O += P V for this warp's KW keys of one tile, whose first key is
+// `k0`. Masks with the rows' visible ranges [row_lo, row_hi) (within this split). MODS: softcap,
+// ALiBi and the bias first: staged in shared memory (`sBias`, f32) where the block's rows share
+// one key vector, else read at the rows' offsets (`bias_row`, keys < sk); a 2-byte bias has the
+// dtype of q, TB, which is not T where an FP8 cache's tiles are converted to f16. DIRECT: sK and
+// sV are the stored FP8 tiles (kv8_chunk), converted here into the fragments (the columns of Q
+// permuted by direct_k_col, those of O by direct_col); `kw0` is the warp's first row in them.
+// WG: the warpgroup's products by wgmma (decode/wgmma.cuh; every warp of it calls this, KW is
+// the whole tile), its rows from row `q_row0` of the ROWS-row Q tile.
+template <typename T, typename TB, int D, int KW, bool MODS, bool DIRECT = false,
+          bool WG = false, int ROWS = 16>
+__device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p, const T* sQ,
+                                          const T* sK, const T* sV, const SwzRow<D>& q_off,
+                                          const SwzRow<D>& k_off, const SwzRow<D>& v_off, int k0,
+                                          const int (&row_lo)[2], const int (&row_hi)[2],
+                                          const int (&diag)[2], const float (&slope_log2)[2],
+                                          float unit, const int64_t (&bias_off)[2], int sk,
+                                          float qscale, const float* sBias, int kw0,
+                                          int q_row0) {
+    constexpr int NT = KW / 8;
+    const int lane = threadIdx.x % 32;
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+    if constexpr (WG) {
+#ifdef FLASH_DECODE_WG
+        wg_fence();
+        wg_scores_issue<T, D, ROWS, KW>(s, sQ, q_row0, sK);
+        wg_settle<0>(s);
+#endif
+    } else if constexpr (DIRECT) {
+        // Key 8 j + lane / 4 of the warp's: the thread's run of D / 4 bytes, word kk holding
+        // its (b0 b1, b2 b3) pair of k16 step kk.
+        constexpr int KB = D / 4;
+        const uint8_t* k8 = reinterpret_cast<const uint8_t*>(sK);
+        uint32_t kw[NT][KB / 4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const int r = kw0 + 8 * j + lane / 4;
+#pragma unroll
+            for (int q = 0; q < KB / 16; ++q) {
+                const uint4 x = *reinterpret_cast<const uint4*>(
+                    k8 + kv8_chunk<D>(r, (KB / 16) * (lane % 4) + q));
+                kw[j][4 * q] = x.x;
+                kw[j][4 * q + 1] = x.y;
+                kw[j][4 * q + 2] = x.z;
+                kw[j][4 * q + 3] = x.w;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[4];
+            ldsm_x4(qa, sQ + q_off.at(0, kk));
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+                Mma<T>::run(s[j], qa, e4m3x2_to_f16x2((uint16_t)(kw[j][kk] & 0xffff)),
+                            e4m3x2_to_f16x2((uint16_t)(kw[j][kk] >> 16)));
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[4];
+            ldsm_x4(qa, sQ + q_off.at(0, kk));
+#pragma unroll
+            for (int np = 0; np < KW / 16; ++np) {
+                uint32_t kb[4];
+                ldsm_x4(kb, sK + k_off.at(np, kk));
+                Mma<T>::run(s[2 * np], qa, kb[0], kb[1]);
+                Mma<T>::run(s[2 * np + 1], qa, kb[2], kb[3]);
+            }
+        }
+    }
+    float alpha[2];
+    softmax_tile<TB, D, NT, MODS>(w, s, alpha, p, k0, row_lo, row_hi, diag, slope_log2, unit,
+                                  bias_off, sk, qscale, sBias);
+    rescale_o(w, alpha);
     // O += P V, one k16 step per 16 keys: the C layout of two n8 tiles is the A layout of one.
+    if constexpr (WG) {
+#ifdef FLASH_DECODE_WG
+        uint32_t pa[KW / 16][4];
+        pack_p<T, KW>(pa, s);
+        wg_fence();
+        wg_pv_issue<T, D, KW>(w.o, pa, sV);
+        wg_settle<0>(w.o);
+#endif
+        return;
+    }
 #pragma unroll
     for (int ks = 0; ks < KW / 16; ++ks) {
         uint32_t pa[4];
@@ -655,14 +731,19 @@ __device__ __forceinline__ void store_lse(const FlashParams& p, const PackedRow&
 
 // T: the dtype of q and the output (and of a 2-byte bias). KV8: K and V are e4m3 (then the tiles
 // and products are f16, `Tc`).
-template <typename T, int D, int RG, int KG, int BC, int STAGES, bool MODS, bool KV8 = false>
+// WG: the tile products by warpgroup MMA (sm_90a; decode/wgmma.cuh).
+template <typename T, int D, int RG, int KG, int BC, int STAGES, bool MODS, bool KV8 = false,
+          bool WG = false>
 __device__ __forceinline__ void partial(const FlashParams& p) {
-    using Tr = Traits<T, D, RG, KG, BC, STAGES, KV8>;
+    using Tr = Traits<T, D, RG, KG, BC, STAGES, KV8, WG>;
     using Tc = typename std::conditional<KV8, __half, T>::type;
     constexpr int THREADS = Tr::THREADS, ROWS = Tr::ROWS, KW = Tr::KW, DT = Tr::DT;
     constexpr int WARPS = Tr::WARPS;
     constexpr bool DIRECT = Tr::DIRECT;
-    extern __shared__ __align__(128) unsigned char smem_raw[];
+    extern __shared__ __align__(128) unsigned char smem_dyn[];
+    // (WG: up to the next 1024-byte boundary, Tr::ALIGN.)
+    unsigned char* smem_raw =
+        smem_dyn + (WG ? (1024 - (__cvta_generic_to_shared(smem_dyn) & 1023)) & 1023 : 0);
     Tc* sQ = reinterpret_cast<Tc*>(smem_raw);
     // Stage s: K at sKV + 2 s TILE bytes, V right after; KV8: the converted f16 pair after the
     // ring.
@@ -720,7 +801,8 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     // the busy warps of its SM would wait behind. One row tile always holds a row (the block
     // returned above otherwise): no test, and no register, in those instances. The loop tests
     // the warp's end of keys: the block's, or 0 (keys are not negative) without rows.
-    const bool has_rows = RG == 1 || m0 + 16 * rg < g.sq * p.kv_group;
+    // WG: a warpgroup's warps issue its products together, so they test its first row.
+    const bool has_rows = RG == 1 || m0 + (WG ? 64 * (rg / 4) : 16 * rg) < g.sq * p.kv_group;
     const int warp_hi = has_rows ? g.n_hi : 0;
 
     const int t_begin = g.n_lo / BC;
@@ -771,7 +853,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     // must be in shared memory, behind a barrier).
     auto issue = [&](int t, int stage) {
         unsigned char* st = sKV + stage * 2 * Tr::TILE;
-        load_kv<Ts, D, BC, THREADS>(reinterpret_cast<Ts*>(st),
+        load_kv<Ts, D, BC, THREADS, WG>(reinterpret_cast<Ts*>(st),
                                     reinterpret_cast<Ts*>(st + Tr::TILE), p, kg_ptr, vg_ptr,
                                     (int64_t)kvh * p.k_head, (int64_t)kvh * p.v_head, t * BC,
                                     min(BC, g.sk - t * BC), paged ? sh_blk[t % 2] : nullptr,
@@ -795,7 +877,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     if (key_bias && tid < BC)
         sh_bias[STAGE_BIAS ? t_begin % 2 : 0][tid] = bias_of(t_begin);
 
-    load_q<T, D, ROWS, THREADS>(reinterpret_cast<T*>(sQ), p, b, g, m0, kvh);
+    load_q<T, D, ROWS, THREADS, WG>(reinterpret_cast<T*>(sQ), p, b, g, m0, kvh);
     // KV8: Q in a group of its own, converted once the first tiles are on their way.
     if constexpr (KV8) cp_async_commit();
     // Paged: the table entries of the first STAGES tiles are loaded together (one round trip
@@ -841,6 +923,9 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     for (int t = t_begin; t < t_end; ++t) {
         const int it = t - t_begin;
         cp_async_wait<STAGES - 2>();
+#ifdef FLASH_DECODE_WG
+        if constexpr (WG) fence_copies();
+#endif
         __syncthreads();
         const int tn = t + STAGES - 1;
         if (tn < t_end) issue(tn, (it + STAGES - 1) % STAGES);
@@ -865,10 +950,10 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
         const int k0 = t * BC + KW * kg;  // this warp's first key
         const int bt = STAGE_BIAS ? t % 2 : 0, bn = STAGE_BIAS ? (t + 1) % 2 : 0;
         if (k0 < warp_hi && k0 + KW > g.n_lo)
-            warp_tile<Tc, T, D, KW, MODS, DIRECT>(
+            warp_tile<Tc, T, D, KW, MODS, DIRECT, WG, ROWS>(
                 w, p, sQ, sK, sV, q_off, k_off, v_off, k0,
                 row_lo, row_hi, diag, slope_log2, unit, bias_off, g.sk, qscale,
-                key_bias ? &sh_bias[bt][KW * kg] : nullptr, KW * kg);
+                key_bias ? &sh_bias[bt][KW * kg] : nullptr, KW * kg, 64 * (rg / 4));
         put(tn + 1, next_blk);
         // Its buffer was last read by the compute of tile t - 1, before the barrier above.
         if (key_bias && tid < BC) sh_bias[bn][tid] = next_bias;
@@ -1022,4 +1107,16 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     extern "C" __global__ void __launch_bounds__(RG * KG * 32, 1)                                \
         NAME##_mods(const FlashParams p) {                                                       \
         decode::partial<T, D, RG, KG, BC, STAGES, true, true>(p);                                \
+    }
+
+// The warpgroup-MMA instances (kernels/decode/decode_sm90.cu, sm_90a), from the same table.
+#define FLASH_DECODE_WG_INSTANCE(NAME, T, D, RG, KG, BC, STAGES, SMEM_BYTES)                     \
+    static_assert(decode::Traits<T, D, RG, KG, BC, STAGES, false, true>::SMEM == SMEM_BYTES,     \
+                  "src/cuda/instances.rs and the kernel disagree on shared memory");            \
+    extern "C" __global__ void __launch_bounds__(RG * KG * 32, 1) NAME(const FlashParams p) {    \
+        decode::partial<T, D, RG, KG, BC, STAGES, false, false, true>(p);                        \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(RG * KG * 32, 1)                                \
+        NAME##_mods(const FlashParams p) {                                                       \
+        decode::partial<T, D, RG, KG, BC, STAGES, true, false, true>(p);                         \
     }

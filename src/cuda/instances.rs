@@ -117,7 +117,8 @@ pub const ROWWISE_WARPS: usize = 4;
 
 /// One instance of the split-KV decode kernel (`kernels/decode/partial.cuh`): `16 * rg` packed
 /// query rows per block, `rg * kg` warps (warp (r, k) takes row tile r and the k-th `bc / kg`
-/// keys of every K/V tile), `bc` keys per tile, a `stages`-deep cp.async ring.
+/// keys of every K/V tile), `bc` keys per tile, a `stages`-deep cp.async ring; `wg`: the tile
+/// products by warpgroup MMA (sm_90a, `kernels/decode/decode_sm90.cu`; four warps per 64 rows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeInstance {
     pub d: usize,
@@ -125,6 +126,7 @@ pub struct DecodeInstance {
     pub kg: usize,
     pub bc: usize,
     pub stages: usize,
+    pub wg: bool,
     /// Bytes of K and V one block streams per microsecond where the memory is not the limit:
     /// its warps' issue and latency bound (a block's warps wait on their own tile products,
     /// which no formula of the tile shape predicted well). Measured on an H100 with
@@ -141,9 +143,12 @@ impl DecodeInstance {
     pub const fn threads(&self) -> usize {
         32 * self.rg * self.kg
     }
-    /// The Q tile plus `stages` K and V tiles, 2-byte elements, plus the side arrays.
+    /// The Q tile plus `stages` K and V tiles, 2-byte elements, plus the side arrays (and, for
+    /// `wg`, 1024 bytes to start the tiles on a swizzle atom).
     pub const fn smem(&self) -> usize {
-        (self.rows() * self.d + self.stages * 2 * self.bc * self.d) * 2 + self.side()
+        (self.rows() * self.d + self.stages * 2 * self.bc * self.d) * 2
+            + self.side()
+            + if self.wg { 1024 } else { 0 }
     }
     /// The key loop's block-table entries and staged key bias (two tiles of each, 4 bytes a
     /// key), in dynamic shared memory for tiles wider than 64 keys (`Traits::SIDE` of
@@ -172,7 +177,11 @@ impl DecodeInstance {
     }
     /// The tile shape without the width, as `PlanOverride::decode_instance` names it.
     pub fn name(&self) -> String {
-        format!("r{}_k{}_c{}_s{}", self.rg, self.kg, self.bc, self.stages)
+        let wg = if self.wg { "_wg" } else { "" };
+        format!(
+            "r{}_k{}_c{}_s{}{wg}",
+            self.rg, self.kg, self.bc, self.stages
+        )
     }
 }
 
@@ -190,7 +199,16 @@ const fn dec(
         kg,
         bc,
         stages,
+        wg: false,
         rate,
+    }
+}
+
+/// A warpgroup-MMA instance (`DecodeInstance::wg`): one K/V tile per step for all its rows.
+const fn wg(d: usize, rg: usize, bc: usize, stages: usize, rate: usize) -> DecodeInstance {
+    DecodeInstance {
+        wg: true,
+        ..dec(d, rg, 1, bc, stages, rate)
     }
 }
 
@@ -207,6 +225,10 @@ const fn dec(
 /// issue slots (its warps wait on no memory); their rates were fitted on an H200 (100 shapes of
 /// the sweep's bf16 rows, every instance at 1 to 32 splits) so that the planner's choices come
 /// closest to the fastest measured.
+/// The warpgroup-MMA instances (`wg`, sm_90a; the planner gives them the calls of more than 16
+/// packed rows): 128 rows at d 128 in 128-key tiles, the widest whose two stages fit beside Q,
+/// and 64 or 128 rows at d 256 in 64-key tiles; their rates are one block's pace measured on an
+/// H200 (bf16; 128 packed rows, or 32 for the 64-row one).
 pub const DECODE_INSTANCES: &[DecodeInstance] = &[
     dec(64, 1, 4, 128, 4, 40_000),
     dec(64, 1, 4, 64, 4, 30_800),
@@ -229,6 +251,9 @@ pub const DECODE_INSTANCES: &[DecodeInstance] = &[
     dec(256, 4, 1, 16, 2, 15_700),
     dec(256, 8, 1, 16, 3, 13_200),
     dec(256, 8, 1, 16, 2, 12_700),
+    wg(128, 8, 128, 2, 22_000),
+    wg(256, 4, 64, 2, 32_000),
+    wg(256, 8, 64, 2, 25_000),
 ];
 
 /// One instance of the Hopper forward kernel (`kernels/sm90/fwd.cuh`, sm_90a): a producer

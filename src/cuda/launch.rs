@@ -15,6 +15,9 @@ pub(crate) enum Module {
     /// of their own, so that a call JIT-compiles only the kernels of its kind on first use.
     DecodeBf16,
     DecodeF16,
+    /// The decode instances with warpgroup-MMA products (kernels/decode/decode_sm90.cu, sm_90a),
+    /// f16 and bf16.
+    DecodeSm90,
     /// The sm_90a forward kernels (kernels/sm90/flash_sm90.cu), f16 and bf16.
     Sm90,
     /// The sm_90a backward kernels (kernels/sm90/bwd_sm90.cu).

@@ -35,8 +35,8 @@ pub struct PlanOverride {
     pub decode_splits: Option<usize>,
     /// Split-KV decode: the instance of this shape for the call's head dim instead of the
     /// planner's pick, named `r<row tiles>_k<key warps>_c<key tile>_s<stages>` (`r1_k2_c32_s2`:
-    /// one 16-row tile, two warps sharing each 32-key tile, two stages; the d 256 ones are
-    /// listed in `src/cuda/instances.rs`).
+    /// one 16-row tile, two warps sharing each 32-key tile, two stages; a `_wg` suffix names
+    /// the warpgroup-MMA ones of sm_90a; all are listed in `src/cuda/instances.rs`).
     pub decode_instance: Option<String>,
     /// CPU prefill and backward: the arithmetic of the tile products (see [`CpuMatmul`]); one
     /// the CPU does not have makes the call fail.

@@ -49,6 +49,9 @@ pub(crate) struct Plan {
 /// ranges, which only this kernel and the row-wise one read, take it at any row count.)
 pub(crate) const DECODE_MAX_ROWS: usize = 128;
 
+/// Packed rows of one mma.sync row tile (m16) of the decode instances.
+const MMA_ROW_TILE: usize = 16;
+
 /// Most key-range splits of one call (the merge's `COMBINE_MAX_SPLITS`): enough for
 /// one sequence of one K/V head to fill two blocks on each SM of a 132-SM GPU.
 pub(crate) const MAX_SPLITS: usize = 256;
@@ -184,10 +187,11 @@ fn plan_with(
     let module = Module::decode_of(dtype)?;
     let smem = |i: &DecodeInstance| if kv8 { i.smem_kv8() } else { i.smem() };
     let launch = |i: &DecodeInstance| Launch {
-        module: match (kv8, caps.fp8) {
-            (false, _) => module,
-            (true, true) => Module::DecodeFp8,
-            (true, false) => Module::DecodeFp8Portable,
+        module: match (kv8, caps.fp8, i.wg) {
+            (false, _, false) => module,
+            (false, _, true) => Module::DecodeSm90,
+            (true, true, _) => Module::DecodeFp8,
+            (true, false, _) => Module::DecodeFp8Portable,
         },
         function: format!(
             "flash_decode_{dn}_{}{}{mods}",
@@ -225,7 +229,7 @@ fn plan_with(
             esize: if kv8 { 1 } else { 2 },
             combine_slots,
         };
-        let (i, m_tiles, splits) = search(p, caps, shape, &smem, &|i| residency(&launch(i)))?;
+        let (i, m_tiles, splits) = search(p, caps, shape, kv8, &smem, &|i| residency(&launch(i)))?;
         Ok((i, m_tiles, splits, combine_slots))
     })?;
     if p.batch > 65535 || p.heads > 65535 {
@@ -421,7 +425,8 @@ struct Shape {
 }
 
 /// The cheapest (instance, row blocks, splits) for `p` by [`cost`]; `smem` is an instance's
-/// dynamic shared memory in the variant searched.
+/// dynamic shared memory in the variant searched (`kv8`: the FP8-cache twins, which the
+/// warpgroup-MMA instances have none of; those run where the sm_90a kernels do).
 fn search(
     p: &Problem,
     caps: &DeviceCaps,
@@ -432,6 +437,7 @@ fn search(
         esize,
         combine_slots,
     }: Shape,
+    kv8: bool,
     smem: &dyn Fn(&DecodeInstance) -> usize,
     residency: &dyn Fn(&DecodeInstance) -> Result<usize>,
 ) -> Result<Choice> {
@@ -440,7 +446,23 @@ fn search(
     // of a wide one, whose warps each compute every key for their own rows. A paged tile's
     // copies wait for its block-table entries, fetched one tile ahead, which a ring with one
     // tile in flight exposes: paged caches take the deep rings where they fit.
-    let fits = |i: &DecodeInstance| i.d == width && caps.fits(smem(i));
+    // Warpgroup MMA (sm_90a) multiplies 64 rows at a time: with more packed rows than one
+    // mma.sync row tile (16) it takes the call's products in a quarter of the instructions, and
+    // one of its blocks reads the cache once for up to 128 rows, where the mma.sync instances
+    // either read it again per 16-row block or give each warp a row tile of products that bound
+    // it (on an H200, bf16 d 128 at 28 to 128 packed rows: 0.82 to 0.95 of the copy bandwidth
+    // at 28 to 32 rows, where the mma.sync plans reached 0.78 to 0.83, and up to twice their
+    // pace at 112 to 128). With 16 rows or fewer three quarters of its products would be
+    // padding, and the mma.sync instances keep the call. So where the width has warpgroup-MMA
+    // instances that fit, calls of more than 16 rows take them, and the others the mma.sync
+    // ones.
+    let runs = |i: &DecodeInstance| !i.wg || (caps.hopper && !kv8);
+    let wg_width = DECODE_INSTANCES
+        .iter()
+        .any(|i| i.wg && i.d == width && runs(i) && caps.fits(smem(i)));
+    let wg_call = wg_width && rows > MMA_ROW_TILE;
+    let fits =
+        |i: &DecodeInstance| i.d == width && runs(i) && caps.fits(smem(i)) && i.wg == wg_call;
     let deeper_fits = |i: &DecodeInstance| {
         DECODE_INSTANCES
             .iter()
@@ -459,6 +481,11 @@ fn search(
         None => None,
     };
     let candidates: Vec<DecodeInstance> = match forced {
+        Some(i) if !runs(i) => bail!(
+            "flash-attn: decode instance {} runs on sm_90a (compute capability 9.0) only, \
+             and not over FP8 caches",
+            i.suffix()
+        ),
         Some(&i) if caps.fits(smem(&i)) => vec![i],
         Some(i) => bail!(
             "flash-attn: decode instance {} needs more shared memory than this device has",
@@ -765,6 +792,39 @@ mod tests {
         )
         .unwrap()
         .is_none());
+    }
+
+    /// On sm_90a, calls of more than 16 packed rows at a width with warpgroup-MMA instances
+    /// take them (their module's entry points); 16 rows or fewer, d 64, the portable path,
+    /// other GPUs and FP8 caches take the mma.sync ones.
+    #[test]
+    fn many_rows_take_the_warpgroup_mma_on_sm90() {
+        for caps in CAPS.into_iter().chain([DeviceCaps::SM90.portable()]) {
+            for (sq, h, hk, d) in [
+                (1, 32, 8, 128),
+                (4, 32, 8, 128),
+                (5, 32, 8, 128),
+                (16, 64, 8, 128),
+                (16, 8, 1, 256),
+                (4, 8, 1, 256),
+                (16, 16, 2, 64),
+                (1, 32, 32, 128),
+            ] {
+                let rows = sq * h / hk;
+                for kv8 in [false, true] {
+                    let p = problem(2, sq, 3000, h, hk, d, DType::BF16, &FlashAttn::new(0.1));
+                    let pl = plan_with(&p, DType::BF16, &caps, &by_smem(caps), kv8)
+                        .unwrap()
+                        .unwrap();
+                    let what = format!("{caps:?} kv8 {kv8} sq {sq} {h}/{hk} d {d}");
+                    let wg = caps.hopper && !kv8 && rows > MMA_ROW_TILE && d > 64;
+                    assert_eq!(pl.instance.wg, wg, "{what}");
+                    assert_eq!(pl.partial.module == Module::DecodeSm90, wg, "{what}");
+                    assert_defined(&pl, &what);
+                    assert!(pl.m_tiles * pl.instance.rows() >= rows, "{what}");
+                }
+            }
+        }
     }
 
     /// Every plan fits its device and covers every key exactly once over its splits.

@@ -47,6 +47,10 @@ fn ptx(m: Module) -> (&'static str, &'static str) {
             "candle_flash_decode_f16",
             include_str!(concat!(env!("OUT_DIR"), "/flash_decode_f16.ptx")),
         ),
+        Module::DecodeSm90 => (
+            "candle_flash_decode_sm90",
+            include_str!(concat!(env!("OUT_DIR"), "/flash_decode_sm90.ptx")),
+        ),
         Module::F32 => (
             "candle_flash_f32",
             include_str!(concat!(env!("OUT_DIR"), "/flash_f32.ptx")),
