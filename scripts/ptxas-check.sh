@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Assembles every PTX module the crate emits for sm_90 (ptxas -v) and prints registers, stack
-# and spills per kernel. Fails when any kernel spills (flash_sm90.ptx and flash_bwd_sm90.ptx are
-# assembled for sm_90a, which their wgmma and setmaxnreg need), and when ptxas reports that it
-# serialised a kernel's wgmma instructions.
+# and spills per kernel. Fails when any kernel spills (flash_sm90.ptx, flash_bwd_sm90.ptx and
+# flash_decode_sm90.ptx are assembled for sm_90a, which their wgmma and setmaxnreg need), and
+# when ptxas reports that it serialised a kernel's wgmma instructions.
 #   scripts/ptxas-check.sh [ptx dir]   (default: the newest cuda build under target*/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ dir=${1:-$(dirname "$(ls -t target*/*/build/candle-flash-*/out/flash_bf16.ptx 2>
 fail=0
 for ptx in "$dir"/*.ptx; do
     arch=sm_90
-    case "$(basename "$ptx")" in flash_sm90.ptx|flash_bwd_sm90.ptx) arch=sm_90a ;; esac
+    case "$(basename "$ptx")" in flash_sm90.ptx|flash_bwd_sm90.ptx|flash_decode_sm90.ptx) arch=sm_90a ;; esac
     report=$(ptxas -arch=$arch -v "$ptx" -o /dev/null 2>&1) || { echo "$report"; exit 1; }
     # ptxas serialises every wgmma of a kernel (each waits for the one before) when it cannot
     # prove the warpgroup converged where it must insert a register handoff: no spill is
