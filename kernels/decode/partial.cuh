@@ -21,7 +21,9 @@
 //   issued (one in the FP8 twins), into registers, then shared memory, shared by K and V.
 // - Per tile and warp: S = Q K^T (Q, K by ldmatrix), the online softmax in the S registers
 //   (scale * log2 e folded into exp2; softcap / ALiBi in the `_mods` instances), O += P V with P
-//   straight from the S registers and V by ldmatrix.trans.
+//   straight from the S registers and V by ldmatrix.trans. The `wg` instances (sm_90a,
+//   decode/wgmma.cuh) run both products per warpgroup of four row tiles on wgmma instead, from
+//   tiles in its swizzled layout; the softmax and everything after it are the same.
 // - After the loop the KG warps of a row tile merge (m, l, O) through shared memory in warp
 //   order (bitwise deterministic). With one split the block writes the output and lse;
 //   otherwise O / l (f32) and its base-2 log-sum-exp go to the split scratch, and the group's
@@ -496,17 +498,14 @@ __device__ __forceinline__ void rescale_o(WarpState<D>& w, const float (&alpha)[
     }
 }
 
-// P (f32 in the S layout) as the A fragments of the P V products, one k16 step per 16 keys: the
-// C layout of two n8 tiles is the A layout of one.
-template <typename T, int KW>
-__device__ __forceinline__ void pack_p(uint32_t (&pa)[KW / 16][4], const float (&s)[KW / 8][4]) {
-#pragma unroll
-    for (int ks = 0; ks < KW / 16; ++ks) {
-        pa[ks][0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
-        pa[ks][1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
-        pa[ks][2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-        pa[ks][3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-    }
+// P (f32 in the S layout) as the A fragments of the P V products: the keys of k16 step ks.
+// The C layout of two n8 tiles is the A layout of one.
+template <typename T, int NT>
+__device__ __forceinline__ void pack_p_step(uint32_t (&pa)[4], const float (&s)[NT][4], int ks) {
+    pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+    pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+    pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+    pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
 }
 
 // S = Q K^T, softmax update and O += P V for this warp's KW keys of one tile, whose first key is
@@ -591,7 +590,8 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
     if constexpr (WG) {
 #ifdef FLASH_DECODE_WG
         uint32_t pa[KW / 16][4];
-        pack_p<T, KW>(pa, s);
+#pragma unroll
+        for (int ks = 0; ks < KW / 16; ++ks) pack_p_step<T, NT>(pa[ks], s, ks);
         wg_fence();
         wg_pv_issue<T, D, KW>(w.o, pa, sV);
         wg_settle<0>(w.o);
@@ -601,10 +601,7 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
 #pragma unroll
     for (int ks = 0; ks < KW / 16; ++ks) {
         uint32_t pa[4];
-        pa[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
-        pa[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
-        pa[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-        pa[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+        pack_p_step<T, KW / 8>(pa, s, ks);
         if constexpr (DIRECT) {
             // Keys 2 t + {0, 1} and + 8 of the step (t = lane % 4), bytes j of the run of
             // D / 8 that column lane / 4 of every n8 tile j of O holds (direct_col): byte j of
