@@ -474,9 +474,10 @@ fn set_count(bytes: usize, cache: usize) -> usize {
 
 /// Median seconds per call of `f(i)` (call `i` of the run, for rotating inputs): `sets` warm-up
 /// calls (on the GPU then one untimed run), then `reps` timed runs of back-to-back calls (one on
-/// the CPU; on the GPU as many as last [`GPU_RUN_SECS`]), the device synchronised before each clock stops. Also the median
-/// seconds per call the host took to issue them (before the synchronisation): where it is
-/// close to the first, the host's issue rate, not the device, sets the pace.
+/// the CPU; on the GPU as many as last [`GPU_RUN_SECS`]), the device synchronised before each
+/// clock stops. Also the median seconds per call the host took to issue them (before the
+/// synchronisation): where it is close to the first, the host's issue rate, not the device,
+/// sets the pace.
 fn time_calls(
     dev: &Device,
     reps: usize,

@@ -536,7 +536,7 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
         for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
     if constexpr (WG) {
 #ifdef FLASH_DECODE_WG
-        wg_fence();
+        sm90::wg_fence();
         wg_scores_issue<T, D, ROWS, KW>(s, sQ, q_row0, sK);
         wg_settle<0>(s);
 #endif
@@ -592,7 +592,7 @@ __device__ __forceinline__ void warp_tile(WarpState<D>& w, const FlashParams& p,
         uint32_t pa[KW / 16][4];
 #pragma unroll
         for (int ks = 0; ks < KW / 16; ++ks) pack_p_step<T, NT>(pa[ks], s, ks);
-        wg_fence();
+        sm90::wg_fence();
         wg_pv_issue<T, D, KW>(w.o, pa, sV);
         wg_settle<0>(w.o);
 #endif
@@ -738,9 +738,10 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     constexpr int WARPS = Tr::WARPS;
     constexpr bool DIRECT = Tr::DIRECT;
     extern __shared__ __align__(128) unsigned char smem_dyn[];
-    // (WG: up to the next 1024-byte boundary, Tr::ALIGN.)
+    // (WG: up to the next Tr::ALIGN-byte boundary.)
+    constexpr int AM = Tr::ALIGN > 0 ? Tr::ALIGN - 1 : 0;
     unsigned char* smem_raw =
-        smem_dyn + (WG ? (1024 - (__cvta_generic_to_shared(smem_dyn) & 1023)) & 1023 : 0);
+        smem_dyn + ((AM + 1 - (__cvta_generic_to_shared(smem_dyn) & AM)) & AM);
     Tc* sQ = reinterpret_cast<Tc*>(smem_raw);
     // Stage s: K at sKV + 2 s TILE bytes, V right after; KV8: the converted f16 pair after the
     // ring.
@@ -798,8 +799,10 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
     // the busy warps of its SM would wait behind. One row tile always holds a row (the block
     // returned above otherwise): no test, and no register, in those instances. The loop tests
     // the warp's end of keys: the block's, or 0 (keys are not negative) without rows.
-    // WG: a warpgroup's warps issue its products together, so they test its first row.
-    const bool has_rows = RG == 1 || m0 + (WG ? 64 * (rg / 4) : 16 * rg) < g.sq * p.kv_group;
+    // WG: a warpgroup's warps issue its products together, so they test its first row
+    // (wg_row0, in the block's Q tile).
+    const int wg_row0 = 64 * (rg / 4);
+    const bool has_rows = RG == 1 || m0 + (WG ? wg_row0 : 16 * rg) < g.sq * p.kv_group;
     const int warp_hi = has_rows ? g.n_hi : 0;
 
     const int t_begin = g.n_lo / BC;
@@ -950,7 +953,7 @@ __device__ __forceinline__ void partial(const FlashParams& p) {
             warp_tile<Tc, T, D, KW, MODS, DIRECT, WG, ROWS>(
                 w, p, sQ, sK, sV, q_off, k_off, v_off, k0,
                 row_lo, row_hi, diag, slope_log2, unit, bias_off, g.sk, qscale,
-                key_bias ? &sh_bias[bt][KW * kg] : nullptr, KW * kg, 64 * (rg / 4));
+                key_bias ? &sh_bias[bt][KW * kg] : nullptr, KW * kg, wg_row0);
         put(tn + 1, next_blk);
         // Its buffer was last read by the compute of tile t - 1, before the barrier above.
         if (key_bias && tid < BC) sh_bias[bn][tid] = next_bias;

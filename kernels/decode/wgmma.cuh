@@ -29,7 +29,7 @@ __device__ __forceinline__ int canon_off(int r, int c) {
 __device__ __forceinline__ void fence_copies() { sm90::proxy_fence(); }
 
 // Issues s = Q K^T for the warpgroup's 64 rows (Q: the block's ROWS-row tile, from row r0) and
-// the KW keys of the K tile (KW rows), as one wgmma group; wg_wait then reg_fence before reading.
+// the KW keys of the K tile (KW rows), as one wgmma group; wg_settle before reading s.
 template <typename T, int D, int ROWS, int KW>
 __device__ __forceinline__ void wg_scores_issue(float (&s)[KW / 8][4], const T* sQ, int r0,
                                                 const T* sK) {
@@ -68,9 +68,5 @@ __device__ __forceinline__ void wg_settle(float (&acc)[R][4]) {
     sm90::wg_wait<N>();
     sm90::reg_fence(reinterpret_cast<float(&)[4 * R]>(acc));
 }
-
-// Orders this thread's register writes (accumulators, A fragments) before the wgmmas it
-// issues next.
-__device__ __forceinline__ void wg_fence() { sm90::wg_fence(); }
 
 }  // namespace decode

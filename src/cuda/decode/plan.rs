@@ -457,12 +457,9 @@ fn search(
     // instances that fit, calls of more than 16 rows take them, and the others the mma.sync
     // ones.
     let runs = |i: &DecodeInstance| !i.wg || (caps.hopper && !kv8);
-    let wg_width = DECODE_INSTANCES
-        .iter()
-        .any(|i| i.wg && i.d == width && runs(i) && caps.fits(smem(i)));
-    let wg_call = wg_width && rows > MMA_ROW_TILE;
-    let fits =
-        |i: &DecodeInstance| i.d == width && runs(i) && caps.fits(smem(i)) && i.wg == wg_call;
+    let usable = |i: &DecodeInstance| i.d == width && runs(i) && caps.fits(smem(i));
+    let wg_call = rows > MMA_ROW_TILE && DECODE_INSTANCES.iter().any(|i| i.wg && usable(i));
+    let fits = |i: &DecodeInstance| usable(i) && i.wg == wg_call;
     let deeper_fits = |i: &DecodeInstance| {
         DECODE_INSTANCES
             .iter()
